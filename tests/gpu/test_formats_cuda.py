@@ -1,0 +1,47 @@
+"""The emulator gives the same bytes on a CUDA device as on the CPU."""
+
+import pytest
+import torch
+
+from fp4kit.formats import e2m1, e4m3, fp8, nvfp4
+
+pytestmark = pytest.mark.gpu
+
+
+def random_weight(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-12, 4, shape[:-1] + (1,), generator=g).float())
+    w.view(-1, 16)[::37] = 0
+    return w.to(dtype)
+
+
+def test_codecs_on_cuda_match_cpu_and_torch():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = x[torch.isfinite(x)]
+    xc = x.cuda()
+    assert torch.equal(e4m3.encode(xc).cpu(), e4m3.encode(x))
+    assert torch.equal(e4m3.encode(xc), xc.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(e2m1.encode(xc).cpu(), e2m1.encode(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_nvfp4_on_cuda_matches_cpu(dtype, rule):
+    w = random_weight((8, 256, 512), dtype, seed=1)
+    cpu = nvfp4.quantize(w, scale_rule=rule)
+    gpu = nvfp4.quantize(w.cuda(), scale_rule=rule)
+    assert torch.equal(gpu.packed.cpu(), cpu.packed)
+    assert torch.equal(gpu.block_scale.cpu().view(torch.uint8), cpu.block_scale.view(torch.uint8))
+    assert torch.equal(gpu.global_scale.cpu(), cpu.global_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_on_cuda_matches_cpu_and_torch_promotion(dtype):
+    w = random_weight((512, 1024), dtype, seed=2)
+    q_cpu, s_cpu = fp8.quantize_per_tensor(w)
+    q_gpu, s_gpu = fp8.quantize_per_tensor(w.cuda())
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+    assert torch.equal(s_gpu.cpu(), s_cpu)
+    # ModelOpt's expression, `w / scale` with torch's own promotion, on the GPU:
+    assert torch.equal((w.cuda() / s_gpu).to(torch.float8_e4m3fn).view(torch.uint8).cpu(), q_cpu.view(torch.uint8))
