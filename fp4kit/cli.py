@@ -53,6 +53,34 @@ def _cmd_error(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from .export.card import role_rows, summary_table
+    from .quantize import QuantizeJob, run, validate_job
+
+    job = QuantizeJob(
+        model=args.model, recipe=args.recipe, calib=args.calib, dataset=args.dataset, output=args.output,
+        overwrite=args.overwrite, seed=args.seed, device=args.device, backend=args.backend,
+        batch_size=args.batch_size, allow_repeat=args.allow_repeat, trust_remote_code=args.trust_remote_code,
+        progress=not args.no_progress,
+    )
+    try:
+        validate_job(job)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        qm, path = run(job, log=lambda m: print(m, file=sys.stderr))
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(summary_table(role_rows(qm)))
+    print("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in qm.timings.items()))
+    for w in qm.warnings:
+        print(f"warning: {w}")
+    print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp4kit", description="NVFP4 quantization toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +92,24 @@ def build_parser() -> argparse.ArgumentParser:
     err.add_argument("--file", help="a .safetensors file to read the tensor from")
     err.add_argument("--tensor", help="tensor name inside --file")
     err.set_defaults(func=_cmd_error)
+
+    from .recipe import available_recipes
+
+    q = sub.add_parser("quantize", help="quantize a BF16 Hugging Face model into an NVFP4 checkpoint (ModelOpt format)")
+    q.add_argument("--model", help="model folder or hub id (default: the embedded tiny Nemotron-H)")
+    q.add_argument("--recipe", default="nemotron-h-w4a16-4o6", help=f"recipe name ({', '.join(available_recipes())}) or a YAML file")
+    q.add_argument("--calib", help="calibration set NxL, e.g. 1000x32k (default: 32x512 for the embedded model, else 512x2048)")
+    q.add_argument("--dataset", help="calibration text: hub dataset id, .txt/.jsonl/.parquet file or folder (default: bundled corpus)")
+    q.add_argument("-o", "--output", help="output folder (default: <model>-<recipe>)")
+    q.add_argument("--overwrite", action="store_true", help="replace the output folder if it exists")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (accelerate device_map)")
+    q.add_argument("--backend", choices=("torch", "triton"), help="weight quantizer (default: triton on CUDA, torch on CPU)")
+    q.add_argument("--batch-size", type=int, default=1, help="calibration samples per forward pass")
+    q.add_argument("--allow-repeat", action="store_true", help="reuse calibration text when the source is smaller than N x L")
+    q.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run (off by default)")
+    q.add_argument("--no-progress", action="store_true", help="no progress bars")
+    q.set_defaults(func=_cmd_quantize)
     return parser
 
 

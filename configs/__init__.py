@@ -1,0 +1,1 @@
+"""Recipes shipped with fp4kit (YAML files beside this one), installed as `fp4kit.configs`."""

@@ -1,0 +1,242 @@
+"""Statistics gathered during the calibration forward pass, as small named observers.
+
+- InputAmax:      max|x| of a layer's input (FP8 static input_scale, NVFP4 W4A4 input_scale)
+- SecondMoment:   per-input-channel sum of x^2 and token count (E[x^2] for importance-weighted 4/6)
+- KVAmax:         max|k| and max|v| of an attention layer (FP8 KV-cache scales)
+- ExpertTokens:   tokens routed to each expert of a MoE layer
+
+Routed experts are fused [E, N, K] stacks in transformers: their observers split each statistic
+per expert, from the router's top-k indices seen by the experts module and from the expert
+activation's output (the down_proj input), whatever experts implementation runs (grouped_mm,
+batched_mm or eager). No observer changes the forward computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .models.roles import AttentionKV, Target
+
+
+@dataclass
+class Statistics:
+    input_amax: dict[str, torch.Tensor] = field(default_factory=dict)
+    sq_sum: dict[str, torch.Tensor] = field(default_factory=dict)
+    sq_count: dict[str, torch.Tensor] = field(default_factory=dict)
+    kv_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    expert_tokens: dict[str, torch.Tensor] = field(default_factory=dict)
+    tokens_seen: int = 0
+
+    def importance(self, key: str) -> torch.Tensor | None:
+        """E[x^2] per input channel ([K], or [E, K] for expert stacks); None if never observed."""
+        if key not in self.sq_sum:
+            return None
+        count = self.sq_count[key].clamp(min=1).unsqueeze(-1)
+        return self.sq_sum[key] / count
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Flat tensor dict (safetensors-friendly) for checkpointing a calibration run."""
+        out: dict[str, torch.Tensor] = {"tokens_seen": torch.tensor(self.tokens_seen)}
+        for k, v in self.input_amax.items():
+            out[f"input_amax|{k}"] = v
+        for k, v in self.sq_sum.items():
+            out[f"sq_sum|{k}"] = v
+            out[f"sq_count|{k}"] = self.sq_count[k]
+        for k, (a, b) in self.kv_amax.items():
+            out[f"kv_k|{k}"] = a
+            out[f"kv_v|{k}"] = b
+        for k, v in self.expert_tokens.items():
+            out[f"expert_tokens|{k}"] = v
+        return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+
+    @classmethod
+    def from_state_dict(cls, d: dict[str, torch.Tensor]) -> "Statistics":
+        s = cls(tokens_seen=int(d["tokens_seen"]))
+        kv: dict[str, dict[str, torch.Tensor]] = {}
+        for name, v in d.items():
+            if "|" not in name:
+                continue
+            kind, key = name.split("|", 1)
+            if kind == "input_amax":
+                s.input_amax[key] = v
+            elif kind == "sq_sum":
+                s.sq_sum[key] = v
+            elif kind == "sq_count":
+                s.sq_count[key] = v
+            elif kind in ("kv_k", "kv_v"):
+                kv.setdefault(key, {})[kind] = v
+            elif kind == "expert_tokens":
+                s.expert_tokens[key] = v
+        s.kv_amax = {k: (p["kv_k"], p["kv_v"]) for k, p in kv.items()}
+        return s
+
+
+def _amax_update(store: dict, key: str, value: torch.Tensor) -> None:
+    value = value.detach().float()
+    store[key] = value if key not in store else torch.maximum(store[key], value)
+
+
+def _add(store: dict, key: str, value: torch.Tensor) -> None:
+    store[key] = value if key not in store else store[key] + value
+
+
+@dataclass
+class _StackWatch:
+    """Per-expert statistics for one MoE experts module."""
+
+    key_up: str
+    key_down: str
+    up_amax: bool
+    up_sq: bool
+    down_amax: bool
+    down_sq: bool
+    ids: torch.Tensor | None = None
+    pending: list[int] = field(default_factory=list)
+
+
+class Observers:
+    """Hooks that fill a Statistics while the model runs; use as a context manager."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        amax_targets: list[Target] = (),
+        importance_targets: list[Target] = (),
+        kv_layers: list[AttentionKV] = (),
+        moe_experts: dict[str, nn.Module] | None = None,
+        stats: Statistics | None = None,
+    ) -> None:
+        self.model = model
+        self.stats = stats or Statistics()
+        self._handles: list = []
+        self._amax = {t.key: t for t in amax_targets}
+        self._sq = {t.key: t for t in importance_targets}
+        self._kv = list(kv_layers)
+        self._moe = dict(moe_experts or {})
+
+    # -- plain Linear layers -------------------------------------------------------------------
+    def _linear_pre_hook(self, key: str, want_amax: bool, want_sq: bool):
+        stats = self.stats
+
+        def hook(module, args):
+            x = args[0].detach()
+            if want_amax:
+                _amax_update(stats.input_amax, key, x.abs().amax())
+            if want_sq:
+                flat = x.reshape(-1, x.shape[-1]).float()
+                _add(stats.sq_sum, key, (flat * flat).sum(0))
+                _add(stats.sq_count, key, torch.tensor(flat.shape[0], dtype=torch.float64, device=flat.device))
+
+        return hook
+
+    # -- fused expert stacks -------------------------------------------------------------------
+    def _experts_pre_hook(self, name: str, watch: _StackWatch, num_experts: int):
+        stats = self.stats
+
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            ids = top_k_index.reshape(-1)
+            valid = ids < num_experts
+            counts = torch.bincount(ids[valid], minlength=num_experts)
+            _add(stats.expert_tokens, name, counts.cpu())
+            watch.ids = ids
+            watch.pending = torch.unique(ids[valid]).tolist()  # eager path: one act call per hit expert, ascending
+            x = hidden.detach().reshape(-1, hidden.shape[-1])
+            k = top_k_index.shape[-1]
+            token = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
+            token, eid = token[valid], ids[valid]
+            if watch.up_amax:
+                row_amax = x.abs().amax(-1).float()[token]
+                amax = torch.zeros(num_experts, device=x.device).scatter_reduce(0, eid, row_amax, "amax", include_self=True)
+                _amax_update(stats.input_amax, watch.key_up, amax)
+            if watch.up_sq:
+                routing = torch.zeros(num_experts, x.shape[0], device=x.device)
+                routing.index_put_((eid, token), torch.ones_like(eid, dtype=routing.dtype), accumulate=True)
+                xf = x.float()
+                _add(stats.sq_sum, watch.key_up, routing @ (xf * xf))
+                _add(stats.sq_count, watch.key_up, routing.sum(-1).double())
+
+        return hook
+
+    def _act_hook(self, watch: _StackWatch, num_experts: int, module_of_experts: nn.Module):
+        stats = self.stats
+
+        def hook(module, args, out):
+            if watch.ids is None:
+                return
+            y = out.detach().reshape(-1, out.shape[-1])
+            ids = watch.ids
+            if y.shape[0] == ids.numel():
+                impl = getattr(getattr(module_of_experts, "config", None), "_experts_implementation", None)
+                eid = torch.sort(ids).values if impl == "grouped_mm" else ids
+            else:  # eager: one call per expert that received tokens, in ascending order
+                if not watch.pending:
+                    return
+                e = watch.pending.pop(0)
+                eid = torch.full((y.shape[0],), e, dtype=ids.dtype, device=y.device)
+            keep = eid < num_experts
+            y, eid = y[keep], eid[keep]
+            if watch.down_amax:
+                amax = torch.zeros(num_experts, device=y.device).scatter_reduce(0, eid, y.abs().amax(-1).float(), "amax", include_self=True)
+                _amax_update(stats.input_amax, watch.key_down, amax)
+            if watch.down_sq:
+                yf = y.float()
+                sq = torch.zeros(num_experts, y.shape[1], device=y.device).index_add_(0, eid, yf * yf)
+                _add(stats.sq_sum, watch.key_down, sq)
+                _add(stats.sq_count, watch.key_down, torch.bincount(eid, minlength=num_experts).double())
+
+        return hook
+
+    # -- attention KV -------------------------------------------------------------------------
+    def _kv_hook(self, name: str, which: int):
+        stats = self.stats
+
+        def hook(module, args, out):
+            amax = out.detach().abs().amax().float()
+            k, v = stats.kv_amax.get(name, (torch.zeros((), device=amax.device), torch.zeros((), device=amax.device)))
+            stats.kv_amax[name] = (torch.maximum(k, amax), v) if which == 0 else (k, torch.maximum(v, amax))
+
+        return hook
+
+    def _model_pre_hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            self.stats.tokens_seen += int(ids.numel())
+
+    def __enter__(self) -> "Observers":
+        h = self._handles
+        h.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
+        stacks: dict[int, tuple[nn.Module, str]] = {}
+        linear_keys = set(self._amax) | set(self._sq)
+        for key in linear_keys:
+            t = self._amax.get(key) or self._sq[key]
+            if t.is_stack:
+                stacks[id(t.module)] = (t.module, t.name)
+                continue
+            h.append(t.module.register_forward_pre_hook(self._linear_pre_hook(key, key in self._amax, key in self._sq)))
+        for name, experts in self._moe.items():
+            stacks.setdefault(id(experts), (experts, name))
+        for experts, name in stacks.values():
+            n = experts.up_proj.shape[0]
+            watch = _StackWatch(
+                key_up=f"{name}.up_proj", key_down=f"{name}.down_proj",
+                up_amax=f"{name}.up_proj" in self._amax, up_sq=f"{name}.up_proj" in self._sq,
+                down_amax=f"{name}.down_proj" in self._amax, down_sq=f"{name}.down_proj" in self._sq,
+            )
+            h.append(experts.register_forward_pre_hook(self._experts_pre_hook(name, watch, n), with_kwargs=True))
+            if watch.down_amax or watch.down_sq:
+                h.append(experts.act_fn.register_forward_hook(self._act_hook(watch, n, experts)))
+        for kv in self._kv:
+            h.append(kv.k_proj.register_forward_hook(self._kv_hook(kv.name, 0)))
+            h.append(kv.v_proj.register_forward_hook(self._kv_hook(kv.name, 1)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

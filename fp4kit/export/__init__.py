@@ -1,0 +1,1 @@
+"""Checkpoint export (ModelOpt format), its model card, and the checks it is held to."""

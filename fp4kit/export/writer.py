@@ -1,0 +1,118 @@
+"""Writes a ModelOpt-format checkpoint folder atomically.
+
+Everything goes to a temporary sibling folder first (`.<name>.partial-<pid>`), which is renamed
+to the final name only once every file is complete, so an interrupted run never leaves a folder
+that passes for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+
+class OutputExistsError(FileExistsError):
+    pass
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class ShardWriter:
+    """Collects tensors and writes safetensors shards of at most `max_shard_bytes`."""
+
+    def __init__(self, folder: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+        self.folder = folder
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []
+        self._names: set[str] = set()
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._names:
+            raise ValueError(f"tensor {name!r} written twice")
+        self._names.add(name)
+        t = tensor.detach().to("cpu").contiguous()
+        size = _tensor_bytes(t)
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = t
+        self._pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        index = len(self._shards)
+        save_file(self._pending, str(self.folder / f"shard-{index:05d}.tmp"), metadata={"format": "pt"})
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        """Finish the shards; rename them to their final names; write the index if sharded."""
+        self._flush()
+        n = len(self._shards)
+        if n == 0:
+            raise ValueError("no tensors to write")
+        if n == 1:
+            os.replace(self.folder / "shard-00000.tmp", self.folder / "model.safetensors")
+            return ["model.safetensors"]
+        files, weight_map = [], {}
+        for i, names in enumerate(self._shards):
+            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.folder / f"shard-{i:05d}.tmp", self.folder / fname)
+            files.append(fname)
+            weight_map.update({name: fname for name in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return files + ["model.safetensors.index.json"]
+
+
+class AtomicFolder:
+    """A folder that appears under its final name only when `commit()` is called."""
+
+    def __init__(self, final: Path, *, overwrite: bool) -> None:
+        self.final = Path(final)
+        if self.final.exists() and not overwrite:
+            raise OutputExistsError(f"output folder {self.final} exists; pass --overwrite to replace it")
+        if self.final.exists() and not self.final.is_dir():
+            raise OutputExistsError(f"output path {self.final} exists and is not a folder")
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.final.parent / f".{self.final.name}.partial-{os.getpid()}"
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+
+    def commit(self) -> Path:
+        if self.final.exists():
+            old = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
+            os.replace(self.final, old)
+            os.replace(self.tmp, self.final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(self.tmp, self.final)
+        return self.final
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> "AtomicFolder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

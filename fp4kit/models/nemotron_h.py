@@ -1,0 +1,102 @@
+"""Nemotron-H (transformers' native `nemotron_h`): hybrid Mamba-2 / MoE / attention.
+
+In memory the tree is `model.layers.L.mixer`; on disk it is `backbone.layers.L.mixer`, with the
+routed experts stored one module per expert (`...mixer.experts.E.up_proj.weight`) while
+transformers holds them fused as [E, N, K] parameters.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .roles import AttentionKV, Role, Target
+
+MODEL_TYPE = "nemotron_h"
+
+
+def _classes():
+    from transformers.models.nemotron_h import modeling_nemotron_h as m
+
+    return m
+
+
+def disk_name(name: str) -> str:
+    """In-memory parameter/module name -> checkpoint name."""
+    if name == "model" or name.startswith("model."):
+        return "backbone" + name[len("model") :]
+    return name
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    if "layers" in parts:
+        i = parts.index("layers")
+        if i + 1 < len(parts) and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def targets(model: nn.Module) -> list[Target]:
+    m = _classes()
+    out: list[Target] = []
+    for name, module in model.named_modules():
+        layer = _layer_index(name)
+        disk = disk_name(name)
+        if name.startswith("mtp.") or name.startswith("model.mtp"):
+            if isinstance(module, nn.Linear):
+                out.append(Target(name, module, "weight", Role.MTP, layer, [disk]))
+            continue
+        if isinstance(module, m.NemotronHMamba2Mixer):
+            out.append(Target(f"{name}.in_proj", module.in_proj, "weight", Role.MAMBA_IN_PROJ, layer, [f"{disk}.in_proj"]))
+            out.append(Target(f"{name}.out_proj", module.out_proj, "weight", Role.MAMBA_OUT_PROJ, layer, [f"{disk}.out_proj"]))
+            out.append(Target(f"{name}.conv1d", module.conv1d, "weight", Role.CONV1D, layer, [f"{disk}.conv1d"]))
+        elif isinstance(module, m.NemotronHAttention):
+            group = f"{name}.qkv"
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                out.append(Target(f"{name}.{proj}", getattr(module, proj), "weight", Role.ATTENTION_QKV, layer, [f"{disk}.{proj}"], fuse_group=group))
+            out.append(Target(f"{name}.o_proj", module.o_proj, "weight", Role.ATTENTION_O, layer, [f"{disk}.o_proj"]))
+        elif isinstance(module, m.NemotronHMoE):
+            experts = module.experts
+            n = experts.up_proj.shape[0]
+            for proj in ("up_proj", "down_proj"):
+                out.append(
+                    Target(
+                        f"{name}.experts", experts, proj, Role.ROUTED_EXPERTS, layer,
+                        [f"{disk}.experts.{e}.{proj}" for e in range(n)], stacked=True,
+                    )
+                )
+            out.append(Target(f"{name}.gate", module.gate, "weight", Role.ROUTER, layer, [f"{disk}.gate"]))
+            for proj in ("up_proj", "down_proj"):
+                out.append(
+                    Target(f"{name}.shared_experts.{proj}", getattr(module.shared_experts, proj), "weight", Role.SHARED_EXPERTS, layer, [f"{disk}.shared_experts.{proj}"])
+                )
+        elif isinstance(module, m.NemotronHBlock) and isinstance(module.mixer, m.NemotronHMLP):
+            for proj in ("up_proj", "down_proj"):
+                out.append(Target(f"{name}.mixer.{proj}", getattr(module.mixer, proj), "weight", Role.DENSE_MLP, layer, [f"{disk}.mixer.{proj}"]))
+    emb = model.get_input_embeddings()
+    out.append(Target("model.embeddings", emb, "weight", Role.EMBEDDINGS, None, [disk_name(_module_name(model, emb))]))
+    head = model.get_output_embeddings()
+    if head is not None:
+        out.append(Target("lm_head", head, "weight", Role.LM_HEAD, None, [disk_name(_module_name(model, head))]))
+    return out
+
+
+def _module_name(model: nn.Module, target: nn.Module) -> str:
+    for name, module in model.named_modules():
+        if module is target:
+            return name
+    raise ValueError("module not found in model")
+
+
+def attention_kv(model: nn.Module) -> list[AttentionKV]:
+    m = _classes()
+    return [
+        AttentionKV(name, module.k_proj, module.v_proj, disk_name(name))
+        for name, module in model.named_modules()
+        if isinstance(module, m.NemotronHAttention)
+    ]
+
+
+def hybrid_pattern(config) -> str | None:
+    """The `hybrid_override_pattern` string (M = Mamba, E = MoE, * = attention, - = MLP)."""
+    return getattr(config, "hybrid_override_pattern", None)
