@@ -74,6 +74,10 @@ class Statistics:
         return s
 
 
+def _experts_impl(experts: nn.Module) -> str | None:
+    return getattr(getattr(experts, "config", None), "_experts_implementation", None)
+
+
 def _amax_update(store: dict, key: str, value: torch.Tensor) -> None:
     value = value.detach().float()
     store[key] = value if key not in store else torch.maximum(store[key], value)
@@ -141,22 +145,22 @@ class Observers:
             hidden = args[0] if args else kwargs["hidden_states"]
             top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
             ids = top_k_index.reshape(-1)
-            valid = ids < num_experts
-            counts = torch.bincount(ids[valid], minlength=num_experts)
-            _add(stats.expert_tokens, name, counts.cpu())
+            # Everything stays on the device: no host sync inside the forward pass.
+            _add(stats.expert_tokens, name, torch.bincount(ids, minlength=num_experts))
             watch.ids = ids
-            watch.pending = torch.unique(ids[valid]).tolist()  # eager path: one act call per hit expert, ascending
+            if (watch.down_amax or watch.down_sq) and _experts_impl(module) not in ("grouped_mm", "batched_mm"):
+                watch.pending = torch.unique(ids).tolist()  # eager: one act call per hit expert, ascending
+            if not (watch.up_amax or watch.up_sq):
+                return
             x = hidden.detach().reshape(-1, hidden.shape[-1])
-            k = top_k_index.shape[-1]
-            token = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
-            token, eid = token[valid], ids[valid]
+            token = torch.arange(x.shape[0], device=x.device).repeat_interleave(top_k_index.shape[-1])
             if watch.up_amax:
                 row_amax = x.abs().amax(-1).float()[token]
-                amax = torch.zeros(num_experts, device=x.device).scatter_reduce(0, eid, row_amax, "amax", include_self=True)
+                amax = torch.zeros(num_experts, device=x.device).scatter_reduce(0, ids, row_amax, "amax", include_self=True)
                 _amax_update(stats.input_amax, watch.key_up, amax)
             if watch.up_sq:
                 routing = torch.zeros(num_experts, x.shape[0], device=x.device)
-                routing.index_put_((eid, token), torch.ones_like(eid, dtype=routing.dtype), accumulate=True)
+                routing.index_put_((ids, token), torch.ones_like(ids, dtype=routing.dtype), accumulate=True)
                 xf = x.float()
                 _add(stats.sq_sum, watch.key_up, routing @ (xf * xf))
                 _add(stats.sq_count, watch.key_up, routing.sum(-1).double())
@@ -171,16 +175,16 @@ class Observers:
                 return
             y = out.detach().reshape(-1, out.shape[-1])
             ids = watch.ids
-            if y.shape[0] == ids.numel():
-                impl = getattr(getattr(module_of_experts, "config", None), "_experts_implementation", None)
-                eid = torch.sort(ids).values if impl == "grouped_mm" else ids
+            impl = _experts_impl(module_of_experts)
+            if impl == "grouped_mm":
+                eid = torch.sort(ids).values  # rows are grouped by expert, ascending
+            elif impl == "batched_mm":
+                eid = ids  # rows in (token, k) order
             else:  # eager: one call per expert that received tokens, in ascending order
                 if not watch.pending:
                     return
                 e = watch.pending.pop(0)
                 eid = torch.full((y.shape[0],), e, dtype=ids.dtype, device=y.device)
-            keep = eid < num_experts
-            y, eid = y[keep], eid[keep]
             if watch.down_amax:
                 amax = torch.zeros(num_experts, device=y.device).scatter_reduce(0, eid, y.abs().amax(-1).float(), "amax", include_self=True)
                 _amax_update(stats.input_amax, watch.key_down, amax)

@@ -93,7 +93,8 @@ def plan_targets(model: nn.Module, recipe: Recipe, adapter: ModuleType | None = 
                 reason = f"K={k} is not a multiple of {NVFP4_BLOCK_SIZE}"
                 rule = None
         plan.append(Planned(t, rule, reason))
-    warnings = [
+    warnings = [f"{p.target.disk_names[0]}: kept in BF16 ({p.reason})" for p in plan if p.reason]
+    warnings += [
         f"recipe {recipe.name!r}: rule {i} ({r.format} for roles {list(r.roles)} names {list(r.names)}) matches no module of this model"
         for i, (r, u) in enumerate(zip(recipe.rules, used))
         if not u
@@ -117,14 +118,68 @@ def _check_groups(plan: list[Planned], recipe: Recipe) -> None:
             )
 
 
-def _forward_samples(model: nn.Module, samples: torch.Tensor, batch_size: int, progress: bool) -> None:
+class CalibState:
+    """Periodic snapshots of the calibration statistics, so that a killed run can resume.
+
+    The snapshot holds the statistics after the first `done` samples and a fingerprint of
+    everything that decides them (model, recipe, calibration spec, source, seed, batch size); a
+    resumed run with a different fingerprint is refused. Statistics are maxima, counts and fp32
+    sums accumulated in sample order, so resuming gives the same bytes as an uninterrupted run.
+    """
+
+    def __init__(self, folder: Path, fingerprint: dict, every: int = 8) -> None:
+        self.folder = Path(folder)
+        self.fingerprint = fingerprint
+        self.every = max(1, every)
+
+    def load(self) -> tuple[Statistics, int] | None:
+        import json
+
+        from safetensors.torch import load_file
+
+        meta = self.folder / "state.json"
+        if not meta.is_file():
+            return None
+        saved = json.loads(meta.read_text())
+        if saved.get("fingerprint") != self.fingerprint:
+            raise ValueError(
+                f"--resume: the saved calibration in {self.folder} was made with different settings "
+                f"({saved.get('fingerprint')}); remove it or run without --resume"
+            )
+        return Statistics.from_state_dict(load_file(str(self.folder / "stats.safetensors"))), int(saved["done"])
+
+    def save(self, stats: Statistics, done: int) -> None:
+        import json
+        import os
+
+        from safetensors.torch import save_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / "stats.safetensors.tmp"
+        save_file(stats.state_dict(), str(tmp))
+        os.replace(tmp, self.folder / "stats.safetensors")
+        meta_tmp = self.folder / "state.json.tmp"
+        meta_tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "done": done}))
+        os.replace(meta_tmp, self.folder / "state.json")
+
+    def clear(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _forward_samples(model: nn.Module, samples: torch.Tensor, batch_size: int, progress: bool, stats: Statistics,
+                     start: int = 0, state: CalibState | None = None) -> None:
     device = next(model.parameters()).device
-    bar = tqdm(total=samples.shape[0], desc="calibrate", unit="sample", disable=not progress)
+    bar = tqdm(total=samples.shape[0], initial=start, desc="calibrate", unit="sample", disable=not progress)
     with torch.inference_mode():
-        for i in range(0, samples.shape[0], batch_size):
+        for i in range(start, samples.shape[0], batch_size):
             batch = samples[i : i + batch_size].to(device)
             model(input_ids=batch, use_cache=False, logits_to_keep=1)
             bar.update(batch.shape[0])
+            done = i + batch.shape[0]
+            if state is not None and (done // batch_size) % state.every == 0 and done < samples.shape[0]:
+                state.save(stats, done)
     bar.close()
 
 
@@ -223,7 +278,7 @@ def quantize(
     backend: str | None = None,
     batch_size: int = 1,
     progress: bool = True,
-    stats: Statistics | None = None,
+    state: CalibState | None = None,
 ) -> QuantizedModel:
     """Calibrate `model` on `samples` ([N, L] token ids) and quantize it under `recipe`."""
     adapter = adapter_for(model)
@@ -240,11 +295,17 @@ def quantize(
     timings: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    stats = stats or Statistics()
+    stats, start = Statistics(), 0
+    if state is not None:
+        resumed = state.load()
+        if resumed is not None:
+            stats, start = resumed
+            warnings.append(f"resumed calibration after {start} of {samples.shape[0]} samples")
     needs_data = bool(need_amax or need_sq or kv_layers)
     if samples is not None and samples.numel():
         with Observers(model, amax_targets=need_amax, importance_targets=need_sq, kv_layers=kv_layers, moe_experts=moe, stats=stats):
-            _forward_samples(model, samples, batch_size, progress)
+            _forward_samples(model, samples, batch_size, progress, stats, start, state)
+        stats.expert_tokens = {k: v.cpu() for k, v in stats.expert_tokens.items()}
     elif needs_data:
         raise ValueError(f"recipe {recipe.name!r} needs calibration statistics, but no calibration samples were given")
     timings["calibrate"] = time.perf_counter() - t0
@@ -291,6 +352,8 @@ class QuantizeJob:
     trust_remote_code: bool = False
     progress: bool = True
     max_shard_bytes: int | None = None
+    resume: bool = False
+    checkpoint_every: int = 8  # calibration batches between statistics snapshots
 
 
 def _looks_like_path(text: str) -> bool:
@@ -299,12 +362,16 @@ def _looks_like_path(text: str) -> bool:
 
 def validate_job(job: QuantizeJob):
     """Everything that can be checked before any weight is loaded; returns (recipe, spec, model_ref, output)."""
-    from .calibration import parse_calib_spec
+    from .calibration import iter_documents, parse_calib_spec
     from .models.tiny import tiny_model_path
     from .recipe import load_recipe
 
     recipe = load_recipe(job.recipe)
     spec = parse_calib_spec(job.calib or (EMBEDDED_CALIB if job.model is None else DEFAULT_CALIB))
+    if job.dataset is not None:
+        iter_documents(job.dataset)  # checks that the source exists (and reads as text) now
+    if job.checkpoint_every < 1:
+        raise ValueError(f"--checkpoint-every must be >= 1, got {job.checkpoint_every}")
     if job.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {job.batch_size}")
     if job.backend is not None and job.backend not in BACKENDS:
@@ -362,7 +429,12 @@ def run(job: QuantizeJob, log=print) -> tuple[QuantizedModel, Path]:
     )
     timings["calibration set"] = time.perf_counter() - t0
 
-    qm = quantize(model, recipe, samples, backend=job.backend, batch_size=job.batch_size, progress=job.progress)
+    fingerprint = {"model": model_ref, "recipe": recipe.to_dict(), "calib": str(spec), "dataset": job.dataset,
+                   "seed": job.seed, "batch_size": job.batch_size, "allow_repeat": job.allow_repeat}
+    state = CalibState(output.parent / f".{output.name}.calib-state", fingerprint, job.checkpoint_every)
+    if not job.resume:
+        state.clear()
+    qm = quantize(model, recipe, samples, backend=job.backend, batch_size=job.batch_size, progress=job.progress, state=state)
     qm.calibration = {"spec": str(spec), "tokens": int(samples.numel()), "source": job.dataset or "the bundled Shakespeare calibration split", "seed": job.seed}
     source_dir = Path(model_ref) if Path(model_ref).is_dir() else None
     extra = {"source": job.model or "the embedded tiny Nemotron-H", "title": f"{Path(model_ref).name} {recipe.name}"}
@@ -370,5 +442,6 @@ def run(job: QuantizeJob, log=print) -> tuple[QuantizedModel, Path]:
     path = export_checkpoint(
         qm, output, tokenizer=tokenizer, source_dir=source_dir, overwrite=job.overwrite, progress=job.progress, card_extra=extra, **kwargs
     )
+    state.clear()
     qm.timings = {**timings, **qm.timings}
     return qm, path

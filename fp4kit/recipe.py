@@ -28,7 +28,6 @@ import yaml
 
 from .models.roles import ROLE_NAMES
 
-CONFIG_DIR = Path(str(importlib.resources.files("fp4kit.configs")))
 RECIPE_VERSION = 1
 FORMATS = ("nvfp4_w4a16", "nvfp4", "fp8", "bf16")
 # quant_algo as ModelOpt writes it, per format
@@ -167,8 +166,13 @@ def recipe_from_dict(d, source: str = "<dict>") -> Recipe:
     return Recipe(name=name, rules=parsed, version=version, description=description.strip(), kv_cache=kv, exclude=exclude, source=source)
 
 
+def config_dir() -> Path:
+    """The shipped recipes (installed as the package data of `fp4kit.configs`)."""
+    return Path(str(importlib.resources.files("fp4kit.configs")))
+
+
 def available_recipes() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(CONFIG_DIR.glob("*.yaml"))}
+    return {p.stem: p for p in sorted(config_dir().glob("*.yaml"))}
 
 
 def load_recipe(name_or_path: str) -> Recipe:
