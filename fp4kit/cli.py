@@ -81,6 +81,26 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    import json
+
+    from .verify import verify
+
+    if not (args.checkpoint / "config.json").is_file():
+        print(f"error: {args.checkpoint} is not a checkpoint folder (no config.json)", file=sys.stderr)
+        return 2
+    try:
+        report = verify(args.checkpoint, source=args.source, against=args.against, tp=args.tp, ep=args.ep, device=args.device)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report.text())
+    if args.json:
+        args.json.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp4kit", description="NVFP4 quantization toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--checkpoint-every", type=int, default=8, metavar="N", help="snapshot calibration statistics every N batches (for --resume)")
     q.add_argument("--no-progress", action="store_true", help="no progress bars")
     q.set_defaults(func=_cmd_quantize)
+
+    from pathlib import Path
+
+    v = sub.add_parser("verify", help="check a checkpoint: engine conformance, re-derived bytes, ModelOpt, TP sharding")
+    v.add_argument("checkpoint", type=Path)
+    v.add_argument("--source", help="the BF16 model it was made from: re-derive and compare every byte")
+    v.add_argument("--against", choices=("modelopt",), help="re-quantize a sample of layers with nvidia-modelopt and compare")
+    v.add_argument("--tp", type=int, help="check that the quantized layers shard cleanly for tensor parallelism N")
+    v.add_argument("--ep", action="store_true", help="with --tp: experts are placed whole (expert parallelism)")
+    v.add_argument("--device", default="cpu", help="where to load --source")
+    v.add_argument("--json", type=Path, help="also write the report as JSON")
+    v.set_defaults(func=_cmd_verify)
     return parser
 
 

@@ -399,7 +399,7 @@ def validate_job(job: QuantizeJob):
     return recipe, spec, model_ref, output
 
 
-def load_model(model_ref: str, *, device: str, trust_remote_code: bool = False):
+def load_model(model_ref: str, *, device: str, trust_remote_code: bool = False, tokenizer: bool = True):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = dict(dtype=torch.bfloat16, trust_remote_code=trust_remote_code, use_safetensors=True)
@@ -408,8 +408,8 @@ def load_model(model_ref: str, *, device: str, trust_remote_code: bool = False):
     model = AutoModelForCausalLM.from_pretrained(model_ref, **kwargs)
     if device != "auto":
         model = model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(model_ref, trust_remote_code=trust_remote_code)
-    return model.eval(), tokenizer
+    tok = AutoTokenizer.from_pretrained(model_ref, trust_remote_code=trust_remote_code) if tokenizer else None
+    return model.eval(), tok
 
 
 def run(job: QuantizeJob, log=print) -> tuple[QuantizedModel, Path]:

@@ -18,6 +18,7 @@ from .. import __version__
 from ..models import Role
 from ..quantize import QuantizedModel
 from .card import model_card
+from ..verify import METADATA_FILE
 from .writer import DEFAULT_MAX_SHARD_BYTES, AtomicFolder, ShardWriter, write_json
 
 PRODUCER = {"name": "fp4kit", "version": __version__}
@@ -82,9 +83,15 @@ def _source_config(qm: QuantizedModel, source_dir: Path | None) -> dict:
         config = qm.model.config.to_dict()
     config.pop("quantization_config", None)
     if getattr(qm.model.config, "model_type", None) == "nemotron_h":
-        pattern = qm.adapter.hybrid_pattern(qm.model.config)
-        if pattern:
-            config["hybrid_override_pattern"] = pattern
+        # Serving engines read the pattern strings; SGLang refuses transformers' newer
+        # `layers_block_type` names (linear_attention, full_attention), so only patterns are written.
+        for key, attr in (("layers_block_type", "hybrid_override_pattern"), ("mtp_layers_block_type", "mtp_hybrid_override_pattern")):
+            pattern = getattr(qm.model.config, attr, None)
+            if key in config and pattern is None:
+                continue
+            config.pop(key, None)
+            if pattern is not None:
+                config[attr] = pattern
     if not config.get("architectures"):
         config["architectures"] = [type(qm.model).__name__]
     return config
@@ -145,6 +152,12 @@ def export_checkpoint(
         config["quantization_config"] = flat
         write_json(folder.tmp / "config.json", config)
         write_json(folder.tmp / "hf_quant_config.json", nested)
+        write_json(folder.tmp / METADATA_FILE, {
+            "producer": PRODUCER,
+            "recipe": qm.recipe.to_dict(),
+            "calibration": qm.calibration,
+            "source": (card_extra or {}).get("source"),
+        })
         if getattr(qm.model, "generation_config", None) is not None:
             qm.model.generation_config.save_pretrained(folder.tmp)
         if tokenizer is not None:

@@ -118,7 +118,7 @@ def exported(tmp_path, token_samples):
 
 def test_export_layout_of_the_default_recipe(exported):
     model, qm, path = exported
-    assert sorted(p.name for p in path.iterdir()) == ["README.md", "config.json", "generation_config.json", "hf_quant_config.json", "model.safetensors"]
+    assert sorted(p.name for p in path.iterdir()) == ["README.md", "config.json", "fp4kit.json", "generation_config.json", "hf_quant_config.json", "model.safetensors"]
     tensors = read_all(path)
     e = "backbone.layers.1.mixer.experts.5"
     assert tensors[f"{e}.up_proj.weight"].dtype == torch.uint8 and tensors[f"{e}.up_proj.weight"].shape == (32, 32)
