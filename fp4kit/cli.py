@@ -65,7 +65,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     )
     try:
         validate_job(job)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:

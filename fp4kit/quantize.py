@@ -18,7 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .calibrate import Observers, Statistics
-from .formats import fp8, nvfp4
+from .formats import FormatError, fp8, nvfp4
 from .formats.constants import FP8_MAX, NVFP4_BLOCK_SIZE, NVFP4_GLOBAL_DENOM
 from .models import AttentionKV, Role, Target, adapter_for
 from .recipe import QUANT_ALGO, Recipe, Rule
@@ -237,6 +237,15 @@ def quantize_weights(
         stack = t.is_stack
         n = w.shape[0] if stack else 1
         algo = QUANT_ALGO[rule.format]
+        bad = ~torch.isfinite(w)
+        if bool(bad.any()):
+            first = torch.nonzero(bad)[0].tolist()
+            name = t.disk_names[first[0]] if stack else t.disk_names[0]
+            where = tuple(first[1:]) if stack else tuple(first)
+            raise FormatError(
+                f"{name}.weight ({t.role.value}): {int(torch.isnan(w).sum())} NaN and {int(torch.isinf(w).sum())} Inf "
+                f"values (first at {where}); non-finite weights cannot be quantized"
+            )
         try:
             if rule.format.startswith("nvfp4"):
                 importance = stats.importance(t.key) if rule.importance else None
@@ -394,9 +403,25 @@ def validate_job(job: QuantizeJob):
         output = Path(job.output).expanduser()
     if output.exists() and not job.overwrite:
         raise FileExistsError(f"output folder {output} exists; pass --overwrite to replace it")
+    if Path(model_ref).is_dir():
+        check_free_space(Path(model_ref), output)
     if job.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {job.device}: no CUDA device is available")
     return recipe, spec, model_ref, output
+
+
+def check_free_space(model_dir: Path, output: Path) -> None:
+    """Refuse to start when the output's disk cannot hold a checkpoint as large as the BF16 source
+    (an upper bound: quantized weights are smaller)."""
+    import shutil
+
+    need = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    parent = output.resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    free = shutil.disk_usage(parent).free
+    if need > free:
+        raise OSError(f"{parent} has {free / 1e9:.1f} GB free; the checkpoint may need up to {need / 1e9:.1f} GB (the BF16 source size)")
 
 
 def load_model(model_ref: str, *, device: str, trust_remote_code: bool = False, tokenizer: bool = True):
