@@ -197,13 +197,29 @@ class Observers:
         return hook
 
     # -- attention KV -------------------------------------------------------------------------
-    def _kv_hook(self, name: str, which: int):
+    # The cache holds keys AFTER the rotary embedding (where a model has one), so k amax is taken
+    # there: the attention module's pre-hook keeps its position embeddings, and the k_proj hook
+    # rotates its output with the model's own `apply_rotary_pos_emb` before taking the max.
+    def _kv_hook(self, kv: AttentionKV, which: int, rotary: dict):
         stats = self.stats
 
         def hook(module, args, out):
-            amax = out.detach().abs().amax().float()
-            k, v = stats.kv_amax.get(name, (torch.zeros((), device=amax.device), torch.zeros((), device=amax.device)))
-            stats.kv_amax[name] = (torch.maximum(k, amax), v) if which == 0 else (k, torch.maximum(v, amax))
+            x = out.detach()
+            pe = rotary.get("pe")
+            if which == 0 and pe is not None and rotary.get("fn") is not None:
+                head_dim = getattr(kv.module, "head_dim")
+                k = x.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
+                x = rotary["fn"](k, k, pe[0], pe[1])[1]
+            amax = x.abs().amax().float()
+            k_amax, v_amax = stats.kv_amax.get(kv.name, (torch.zeros((), device=amax.device), torch.zeros((), device=amax.device)))
+            stats.kv_amax[kv.name] = (torch.maximum(k_amax, amax), v_amax) if which == 0 else (k_amax, torch.maximum(v_amax, amax))
+
+        return hook
+
+    @staticmethod
+    def _rotary_pre_hook(rotary: dict):
+        def hook(module, args, kwargs):
+            rotary["pe"] = kwargs.get("position_embeddings")
 
         return hook
 
@@ -236,8 +252,14 @@ class Observers:
             if watch.down_amax or watch.down_sq:
                 h.append(experts.act_fn.register_forward_hook(self._act_hook(watch, n, experts)))
         for kv in self._kv:
-            h.append(kv.k_proj.register_forward_hook(self._kv_hook(kv.name, 0)))
-            h.append(kv.v_proj.register_forward_hook(self._kv_hook(kv.name, 1)))
+            rotary: dict = {}
+            if kv.module is not None:
+                import sys
+
+                rotary["fn"] = getattr(sys.modules[type(kv.module).__module__], "apply_rotary_pos_emb", None)
+                h.append(kv.module.register_forward_pre_hook(self._rotary_pre_hook(rotary), with_kwargs=True))
+            h.append(kv.k_proj.register_forward_hook(self._kv_hook(kv, 0, rotary)))
+            h.append(kv.v_proj.register_forward_hook(self._kv_hook(kv, 1, rotary)))
         return self
 
     def __exit__(self, *exc) -> None:

@@ -51,7 +51,7 @@ def targets(model: nn.Module) -> list[Target]:
 
 def attention_kv(model: nn.Module) -> list[AttentionKV]:
     return [
-        AttentionKV(name, module.k_proj, module.v_proj, name)
+        AttentionKV(name, module.k_proj, module.v_proj, name, module)
         for name, module in model.named_modules()
         if _has_linears(module, ("q_proj", "k_proj", "v_proj", "o_proj"))
     ]

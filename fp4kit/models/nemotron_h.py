@@ -91,7 +91,7 @@ def _module_name(model: nn.Module, target: nn.Module) -> str:
 def attention_kv(model: nn.Module) -> list[AttentionKV]:
     m = _classes()
     return [
-        AttentionKV(name, module.k_proj, module.v_proj, disk_name(name))
+        AttentionKV(name, module.k_proj, module.v_proj, disk_name(name), module)
         for name, module in model.named_modules()
         if isinstance(module, m.NemotronHAttention)
     ]

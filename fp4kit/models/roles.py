@@ -76,3 +76,4 @@ class AttentionKV:
     k_proj: nn.Module
     v_proj: nn.Module
     disk_name: str  # checkpoint name of the attention module (owner of k_proj/v_proj)
+    module: nn.Module | None = None  # the attention module (its rotary embedding applies to keys)
