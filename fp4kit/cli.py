@@ -62,6 +62,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, seed=args.seed, device=args.device, backend=args.backend,
         batch_size=args.batch_size, allow_repeat=args.allow_repeat, trust_remote_code=args.trust_remote_code,
         progress=not args.no_progress, resume=args.resume, checkpoint_every=args.checkpoint_every,
+        scalar_div=args.scalar_div,
     )
     try:
         validate_job(job)
@@ -128,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--batch-size", type=int, default=1, help="calibration samples per forward pass")
     q.add_argument("--allow-repeat", action="store_true", help="reuse calibration text when the source is smaller than N x L")
     q.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run (off by default)")
+    q.add_argument(
+        "--scalar-div", choices=("reciprocal", "exact"), default="reciprocal",
+        help="divisions by constants as nvidia-modelopt computes them on CUDA (reciprocal, default) or on CPU (exact)",
+    )
     q.add_argument("--resume", action="store_true", help="continue a killed run's calibration from its last snapshot")
     q.add_argument("--checkpoint-every", type=int, default=8, metavar="N", help="snapshot calibration statistics every N batches (for --resume)")
     q.add_argument("--no-progress", action="store_true", help="no progress bars")

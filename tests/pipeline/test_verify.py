@@ -24,8 +24,11 @@ def made(tmp_path_factory):
     build_nemotron_h().save_pretrained(base / "source")
     model, _ = load_model(str(base / "source"), device="cpu", tokenizer=False)  # as `fp4kit quantize` loads it
     samples = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
-    qm = quantize(model, load_recipe("nemotron-h-w4a16-4o6"), samples, progress=False)
+    # ModelOpt's CPU arithmetic, so that `--against modelopt` can run ModelOpt here on the CPU
+    qm = quantize(model, load_recipe("nemotron-h-w4a16-4o6"), samples, progress=False, scalar_div="exact")
     export_checkpoint(qm, base / "ckpt", progress=False)
+    qm = quantize(model, load_recipe("nemotron-h-w4a16-4o6"), samples, progress=False, scalar_div="reciprocal")
+    export_checkpoint(qm, base / "ckpt-cuda-arith", progress=False)
     return base
 
 
@@ -51,6 +54,16 @@ def test_a_good_checkpoint_passes_every_check(made):
     names = {c.name for c in report.checks}
     assert names == {"conformance", "rederive", "modelopt"}
     assert sum(c.name == "rederive" for c in report.checks) > 100
+
+
+def test_cuda_arithmetic_rederives_and_asks_for_cuda_to_compare_with_modelopt(made):
+    report = verify(made / "ckpt-cuda-arith", source=str(made / "source"))
+    assert report.ok, report.text()
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="ModelOpt must run on a CUDA device"):
+            verify(made / "ckpt-cuda-arith", source=str(made / "source"), against="modelopt")
 
 
 def test_nan_block_scale_fails_conformance_naming_the_tensor(made):
