@@ -62,7 +62,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, seed=args.seed, device=args.device, backend=args.backend,
         batch_size=args.batch_size, allow_repeat=args.allow_repeat, trust_remote_code=args.trust_remote_code,
         progress=not args.no_progress, resume=args.resume, checkpoint_every=args.checkpoint_every,
-        scalar_div=args.scalar_div,
+        arith=args.arith,
     )
     try:
         validate_job(job)
@@ -130,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--allow-repeat", action="store_true", help="reuse calibration text when the source is smaller than N x L")
     q.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run (off by default)")
     q.add_argument(
-        "--scalar-div", choices=("reciprocal", "exact"), default="reciprocal",
-        help="divisions by constants as nvidia-modelopt computes them on CUDA (reciprocal, default) or on CPU (exact)",
+        "--arith", choices=("cuda", "cpu"), default="cuda",
+        help="reproduce nvidia-modelopt's bytes as it computes them on CUDA (default) or on the CPU",
     )
     q.add_argument("--resume", action="store_true", help="continue a killed run's calibration from its last snapshot")
     q.add_argument("--checkpoint-every", type=int, default=8, metavar="N", help="snapshot calibration statistics every N batches (for --resume)")
@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--device", default="cpu", help="where to load --source")
     v.add_argument("--json", type=Path, help="also write the report as JSON")
     v.set_defaults(func=_cmd_verify)
+
+    from .evaluate import add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from .calibrate import Observers, Statistics
 from .formats import FormatError, fp8, nvfp4
-from .formats.arith import DEFAULT_SCALAR_DIV, check_mode, div_const
+from .formats.arith import DEFAULT_ARITH, check_mode, div_const
 from .formats.constants import FP8_MAX, NVFP4_BLOCK_SIZE, NVFP4_GLOBAL_DENOM
 from .models import AttentionKV, Role, Target, adapter_for
 from .recipe import QUANT_ALGO, Recipe, Rule
@@ -65,7 +65,7 @@ class QuantizedModel:
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     calibration: dict = field(default_factory=dict)
-    scalar_div: str = DEFAULT_SCALAR_DIV
+    arith: str = DEFAULT_ARITH
 
     def empty_experts(self) -> dict[str, list[int]]:
         """MoE layers whose experts received no calibration token."""
@@ -194,12 +194,12 @@ def _sqnr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
 
 
-def _nvfp4(w, rule: Rule, global_amax, importance, backend: str, scalar_div: str):
+def _nvfp4(w, rule: Rule, global_amax, importance, backend: str, arith: str):
     if backend == "triton":
         from .kernels import quantize as kq
 
-        return kq.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, importance=importance, return_choice=True, scalar_div=scalar_div)
-    return nvfp4.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, importance=importance, return_choice=True, scalar_div=scalar_div)
+        return kq.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, importance=importance, return_choice=True, arith=arith)
+    return nvfp4.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, importance=importance, return_choice=True, arith=arith)
 
 
 def _split(t: torch.Tensor, stack: bool) -> list[torch.Tensor]:
@@ -207,22 +207,28 @@ def _split(t: torch.Tensor, stack: bool) -> list[torch.Tensor]:
     return list(t.unbind(0)) if stack else [t]
 
 
-def _input_scale(amax: torch.Tensor | None, denom: float, n: int, what: str, warnings: list[str], scalar_div: str) -> list[torch.Tensor]:
+def _input_scale(amax: torch.Tensor | None, denom: float, n: int, what: str, warnings: list[str], arith: str) -> list[torch.Tensor]:
     """amax / denom per expert (or one); a layer or expert that saw no token gets 1.0."""
     if amax is None:
         warnings.append(f"{what}: no calibration input reached it; input_scale set to 1.0")
         return [torch.tensor(1.0)] * n
     amax = amax.detach().float().cpu().reshape(-1)
     dead = torch.nonzero(~(amax > 0)).flatten().tolist()
-    if dead:
-        warnings.append(f"{what}: {len(dead)} of {amax.numel()} saw no calibration input; their input_scale is 1.0")
-    scale = torch.where(amax > 0, div_const(amax, denom, scalar_div), torch.ones_like(amax))
+    if dead and len(dead) < amax.numel():
+        # Experts that saw no token take the layer's largest amax: engines run one activation
+        # scale per MoE layer (the max over its experts), so any other value would either be
+        # ignored or dominate it.
+        warnings.append(f"{what}: {len(dead)} of {amax.numel()} experts saw no calibration input; they take the layer's largest input amax")
+        amax = torch.where(amax > 0, amax, amax.max())
+    elif dead:
+        warnings.append(f"{what}: saw no calibration input; input_scale set to 1.0")
+    scale = torch.where(amax > 0, div_const(amax, denom, arith), torch.ones_like(amax))
     return [s.reshape(()) for s in scale.unbind(0)]
 
 
 def quantize_weights(
     plan: list[Planned], stats: Statistics, *, backend: str, progress: bool, warnings: list[str],
-    scalar_div: str = DEFAULT_SCALAR_DIV,
+    arith: str = DEFAULT_ARITH,
 ) -> dict[str, QuantizedTarget]:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -254,7 +260,7 @@ def quantize_weights(
                 importance = stats.importance(t.key) if rule.importance else None
                 if rule.importance and importance is None:
                     warnings.append(f"{t.disk_names[0]}: no E[x^2] was collected; 4/6 uses the plain squared error")
-                qt, choice = _nvfp4(w, rule, group_amax.get(t.fuse_group), importance, backend, scalar_div)
+                qt, choice = _nvfp4(w, rule, group_amax.get(t.fuse_group), importance, backend, arith)
                 w_hat = qt.dequantize()
                 tensors = {
                     "weight": _split(qt.packed, stack),
@@ -262,13 +268,13 @@ def quantize_weights(
                     "weight_scale_2": _split(qt.global_scale, stack),
                 }
                 if rule.format == "nvfp4":
-                    tensors["input_scale"] = _input_scale(stats.input_amax.get(t.key), NVFP4_GLOBAL_DENOM, n, t.disk_names[0], warnings, scalar_div)
+                    tensors["input_scale"] = _input_scale(stats.input_amax.get(t.key), NVFP4_GLOBAL_DENOM, n, t.disk_names[0], warnings, arith)
                 frac4 = choice.float().mean().item() if rule.scale_rule == "4o6" else None
                 after = qt.packed.numel() + qt.block_scale.numel() + 4 * qt.global_scale.numel()
             else:
-                parts = [fp8.quantize_per_tensor(x, scalar_div) for x in (w.unbind(0) if stack else [w])]
+                parts = [fp8.quantize_per_tensor(x, arith) for x in (w.unbind(0) if stack else [w])]
                 tensors = {"weight": [q.cpu() for q, _ in parts], "weight_scale": [s.cpu() for _, s in parts]}
-                tensors["input_scale"] = _input_scale(stats.input_amax.get(t.key), FP8_MAX, n, t.disk_names[0], warnings, scalar_div)
+                tensors["input_scale"] = _input_scale(stats.input_amax.get(t.key), FP8_MAX, n, t.disk_names[0], warnings, arith)
                 w_hat = torch.stack([fp8.dequantize_per_tensor(q, s) for q, s in parts]) if stack else fp8.dequantize_per_tensor(*parts[0])
                 frac4 = None
                 after = w.numel() + 4 * n
@@ -291,7 +297,7 @@ def quantize(
     batch_size: int = 1,
     progress: bool = True,
     state: CalibState | None = None,
-    scalar_div: str = DEFAULT_SCALAR_DIV,
+    arith: str = DEFAULT_ARITH,
 ) -> QuantizedModel:
     """Calibrate `model` on `samples` ([N, L] token ids) and quantize it under `recipe`."""
     adapter = adapter_for(model)
@@ -324,7 +330,7 @@ def quantize(
     timings["calibrate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    quantized = quantize_weights(plan, stats, backend=backend, progress=progress, warnings=warnings, scalar_div=scalar_div)
+    quantized = quantize_weights(plan, stats, backend=backend, progress=progress, warnings=warnings, arith=arith)
     timings["quantize"] = time.perf_counter() - t0
 
     kv_scales = {}
@@ -334,8 +340,8 @@ def quantize(
             kv_scales[kv.disk_name] = (torch.tensor(1.0), torch.tensor(1.0))
             continue
         k, v = (a.detach().float().cpu() for a in stats.kv_amax[kv.name])
-        kv_scales[kv.disk_name] = tuple(torch.where(a > 0, div_const(a, FP8_MAX, scalar_div), torch.ones_like(a)) for a in (k, v))
-    qm = QuantizedModel(model, adapter, recipe, plan, quantized, kv_scales, stats, kv_layers, timings, warnings, scalar_div=scalar_div)
+        kv_scales[kv.disk_name] = tuple(torch.where(a > 0, div_const(a, FP8_MAX, arith), torch.ones_like(a)) for a in (k, v))
+    qm = QuantizedModel(model, adapter, recipe, plan, quantized, kv_scales, stats, kv_layers, timings, warnings, arith=arith)
     empty = qm.empty_experts()
     for name, experts in empty.items():
         qm.warnings.append(f"{adapter.disk_name(name)}: {len(experts)} expert(s) received no calibration token: {experts[:16]}{' ...' if len(experts) > 16 else ''}")
@@ -366,7 +372,7 @@ class QuantizeJob:
     progress: bool = True
     max_shard_bytes: int | None = None
     resume: bool = False
-    scalar_div: str = DEFAULT_SCALAR_DIV  # "reciprocal": ModelOpt's bytes on CUDA; "exact": on CPU
+    arith: str = DEFAULT_ARITH  # "cuda": ModelOpt's bytes on CUDA; "cpu": on CPU
     checkpoint_every: int = 8  # calibration batches between statistics snapshots
 
 
@@ -384,7 +390,7 @@ def validate_job(job: QuantizeJob):
     spec = parse_calib_spec(job.calib or (EMBEDDED_CALIB if job.model is None else DEFAULT_CALIB))
     if job.dataset is not None:
         iter_documents(job.dataset)  # checks that the source exists (and reads as text) now
-    check_mode(job.scalar_div)
+    check_mode(job.arith)
     if job.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every must be >= 1, got {job.checkpoint_every}")
     if job.batch_size < 1:
@@ -461,12 +467,12 @@ def run(job: QuantizeJob, log=print) -> tuple[QuantizedModel, Path]:
     timings["calibration set"] = time.perf_counter() - t0
 
     fingerprint = {"model": model_ref, "recipe": recipe.to_dict(), "calib": str(spec), "dataset": job.dataset,
-                   "seed": job.seed, "batch_size": job.batch_size, "allow_repeat": job.allow_repeat, "scalar_div": job.scalar_div}
+                   "seed": job.seed, "batch_size": job.batch_size, "allow_repeat": job.allow_repeat, "arith": job.arith}
     state = CalibState(output.parent / f".{output.name}.calib-state", fingerprint, job.checkpoint_every)
     if not job.resume:
         state.clear()
     qm = quantize(model, recipe, samples, backend=job.backend, batch_size=job.batch_size, progress=job.progress, state=state,
-                  scalar_div=job.scalar_div)
+                  arith=job.arith)
     qm.calibration = {"spec": str(spec), "tokens": int(samples.numel()), "source": job.dataset or "the bundled Shakespeare calibration split", "seed": job.seed}
     source_dir = Path(model_ref) if Path(model_ref).is_dir() else None
     extra = {"source": job.model or "the embedded tiny Nemotron-H", "title": f"{Path(model_ref).name} {recipe.name}"}

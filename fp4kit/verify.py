@@ -113,22 +113,22 @@ def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, str]:
     return diff == 0, "" if diff == 0 else f"{diff} of {ua.numel()} bytes differ"
 
 
-def _expected_nvfp4(w: torch.Tensor, rule, global_amax, stored_scale: torch.Tensor | None, scalar_div: str) -> nvfp4.NVFP4Tensor:
+def _expected_nvfp4(w: torch.Tensor, rule, global_amax, stored_scale: torch.Tensor | None, arith: str) -> nvfp4.NVFP4Tensor:
     """The bytes the recipe implies. With importance weighting the per-block 4/6 choice depends on
     calibration statistics, so it is taken from the stored scales after checking that each one is
     one of the block's two candidates; every other byte is re-derived."""
     if not rule.importance:
-        return nvfp4.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, scalar_div=scalar_div)
+        return nvfp4.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, arith=arith)
     g = torch.as_tensor(global_amax if global_amax is not None else w.abs().amax().float(), dtype=torch.float32)
     blocks = w.reshape(*w.shape[:-1], -1, NVFP4_BLOCK_SIZE).abs().amax(-1).float()
-    cand = [nvfp4.static_block_scale(blocks * m, g, FP8_NORM_4O6, scalar_div) for m in FOUR_OVER_SIX_MULTIPLIERS]
+    cand = [nvfp4.static_block_scale(blocks * m, g, FP8_NORM_4O6, arith) for m in FOUR_OVER_SIX_MULTIPLIERS]
     chose4 = stored_scale.view(torch.uint8) == cand[1].view(torch.uint8)
     chose6 = stored_scale.view(torch.uint8) == cand[0].view(torch.uint8)
     if not bool((chose4 | chose6).all()):
         bad = int((~(chose4 | chose6)).sum())
         raise ValueError(f"{bad} block scales are neither 4/6 candidate")
     mult = torch.where(chose4 & ~chose6, FOUR_OVER_SIX_MULTIPLIERS[1], FOUR_OVER_SIX_MULTIPLIERS[0])
-    return nvfp4.quantize_static(w, blocks * mult, g, fp8_norm=FP8_NORM_4O6, scalar_div=scalar_div)
+    return nvfp4.quantize_static(w, blocks * mult, g, fp8_norm=FP8_NORM_4O6, arith=arith)
 
 
 def rederive(report: VerifyReport, folder: Path, source: str, *, device: str = "cpu") -> None:
@@ -141,7 +141,7 @@ def rederive(report: VerifyReport, folder: Path, source: str, *, device: str = "
         report.add("rederive", False, f"{METADATA_FILE} with the recipe is missing: nothing to re-derive from")
         return
     recipe = recipe_from_dict(meta["recipe"], source=f"{folder}/{METADATA_FILE}")
-    scalar_div = meta.get("scalar_div", "reciprocal")
+    arith = meta.get("arith", "cuda")
     model, _ = load_model(source, device=device, tokenizer=False)
     plan, _ = plan_targets(model, recipe)
     reader = CheckpointReader(folder)
@@ -175,10 +175,10 @@ def rederive(report: VerifyReport, folder: Path, source: str, *, device: str = "
                 continue
             try:
                 if p.rule.format.startswith("nvfp4"):
-                    q = _expected_nvfp4(part, p.rule, group_amax.get(t.fuse_group), reader.get(f"{disk}.weight_scale"), scalar_div)
+                    q = _expected_nvfp4(part, p.rule, group_amax.get(t.fuse_group), reader.get(f"{disk}.weight_scale"), arith)
                     want = {"weight": q.packed, "weight_scale": q.block_scale, "weight_scale_2": q.global_scale}
                 else:
-                    qw, s = fp8.quantize_per_tensor(part, scalar_div)
+                    qw, s = fp8.quantize_per_tensor(part, arith)
                     want = {"weight": qw, "weight_scale": s}
             except ValueError as exc:
                 report.add("rederive", False, str(exc), f"{disk}.weight_scale")
@@ -222,12 +222,12 @@ def against_modelopt(report: VerifyReport, folder: Path, source: str, *, sample:
         report.add("modelopt", False, f"{METADATA_FILE} is missing")
         return
     recipe = recipe_from_dict(meta["recipe"])
-    scalar_div = meta.get("scalar_div", "reciprocal")
-    modelopt_device = "cuda" if scalar_div == "reciprocal" else "cpu"
+    arith = meta.get("arith", "cuda")
+    modelopt_device = "cuda" if arith == "cuda" else "cpu"
     if modelopt_device == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            "--against modelopt: this checkpoint uses ModelOpt's CUDA arithmetic (scalar_div "
-            "'reciprocal'), so ModelOpt must run on a CUDA device to reproduce it; none is available"
+            "--against modelopt: this checkpoint uses ModelOpt's CUDA arithmetic (arith "
+            "'cuda'), so ModelOpt must run on a CUDA device to reproduce it; none is available"
         )
     model, _ = load_model(source, device=device, tokenizer=False)
     plan, _ = plan_targets(model, recipe)
@@ -245,7 +245,7 @@ def against_modelopt(report: VerifyReport, folder: Path, source: str, *, sample:
             else:
                 blocks = w.reshape(*w.shape[:-1], -1, NVFP4_BLOCK_SIZE).abs().amax(-1).float()
                 g = w.abs().amax().float()
-                cand4 = nvfp4.static_block_scale(blocks * 1.5, g, FP8_NORM_4O6, scalar_div)
+                cand4 = nvfp4.static_block_scale(blocks * 1.5, g, FP8_NORM_4O6, arith)
                 mult = torch.where(stored_scale.to(w.device).view(torch.uint8) == cand4.view(torch.uint8), 1.5, 1.0)
                 quantizer = SimpleNamespace(global_amax=g, _amax=(blocks * mult).reshape(-1, 1),
                                             block_sizes={-1: 16, "type": "static", "scale_bits": (4, 3), "four_over_six": True})

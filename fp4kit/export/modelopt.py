@@ -156,7 +156,7 @@ def export_checkpoint(
             "producer": PRODUCER,
             "recipe": qm.recipe.to_dict(),
             "calibration": qm.calibration,
-            "scalar_div": qm.scalar_div,
+            "arith": qm.arith,
             "source": (card_extra or {}).get("source"),
         })
         if getattr(qm.model, "generation_config", None) is not None:

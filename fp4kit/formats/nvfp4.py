@@ -23,7 +23,7 @@ choice bit for bit. ModelOpt takes the same decision on its fake-quant kernel, w
 scales have no 2^-9 floor and whose output is rounded to the weight dtype; the two can differ on
 near-ties and on blocks below the floor.
 
-Every division by a constant (/2688, /1536, /6) follows `scalar_div` (see arith.py): ModelOpt's
+Every division by a constant (/2688, /1536, /6) follows `arith` (see arith.py): ModelOpt's
 own bytes differ between CUDA and CPU there, and fp4kit reproduces either on any device.
 
 One intentional divergence from ModelOpt: an all-zero tensor (or expert) is stored with global
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from . import e2m1, e4m3
-from .arith import DEFAULT_SCALAR_DIV, check_mode, div_const
+from .arith import DEFAULT_ARITH, check_mode, div_const
 from .constants import (
     BLOCK_SCALE_MAX,
     BLOCK_SCALE_MIN,
@@ -199,12 +199,12 @@ def _importance_weights(importance, w: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def static_block_scale(
-    block_amax: torch.Tensor, global_amax_b: torch.Tensor, fp8_norm: float, scalar_div: str = DEFAULT_SCALAR_DIV
+    block_amax: torch.Tensor, global_amax_b: torch.Tensor, fp8_norm: float, arith: str = DEFAULT_ARITH
 ) -> torch.Tensor:
     """ModelOpt's static export block scale: e4m3(clamp((a/6 or 1) * m / (g/6), 2^-9, 448))."""
-    s = div_const(block_amax, E2M1_MAX, scalar_div)
+    s = div_const(block_amax, E2M1_MAX, arith)
     s = torch.where(s == 0, torch.ones_like(s), s)
-    return _cast_block_scale(s * fp8_norm / div_const(global_amax_b, E2M1_MAX, scalar_div))
+    return _cast_block_scale(s * fp8_norm / div_const(global_amax_b, E2M1_MAX, arith))
 
 
 def _assemble(w, block_scale, global_scale, zero) -> tuple[NVFP4Tensor, torch.Tensor]:
@@ -220,7 +220,7 @@ def _assemble(w, block_scale, global_scale, zero) -> tuple[NVFP4Tensor, torch.Te
 
 def quantize_static(
     w: torch.Tensor, block_amax: torch.Tensor, global_amax, *, fp8_norm: float = FP8_NORM_PLAIN,
-    scalar_div: str = DEFAULT_SCALAR_DIV,
+    arith: str = DEFAULT_ARITH,
 ) -> NVFP4Tensor:
     """ModelOpt's static export: given per-block amax (multipliers already applied) and global amax."""
     what = "nvfp4.quantize_static"
@@ -235,16 +235,16 @@ def quantize_static(
     zero = g == 0
     g_safe = torch.where(zero, torch.ones_like(g), g)
     g_b = _expand_global(g_safe, block_amax)
-    block_scale = static_block_scale(block_amax, g_b, fp8_norm, check_mode(scalar_div))
-    global_scale = div_const(g_safe, E2M1_MAX * fp8_norm, scalar_div)
+    block_scale = static_block_scale(block_amax, g_b, fp8_norm, check_mode(arith))
+    global_scale = div_const(g_safe, E2M1_MAX * fp8_norm, arith)
     return _assemble(w, block_scale, global_scale, zero)[0]
 
 
-def _quantize(w, scale_rule, global_amax, importance, what, scalar_div):
+def _quantize(w, scale_rule, global_amax, importance, what, arith):
     if scale_rule not in SCALE_RULES:
         raise FormatError(f"{what}: scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
     _check_weight(w, what)
-    check_mode(scalar_div)
+    check_mode(arith)
     if importance is not None and scale_rule != "4o6":
         raise FormatError(f"{what}: importance only applies to scale_rule='4o6'")
     g = _resolve_global_amax(global_amax, w, what)
@@ -255,19 +255,19 @@ def _quantize(w, scale_rule, global_amax, importance, what, scalar_div):
     g_b = _expand_global(g_safe, block_amax)
 
     if scale_rule == "6":
-        global_scale = div_const(g_safe, NVFP4_GLOBAL_DENOM, scalar_div)
+        global_scale = div_const(g_safe, NVFP4_GLOBAL_DENOM, arith)
         s = block_amax / (E2M1_MAX * _expand_global(global_scale, block_amax))
         s = torch.where(s == 0, torch.ones_like(s), s)
         qt, _ = _assemble(w, _cast_block_scale(s), global_scale, zero)
         return qt, torch.zeros_like(block_amax, dtype=torch.bool)
 
-    global_scale = div_const(g_safe, E2M1_MAX * FP8_NORM_4O6, scalar_div)
+    global_scale = div_const(g_safe, E2M1_MAX * FP8_NORM_4O6, arith)
     gs_b = _expand_global(global_scale, block_amax)
     x = blocks.float()
     weights = None if importance is None else _importance_weights(importance, w, what)
     candidates = []
     for mult in FOUR_OVER_SIX_MULTIPLIERS:
-        scale = static_block_scale(block_amax * mult, g_b, FP8_NORM_4O6, scalar_div)
+        scale = static_block_scale(block_amax * mult, g_b, FP8_NORM_4O6, arith)
         step = _block_step(scale, gs_b)
         codes = e2m1.encode(x / step.unsqueeze(-1))
         err = e2m1.decode(codes) * step.unsqueeze(-1) - x
@@ -288,7 +288,7 @@ def quantize(
     global_amax=None,
     importance=None,
     return_choice: bool = False,
-    scalar_div: str = DEFAULT_SCALAR_DIV,
+    arith: str = DEFAULT_ARITH,
 ):
     """Quantize a weight [..., K] (K % 16 == 0; fp32/fp16/bf16) to NVFP4.
 
@@ -300,15 +300,15 @@ def quantize(
                  e.g. E[x^2] from calibration: the 4/6 choice then minimises sum(imp * err^2).
     Leading dims quantize independently ([E, N, K] -> one global scale per expert).
     With return_choice, also returns a bool [..., K/16] mask: True where the block chose 4.
-    scalar_div:  "reciprocal" (ModelOpt on CUDA, default) or "exact" (ModelOpt on CPU): see arith.
+    arith:  "cuda" (ModelOpt on CUDA, default) or "cpu" (ModelOpt on CPU): see arith.
     """
-    qt, choice = _quantize(w, scale_rule, global_amax, importance, "nvfp4.quantize", scalar_div)
+    qt, choice = _quantize(w, scale_rule, global_amax, importance, "nvfp4.quantize", arith)
     return (qt, choice) if return_choice else qt
 
 
-def input_scale_from_amax(amax, scalar_div: str = DEFAULT_SCALAR_DIV) -> torch.Tensor:
+def input_scale_from_amax(amax, arith: str = DEFAULT_ARITH) -> torch.Tensor:
     """W4A4 activation global scale as ModelOpt exports it: amax / 2688 (fp32)."""
     a = torch.as_tensor(amax, dtype=torch.float32)
     if not bool(torch.isfinite(a).all()) or bool((a <= 0).any()):
         raise FormatError(f"nvfp4.input_scale_from_amax: activation amax must be finite and > 0, got {a}")
-    return div_const(a, NVFP4_GLOBAL_DENOM, scalar_div)
+    return div_const(a, NVFP4_GLOBAL_DENOM, arith)

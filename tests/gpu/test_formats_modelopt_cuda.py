@@ -1,7 +1,7 @@
 """fp4kit's default arithmetic is nvidia-modelopt's on CUDA, computed on the CPU.
 
 ModelOpt divides by constants with a Python number (amax / 2688, a / 6, amax / 448); on CUDA
-torch turns that into a multiplication by the fp32 reciprocal. `scalar_div="reciprocal"` is
+torch turns that into a multiplication by the fp32 reciprocal. `arith="cuda"` is
 that arithmetic on any device: here fp4kit runs on the CPU and ModelOpt on the GPU.
 """
 
@@ -35,7 +35,7 @@ def test_plain_rule_equals_modelopt_on_cuda(dtype, seed):
 
     w = weights(dtype, seed)
     q, scale, scale2 = NVFP4QTensor.quantize(w.cuda().clone(), 16)
-    ours = nvfp4.quantize(w, scalar_div="reciprocal")  # on the CPU
+    ours = nvfp4.quantize(w, arith="cuda")  # on the CPU
     assert torch.equal(ours.packed, q._quantized_data.cpu())
     assert torch.equal(u8(ours.block_scale), u8(scale))
     assert torch.equal(u8(ours.global_scale), u8(scale2))
@@ -46,7 +46,7 @@ def test_four_over_six_static_export_equals_modelopt_on_cuda(dtype):
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
     w = weights(dtype, 3)
-    ours, choice = nvfp4.quantize(w, scale_rule="4o6", return_choice=True, scalar_div="reciprocal")
+    ours, choice = nvfp4.quantize(w, scale_rule="4o6", return_choice=True, arith="cuda")
     blocks = w.view(256, 64, 16).abs().amax(-1).float()
     mult = torch.where(choice, 1.5, 1.0)
     quantizer = SimpleNamespace(
@@ -71,6 +71,6 @@ def test_fp8_equals_modelopt_on_cuda(dtype):
     wc = w.cuda()
     scale = wc.abs().amax().float() / 448.0
     theirs = to_quantized_weight(wc, scale, QUANTIZATION_FP8)
-    ours, our_scale = fp8.quantize_per_tensor(w, scalar_div="reciprocal")
+    ours, our_scale = fp8.quantize_per_tensor(w, arith="cuda")
     assert torch.equal(u8(our_scale), u8(scale))
     assert torch.equal(u8(ours), u8(theirs))

@@ -59,7 +59,7 @@ def test_existing_output_is_refused(tmp_path, model_dir):
 
 
 def test_kill_mid_calibration_then_resume_is_byte_identical(tmp_path, model_dir):
-    common = ["quantize", "--model", str(model_dir), "--calib", "48x128", "--checkpoint-every", "2", "--no-progress"]
+    common = ["quantize", "--model", str(model_dir), "--calib", "96x128", "--checkpoint-every", "2", "--no-progress"]
     ref = fp4kit(*common, "-o", str(tmp_path / "ref"))
     assert ref.returncode == 0, ref.stderr
 
@@ -68,9 +68,8 @@ def test_kill_mid_calibration_then_resume_is_byte_identical(tmp_path, model_dir)
     proc = subprocess.Popen([sys.executable, "-m", "fp4kit.cli", *common, "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not state.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGKILL)
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)  # the moment the first snapshot lands: mid-calibration
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert state.exists() and not out.exists()

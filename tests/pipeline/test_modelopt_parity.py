@@ -144,7 +144,7 @@ def make_case(name, model_dir, out_dir, tokens, modelopt_cfg, recipe, before_exp
     export_hf_checkpoint(mo_model, export_dir=str(mo_dir))
 
     # ModelOpt runs on the CPU here, where torch divides by constants exactly.
-    qm = quantize(load_model(model_dir), load_recipe(recipe), tokens, progress=False, batch_size=1, scalar_div="exact")
+    qm = quantize(load_model(model_dir), load_recipe(recipe), tokens, progress=False, batch_size=1, arith="cpu")
     fk_dir = export_checkpoint(qm, out_dir / f"{name}-fp4kit", source_dir=model_dir, progress=False)
 
     def cfgs(folder):
@@ -268,7 +268,7 @@ def transplant_four_over_six(model) -> dict:
         # What max calibration leaves: plain per-block amax (multiplier 1.0), global amax = max|W|.
         assert torch.equal(q._amax, block_amax.reshape(q._amax.shape)), name
         assert torch.equal(q.global_amax.float(), w.abs().amax().float()), name
-        _, choose4 = nvfp4.quantize(w, scale_rule="4o6", return_choice=True, scalar_div="exact")
+        _, choose4 = nvfp4.quantize(w, scale_rule="4o6", return_choice=True, arith="cpu")
         mult = torch.where(choose4.reshape(-1), 1.5, 1.0)
         q.amax = (block_amax * mult).reshape(q._amax.shape)
         info["quantizers"].append(name)

@@ -25,9 +25,9 @@ def made(tmp_path_factory):
     model, _ = load_model(str(base / "source"), device="cpu", tokenizer=False)  # as `fp4kit quantize` loads it
     samples = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
     # ModelOpt's CPU arithmetic, so that `--against modelopt` can run ModelOpt here on the CPU
-    qm = quantize(model, load_recipe("nemotron-h-w4a16-4o6"), samples, progress=False, scalar_div="exact")
+    qm = quantize(model, load_recipe("nemotron-h-w4a16-4o6"), samples, progress=False, arith="cpu")
     export_checkpoint(qm, base / "ckpt", progress=False)
-    qm = quantize(model, load_recipe("nemotron-h-w4a16-4o6"), samples, progress=False, scalar_div="reciprocal")
+    qm = quantize(model, load_recipe("nemotron-h-w4a16-4o6"), samples, progress=False, arith="cuda")
     export_checkpoint(qm, base / "ckpt-cuda-arith", progress=False)
     return base
 

@@ -1,0 +1,52 @@
+"""The one backend switch of fp4kit.kernels: "triton" (the kernels) or "torch" (the reference).
+
+A request that cannot be served raises; nothing falls back silently. Triton runs either on a
+CUDA device, or on the CPU through Triton's interpreter, which Triton reads from the environment
+variable TRITON_INTERPRET=1 when the `@triton.jit` decorators run (at import of a kernel module).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+BACKENDS = ("triton", "torch")
+
+
+def interpreted(kernel) -> bool:
+    """True if `kernel` was decorated under TRITON_INTERPRET=1 (it then runs on CPU tensors)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def check_backend(backend: str, kernel, *tensors: torch.Tensor, what: str) -> None:
+    """Raise unless `backend` is known and, for "triton", `kernel` can run on `tensors`' device."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return
+    devices = {t.device for t in tensors if isinstance(t, torch.Tensor)}
+    if not devices:
+        return  # nothing to place; the caller's own checks name what is wrong
+    if len(devices) != 1:
+        raise ValueError(f"{what}: all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    if interpreted(kernel):
+        if device.type != "cpu":
+            raise RuntimeError(
+                f"{what}: Triton's interpreter (TRITON_INTERPRET=1) runs on CPU tensors, got {device}"
+            )
+        return
+    if device.type != "cuda":
+        raise RuntimeError(
+            f"{what}: backend='triton' needs CUDA tensors (got {device}); on a machine without a "
+            "GPU set TRITON_INTERPRET=1 before importing fp4kit.kernels, or pass backend='torch'"
+        )
+
+
+def launch_options() -> dict:
+    """Compile options every fp4kit kernel is launched with.
+
+    enable_fp_fusion=False: no multiply-add contraction, so every fp32 product and sum is rounded
+    on its own, in the order the source states, exactly as the torch reference does.
+    """
+    return {"enable_fp_fusion": False}

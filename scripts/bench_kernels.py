@@ -1,0 +1,156 @@
+"""Benchmark fp4kit's GPU kernels side by side with their baselines, in one process.
+
+    PYTHONPATH=. python scripts/bench_kernels.py [--out benchmarks/results/kernels-<gpu>.json]
+
+Measures (triton.testing.do_bench, median): the device-to-device copy ceiling; NVFP4 quantize
+(plain and 4/6) bandwidth on the Nemotron-3-Nano expert stacks and an 8192^2 tensor, against
+ModelOpt's 4/6 weight calibration where modelopt imports; the W4A16 GEMM against bf16
+torch.matmul; the grouped MoE against a bf16 grouped baseline. Writes JSON and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from fp4kit.kernels import moe_gemm, quantize as kquant, w4a16_gemm
+
+NANO_STACKS = ((128, 1856, 2688), (128, 2688, 1856))
+
+
+def copy_ceiling_tbps(n_bytes: int = 2 << 30) -> float:
+    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    return 2 * n_bytes / (ms * 1e-3) / 1e12
+
+
+def modelopt_4o6_seconds(w: torch.Tensor):
+    """Wall time of ModelOpt 0.47's 4/6 weight calibration + export-arithmetic quantization of one
+    weight (as an nn.Linear), or (None, reason) when modelopt is not importable here."""
+    try:
+        import modelopt.torch.quantization as mtq
+    except Exception as exc:  # noqa: BLE001 -- optional comparison
+        return None, f"modelopt not importable: {type(exc).__name__}: {exc}"
+    cfg_name = next((n for n in ("NVFP4_FOUR_OVER_SIX_CFG", "NVFP4_4O6_CFG") if hasattr(mtq, n)), None)
+    if cfg_name is None:
+        return None, "no Four-Over-Six config found in modelopt.torch.quantization"
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    model = torch.nn.Sequential(lin)
+    x = torch.randn(1, w.shape[1], device="cuda", dtype=w.dtype)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    mtq.quantize(model, getattr(mtq, cfg_name), forward_loop=lambda m: m(x))
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, f"mtq.quantize({cfg_name}) incl. one 1-token forward"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<gpu>.json)")
+    parser.add_argument("--skip-modelopt", action="store_true", help="do not time ModelOpt")
+    parser.add_argument("--sweep", action="store_true", help="also time a few launch shapes per kernel")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py needs a CUDA GPU")
+    name = torch.cuda.get_device_name()
+    slug = name.lower().replace("nvidia", "").strip().replace(" ", "-")
+    out_path = args.out or f"benchmarks/results/kernels-{slug}.json"
+    result = {
+        "gpu": name, "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+    }
+    result["copy_ceiling_tbps"] = copy_ceiling_tbps()
+    print(f"copy ceiling {result['copy_ceiling_tbps']:.2f} TB/s", flush=True)
+
+    if args.sweep:  # tune first, then measure everything with the picked launch shapes
+        result["sweep_quantize"] = kquant.sweep()
+        kquant.TUNING.update(kquant.pick(result["sweep_quantize"]))
+        print(f"sweep quantize: {json.dumps(result['sweep_quantize'])}", flush=True)
+        result["sweep_gemm"] = w4a16_gemm.sweep()
+        w4a16_gemm.DECODE.update(w4a16_gemm.pick_decode(result["sweep_gemm"]))
+        print(f"sweep gemm: {json.dumps(result['sweep_gemm'])}", flush=True)
+    result["launch_shapes"] = {"quantize": dict(kquant.TUNING), "gemm_decode": dict(w4a16_gemm.DECODE)}
+    print(f"launch shapes: {result['launch_shapes']}", flush=True)
+
+    q_rows = kquant.bench(shapes=(*NANO_STACKS, (8192, 8192)))
+    stacks = [r for r in q_rows if len(r["shape"]) == 3]
+    traffic = sum(r["bytes"] for r in stacks)
+    quant = {
+        "rows": q_rows,
+        "timing": "expert_stack_* and ratio: the whole quantize() call, eager (checks included); "
+                  "*_kernels: its two launches replayed from a CUDA graph",
+        "expert_stack_tbps": traffic / sum(r["ms_4o6"] for r in stacks) / 1e9,
+        "expert_stack_tbps_plain": traffic / sum(r["ms_6"] for r in stacks) / 1e9,
+        "expert_stack_tbps_kernels_4o6": traffic / sum(r["ms_kernels_4o6"] for r in stacks) / 1e9,
+        "expert_stack_tbps_kernels_plain": traffic / sum(r["ms_kernels_6"] for r in stacks) / 1e9,
+        "ratio_4o6_to_plain": sum(r["ms_4o6"] for r in stacks) / sum(r["ms_6"] for r in stacks),
+        "speedup_vs_modelopt": None,
+        "modelopt_note": "not measured",
+    }
+    if not args.skip_modelopt:
+        w = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda") * 0.02
+        secs, note = modelopt_4o6_seconds(w)
+        quant["modelopt_note"] = note
+        if secs is not None:
+            ours = do_bench(lambda: kquant.quantize(w, scale_rule="4o6"), warmup=10, rep=50, return_mode="median")
+            quant["modelopt_4o6_s_8192x8192"] = secs
+            quant["speedup_vs_modelopt"] = secs / (ours * 1e-3)
+        del w
+    result["quantize"] = quant
+    print(f"quantize: {json.dumps(quant['rows'])}", flush=True)
+
+    result["host_overhead"] = w4a16_gemm.host_overhead_us()
+    print(f"host overhead: {result['host_overhead']}", flush=True)
+    result["gemm"] = w4a16_gemm.bench()
+    print_gemm(result["gemm"])
+    result["moe"] = moe_gemm.bench()
+
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+    print_table(result)
+    print(f"wrote {out_path}")
+
+
+def print_gemm(rows) -> None:
+    print("\nW4A16 GEMM (CUDA graph; eager in brackets)   N      K      M   us(w4a16)  us(bf16)  speedup")
+    for g in rows:
+        print(f"{'':38s}{g['N']:7d}{g['K']:7d}{g['M']:7d} {1e3 * g['ms_w4a16']:10.1f} {1e3 * g['ms_bf16']:9.1f}"
+              f" {g['speedup_vs_bf16']:8.2f}  [{1e3 * g['ms_w4a16_eager']:.1f} / {1e3 * g['ms_bf16_eager']:.1f}]"
+              f" {g['path']}", flush=True)
+
+
+def print_table(r: dict) -> None:
+    q = r["quantize"]
+    print(f"\n{r['gpu']}  copy ceiling {r['copy_ceiling_tbps']:.2f} TB/s")
+    print("quantize (eager call | graph-replayed kernels)  ms(6)  TB/s(6)  ms(4o6)  TB/s(4o6)  4o6/6")
+    for row in q["rows"]:
+        print(f"{str(tuple(row['shape'])):20s} call    {row['ms_6']:7.3f} {row['tbps_6']:7.2f} {row['ms_4o6']:8.3f}"
+              f" {row['tbps_4o6']:9.2f} {row['ratio_4o6_to_plain']:6.2f}")
+        print(f"{'':20s} kernels {row['ms_kernels_6']:7.3f} {row['tbps_kernels_6']:7.2f} {row['ms_kernels_4o6']:8.3f}"
+              f" {row['tbps_kernels_4o6']:9.2f} {row['ms_kernels_4o6'] / row['ms_kernels_6']:6.2f}"
+              f"   (amax pass {row['ms_amax_pass']:.3f} ms)")
+    print(f"expert stacks: {q['expert_stack_tbps']:.2f} TB/s (4o6), {q['expert_stack_tbps_plain']:.2f} TB/s (6);"
+          f" vs ModelOpt: {q['speedup_vs_modelopt']} ({q['modelopt_note']})")
+    print_gemm(r["gemm"])
+    print("\nMoE (128 experts, top-6, H=2688, I=1856)  tokens  us(w4a16)  us(bf16)  speedup  timing  [eager]")
+    for m in r["moe"]:
+        print(f"{'':42s}{m['tokens']:7d} {1e3 * m['ms_w4a16']:10.1f} {1e3 * m['ms_bf16']:9.1f} {m['speedup_vs_bf16']:8.2f}"
+              f"  {m['timing']}  [{1e3 * m['ms_w4a16_eager']:.1f} / {1e3 * m['ms_bf16_eager']:.1f}]")
+    if r["moe"]:
+        print(f"MoE baseline: {r['moe'][0]['baseline']}")
+    print(f"host overhead: {r['host_overhead']}")
+
+
+if __name__ == "__main__":
+    main()

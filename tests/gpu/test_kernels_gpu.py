@@ -1,0 +1,179 @@
+"""fp4kit.kernels on a CUDA GPU: bf16 inputs and real Nemotron-3-Nano shapes.
+
+Run: python -m pytest -q tests/gpu   (skipped without CUDA)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Skip before importing the kernels: their decorators must not run here without CUDA
+    # (tests/test_kernels_interpret.py may need them under TRITON_INTERPRET=1).
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from fp4kit.formats import nvfp4  # noqa: E402
+from fp4kit.kernels import moe_gemm, quantize as kquant, w4a16_gemm  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _same(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor) -> bool:
+    return (torch.equal(a.packed.cpu(), b.packed.cpu())
+            and torch.equal(_bits(a.block_scale).cpu(), _bits(b.block_scale).cpu())
+            and torch.equal(_bits(a.global_scale).cpu(), _bits(b.global_scale).cpu()))
+
+
+def _randn(*shape, dtype=torch.bfloat16, seed=0, scale=0.02):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(shape, generator=g, device=DEV) * scale).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# quantize: identical bytes to the reference (fp4kit.formats.nvfp4.quantize on the CPU)
+# --------------------------------------------------------------------------------------------
+def _members(t: nvfp4.NVFP4Tensor, idx) -> nvfp4.NVFP4Tensor:
+    return nvfp4.NVFP4Tensor(t.packed[idx], t.block_scale[idx], t.global_scale[idx])
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+@pytest.mark.parametrize("shape", [(4, 1856, 2688), (4, 2688, 1856), (2688, 1856)])
+def test_quantize_bf16_expert_shapes(rule, shape):
+    w = _randn(*shape, seed=1)
+    w[1, :7] = 0.0  # zero rows / blocks
+    got, got_choice = kquant.quantize(w, scale_rule=rule, return_choice=True)
+    ref, ref_choice = nvfp4.quantize(w.cpu(), scale_rule=rule, return_choice=True)
+    assert _same(got, ref)
+    assert torch.equal(got_choice.cpu(), ref_choice)
+
+
+def test_quantize_4o6_importance_and_shared_amax_bf16():
+    w = _randn(8, 512, 1024, seed=2)
+    imp = torch.rand((8, 1024), device=DEV)
+    g = w.abs().amax().float() * 1.25
+    for kw in (dict(importance=imp), dict(importance=imp[0]), dict(global_amax=g)):
+        got, gc = kquant.quantize(w, scale_rule="4o6", return_choice=True, **kw)
+        ref, rc = nvfp4.quantize(w.cpu(), scale_rule="4o6", return_choice=True,
+                                 **{k: v.cpu() for k, v in kw.items()})
+        assert _same(got, ref) and torch.equal(gc.cpu(), rc)
+
+
+def test_quantize_full_expert_stack_one_launch():
+    # The Nano layer's full 128-expert stack in one call; members quantize independently, so a
+    # sample of them is checked against the CPU reference.
+    w = _randn(128, 1856, 2688, seed=4)
+    got = kquant.quantize(w, scale_rule="4o6")
+    assert got.global_scale.shape == (128,)
+    idx = torch.tensor([0, 1, 63, 127])
+    assert _same(_members(got, idx.to(DEV)), nvfp4.quantize(w[idx.to(DEV)].cpu(), scale_rule="4o6"))
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_quantize_matches_reference_run_on_gpu(rule):
+    # The same bytes as the reference evaluated on this GPU, and as on the CPU.
+    w = _randn(16, 1856, 2688, seed=12)
+    got = kquant.quantize(w, scale_rule=rule)
+    ref_gpu = nvfp4.quantize(w, scale_rule=rule)
+    ref_cpu = nvfp4.quantize(w.cpu(), scale_rule=rule)
+    assert _same(ref_gpu, ref_cpu), "the reference itself differs between this GPU and the CPU"
+    assert _same(got, ref_gpu)
+
+
+@pytest.mark.parametrize("blocks,warps", [(64, 2), (128, 4), (256, 4), (256, 8)])
+def test_quantize_launch_shapes(blocks, warps):
+    # Bytes must not depend on the launch shape (kquant.TUNING, which the bench's sweep changes).
+    w = _randn(4, 1856, 2688, seed=13)
+    saved = dict(kquant.TUNING)
+    try:
+        kquant.TUNING.update(blocks=blocks, num_warps=warps)
+        got = {rule: kquant.quantize(w, scale_rule=rule, return_choice=True) for rule in ("6", "4o6")}
+    finally:
+        kquant.TUNING.update(saved)
+    for rule, (qt, choice) in got.items():
+        ref, ref_choice = nvfp4.quantize(w.cpu(), scale_rule=rule, return_choice=True)
+        assert _same(qt, ref) and torch.equal(choice.cpu(), ref_choice), rule
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_quantize_edge_values_fp32_and_fp16(rule):
+    values = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 0.0, -0.25])
+    g = torch.Generator().manual_seed(3)
+    ties = values[torch.randint(0, 16, (256, 256), generator=g)]
+    ties[:, ::16] = 6.0
+    ties = ties * 2.0 ** torch.randint(-3, 3, (256, 1), generator=g).float()
+    cases = [ties, ties.half(), torch.zeros(64, 64), torch.randn(3, 64, 64, generator=g) * 1e-39,
+             torch.randn(64, 64, generator=g) * 1e37]
+    cases[3][1] = 0.0
+    for w in cases:
+        assert _same(kquant.quantize(w.to(DEV), scale_rule=rule), nvfp4.quantize(w, scale_rule=rule))
+
+
+# --------------------------------------------------------------------------------------------
+# dequantize / W4A16 GEMM
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_exact_on_gpu(dtype):
+    wq = kquant.quantize(_randn(2688, 1856, seed=5), scale_rule="4o6")
+    got = w4a16_gemm.dequantize(wq, dtype)
+    assert torch.equal(_bits(got), _bits(wq.dequantize(dtype)))
+    assert torch.equal(_bits(got).cpu(), _bits(wq.to("cpu").dequantize(dtype)))
+
+
+@pytest.mark.parametrize("nk", [(8192, 8192), (3712, 2688), (2688, 3712)])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256, 1024])
+@pytest.mark.parametrize("fused", [False, True])
+def test_w4a16_matmul_bf16(nk, m, fused):
+    """|y - ref| <= 2^-8 |ref| + 4 K 2^-24 (|x| @ |W|^T), elementwise, with ref = x @ Wdq^T in fp32.
+
+    Why: each product of two bf16 numbers is exact in fp32 (8 + 8 significant bits), so the
+    kernel's fp32 sum differs from the exact sum by at most K * 2^-24 * sum|x||w| (any order);
+    the fp32 reference has the same bound; x2 for tensor-core accumulation that may align
+    addends before rounding. The output is then rounded to bf16: half an ulp, 2^-9 relative,
+    plus the reference's own value rounding -> 2^-8.
+    """
+    n, k = nk
+    wq = kquant.quantize(_randn(n, k, seed=6), scale_rule="4o6")
+    x = _randn(m, k, seed=7, scale=1.0)
+    if fused and m <= w4a16_gemm.LARGE_M:
+        pytest.skip("the default path is the fused kernel already")
+    cfg = w4a16_gemm.config(m, n, k, x.device) if fused else None  # forces the fused kernel
+    y = w4a16_gemm.w4a16_matmul(x, wq, cfg=cfg)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    wdq = wq.dequantize(torch.bfloat16).float()
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref = x.float() @ wdq.T
+        bound = 2.0**-8 * ref.abs() + 4 * k * 2.0**-24 * (x.float().abs() @ wdq.abs().T)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    err = (y.float() - ref).abs()
+    assert bool(torch.all(err <= bound)), f"max excess {(err - bound).max().item():.3g}"
+
+
+# --------------------------------------------------------------------------------------------
+# Grouped MoE
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens", [1, 8, 64, 300])
+def test_moe_bf16_nano_shapes(tokens):
+    n_exp, hid, inter, top_k = 128, 2688, 1856, 6
+    up = kquant.quantize(_randn(n_exp, inter, hid, seed=8), scale_rule="4o6")
+    down = kquant.quantize(_randn(n_exp, hid, inter, seed=9), scale_rule="4o6")
+    x = _randn(tokens, hid, seed=10, scale=1.0)
+    g = torch.Generator(device=DEV).manual_seed(11)
+    ids = torch.stack([torch.randperm(n_exp, device=DEV, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand((tokens, top_k), device=DEV, generator=g)
+    got = moe_gemm.moe_experts(x, ids, weights, up, down)
+    # fp32 reference on the bf16-dequantized weights; the kernel rounds its intermediates to
+    # bf16 as transformers does, so they differ by bf16 roundings: 1e-2 in relative norm.
+    ref = moe_gemm.experts_reference(x.float(), ids, weights, up.dequantize(torch.bfloat16).float(),
+                                     down.dequantize(torch.bfloat16).float())
+    assert float((got.float() - ref).norm() / ref.norm()) < 1e-2
+    torch_bf16 = moe_gemm.moe_experts(x, ids, weights, up, down, backend="torch")
+    assert float((got.float() - torch_bf16.float()).norm() / torch_bf16.float().norm()) < 1e-2

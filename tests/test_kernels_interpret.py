@@ -1,0 +1,305 @@
+"""fp4kit.kernels against the fp4kit.formats reference, on small shapes.
+
+Without CUDA the kernels run in Triton's interpreter: TRITON_INTERPRET=1 is set here before
+triton is imported (Triton reads it when `triton.language` and the kernels are decorated). If
+some earlier module imported triton without it, the tests cannot run in this process, and
+`test_in_fresh_process` runs this file in a subprocess instead. With CUDA they run compiled on
+the GPU. Quantized bytes and dequantized weights must be identical; GEMM and MoE outputs within
+the tolerances stated at each test. fp32 / fp16 activations only: bf16 arithmetic is not
+reliable in the interpreter (tests/gpu covers bf16).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+# triton already imported, and not in interpreter mode: this process cannot interpret kernels.
+IN_SUBPROCESS_ONLY = (not HAS_CUDA and "triton" in sys.modules
+                      and os.environ.get("TRITON_INTERPRET") != "1")
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from fp4kit.formats import nvfp4  # noqa: E402
+from fp4kit.formats.errors import FormatError  # noqa: E402
+from fp4kit.kernels import backend, moe_gemm, quantize as kquant, w4a16_gemm  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _in_this_process(request):
+    if IN_SUBPROCESS_ONLY and request.node.name != "test_in_fresh_process":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1; see test_in_fresh_process")
+
+
+def test_in_fresh_process():
+    if not IN_SUBPROCESS_ONLY:
+        pytest.skip("the tests of this file ran in this process")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         env=env, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _rand(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_same_nvfp4(got: nvfp4.NVFP4Tensor, ref: nvfp4.NVFP4Tensor) -> None:
+    assert got.packed.shape == ref.packed.shape
+    assert torch.equal(got.packed.cpu(), ref.packed.cpu()), "packed codes differ"
+    assert torch.equal(_bits(got.block_scale).cpu(), _bits(ref.block_scale).cpu()), "block scales differ"
+    assert torch.equal(_bits(got.global_scale).cpu(), _bits(ref.global_scale).cpu()), "global scales differ"
+
+
+def check_quantize(w: torch.Tensor, **kw) -> torch.Tensor:
+    """Kernel on DEVICE vs reference on CPU: identical bytes and 4/6 choices. Returns the choice."""
+    got, got_choice = kquant.quantize(w.to(DEVICE), return_choice=True, **kw)
+    ref, ref_choice = nvfp4.quantize(w, return_choice=True, **kw)
+    assert_same_nvfp4(got, ref)
+    assert torch.equal(got_choice.cpu(), ref_choice)
+    return ref_choice
+
+
+# --------------------------------------------------------------------------------------------
+# quantize: bytes identical to fp4kit.formats.nvfp4.quantize
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(64, 128), (3, 40, 96), (256,), (2, 2, 8, 48)])
+def test_quantize_random(rule, dtype, shape):
+    check_quantize(_rand(*shape, dtype=dtype, seed=len(shape)), scale_rule=rule)
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+@pytest.mark.parametrize("arith", ["cuda", "cpu"])
+def test_quantize_both_constant_divisions(rule, arith):
+    w = _rand(32, 16, 64, seed=7)  # 32 global scales: the two divisions differ on some of them
+    check_quantize(w, scale_rule=rule, arith=arith)
+    other = "cpu" if arith == "cuda" else "cuda"
+    a = kquant.quantize(w.to(DEVICE), scale_rule=rule, arith=arith)
+    b = kquant.quantize(w.to(DEVICE), scale_rule=rule, arith=other)
+    assert not torch.equal(_bits(a.global_scale).cpu(), _bits(b.global_scale).cpu())  # the switch reaches the kernel
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_quantize_zero_members_blocks_and_tiny_blocks(rule):
+    w = _rand(5, 16, 64, seed=1)
+    w[1] = 0.0  # an all-zero expert: global scale 1, scales 1, codes 0
+    w[2, :, :16] = 0.0  # zero blocks in a non-zero expert
+    w[3, :, 16:32] *= 1e-6  # blocks under the 2^-9 scale floor
+    w[0, 3, :] = -0.0  # negative zeros: code 0, not 0x8
+    w[4, :, 32:48] = -1e-30  # negative values whose quotient rounds to zero: code 0x8
+    check_quantize(w, scale_rule=rule)
+    check_quantize(torch.zeros(32, 64), scale_rule=rule)  # all-zero tensor
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quantize_e2m1_ties(rule, dtype):
+    # Block max 6 * 2^j with the other elements on E2M1 midpoints (and codes) times 2^j: with the
+    # plain rule every quotient lands exactly on a midpoint, exercising round-half-even.
+    g = torch.Generator().manual_seed(2)
+    values = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 0.0, -0.25])
+    w = values[torch.randint(0, 16, (32, 128), generator=g)]
+    w = w * torch.randint(0, 2, (32, 128), generator=g).mul(2).sub(1)
+    w[:, ::16] = 6.0
+    w = w * 2.0 ** torch.randint(-3, 3, (32, 1), generator=g).float()
+    check_quantize(w.to(dtype), scale_rule=rule)
+
+
+def test_quantize_4o6_importance_and_global_amax():
+    w = _rand(2, 24, 64, seed=3)
+    g = torch.Generator().manual_seed(4)
+    choice = check_quantize(w, scale_rule="4o6", importance=torch.rand(64, generator=g))
+    assert 0 < int(choice.sum()) < choice.numel()  # both candidates occur
+    check_quantize(w, scale_rule="4o6", importance=torch.rand(2, 64, generator=g))
+    check_quantize(w, scale_rule="4o6", importance=torch.zeros(64))  # every error 0: ties keep 6
+    check_quantize(w, scale_rule="4o6", global_amax=10.0)
+    check_quantize(w, scale_rule="6", global_amax=torch.tensor([7.0, 9.0]))
+    check_quantize(w, scale_rule="6", global_amax=[7.0, 9.0])
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+@pytest.mark.parametrize("scale", [1e-39, 1e-20, 1e30, 1e38])
+def test_quantize_extreme_magnitudes(rule, scale):
+    check_quantize(_rand(8, 32, seed=5, scale=scale), scale_rule=rule)
+
+
+def test_quantize_default_rule_and_plain_return():
+    w = _rand(16, 32, seed=6)
+    got = kquant.quantize(w.to(DEVICE))
+    assert isinstance(got, nvfp4.NVFP4Tensor)
+    assert_same_nvfp4(got, nvfp4.quantize(w))
+
+
+_BAD_INPUTS = {
+    "rule": lambda: dict(w=_rand(4, 32), scale_rule="5"),
+    "dtype": lambda: dict(w=torch.ones(4, 32, dtype=torch.int32)),
+    "k": lambda: dict(w=_rand(4, 20)),
+    "nan": lambda: dict(w=torch.tensor([[float("nan")] * 16, [1.0] * 16])),
+    "inf": lambda: dict(w=torch.tensor([[1.0] * 15 + [float("-inf")]])),
+    "global_small": lambda: dict(w=_rand(4, 32), global_amax=0.1),
+    "global_shape": lambda: dict(w=_rand(3, 4, 32), global_amax=torch.ones(2)),
+    "global_nan": lambda: dict(w=_rand(4, 32), global_amax=float("nan")),
+    "importance_rule6": lambda: dict(w=_rand(4, 32), importance=torch.ones(32)),
+    "importance_shape": lambda: dict(w=_rand(4, 32), scale_rule="4o6", importance=torch.ones(16)),
+    "importance_negative": lambda: dict(w=_rand(4, 32), scale_rule="4o6", importance=-torch.ones(32)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_INPUTS))
+def test_quantize_validation_matches_reference(case):
+    kw = _BAD_INPUTS[case]()
+    with pytest.raises(Exception) as ref:
+        nvfp4.quantize(**kw)
+    kw["w"] = kw["w"].to(DEVICE)
+    with pytest.raises(type(ref.value)) as got:
+        kquant.quantize(**kw)
+    assert str(got.value) == str(ref.value).replace("nvfp4.quantize", "kernels.quantize")
+
+
+def test_backend_switch():
+    w = _rand(4, 32)
+    assert_same_nvfp4(kquant.quantize(w, backend="torch"), nvfp4.quantize(w))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kquant.quantize(w, backend="cuda")
+    # A compiled (non-interpreted) kernel asked to run on CPU tensors refuses instead of falling back.
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        backend.check_backend("triton", object(), w, what="test")
+
+
+# --------------------------------------------------------------------------------------------
+# dequantize: the GEMM's in-register weights equal W.dequantize() bit for bit
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_dequantize_exact(dtype, rule):
+    w = _rand(40, 80, seed=7)  # K=80: a partial 64-wide tile; N=40: a partial row tile
+    w[3] = 0.0
+    w[5, :16] *= 1e-7  # subnormal e4m3 block scales
+    wq = nvfp4.quantize(w, scale_rule=rule)
+    got = w4a16_gemm.dequantize(wq.to(DEVICE), dtype)
+    assert torch.equal(_bits(got).cpu(), _bits(wq.dequantize(dtype)))
+
+
+def test_dequantize_every_code_and_scale_byte():
+    # All 256 packed bytes against all 126 finite positive scale bytes (subnormals included).
+    codes = torch.arange(256, dtype=torch.uint8).repeat(126, 1)  # [126, 256] -> K = 512
+    scale_bytes = torch.arange(1, 127, dtype=torch.uint8)[:, None].repeat(1, 32)
+    wq = nvfp4.NVFP4Tensor(codes, scale_bytes.view(torch.float8_e4m3fn), torch.tensor(0.37))
+    for dtype in (torch.float32, torch.float16):
+        got = w4a16_gemm.dequantize(wq.to(DEVICE), dtype)
+        assert torch.equal(_bits(got).cpu(), _bits(wq.dequantize(dtype)))
+
+
+# --------------------------------------------------------------------------------------------
+# W4A16 GEMM
+# --------------------------------------------------------------------------------------------
+def _gemm_tolerance(x, wdq, dtype):
+    """Elementwise bound: rounding of the output to `dtype` (half an ulp, relative) plus fp32
+    accumulation error K * 2^-24 * sum|x||w| (products of fp16/fp32 inputs: the fp32 reference's
+    own error counted twice)."""
+    k = x.shape[-1]
+    out_ulp = {torch.float32: 2.0**-24, torch.float16: 2.0**-11}[dtype]
+    return lambda ref: out_ulp * ref.abs() + 2 * k * 2.0**-24 * (x.double().abs() @ wdq.double().abs().T) + 1e-30
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 5, 17, 70, 140])
+@pytest.mark.parametrize("split", [None, 1])
+def test_w4a16_matmul(dtype, m, split):
+    n, k = 72, 160
+    wq = nvfp4.quantize(_rand(n, k, seed=8), scale_rule="4o6")
+    x = _rand(m, k, seed=9, dtype=dtype)
+    cfg = None
+    if split == 1:
+        cfg = w4a16_gemm.config(m, n, k, torch.device(DEVICE))
+        cfg.update(SPLIT=1, k_per_split=k)
+    y = w4a16_gemm.w4a16_matmul(x.to(DEVICE), wq.to(DEVICE), cfg=cfg).cpu()
+    assert y.dtype == dtype and y.shape == (m, n)
+    wdq = wq.dequantize(dtype)
+    ref = x.double() @ wdq.double().T
+    assert torch.all((y.double() - ref).abs() <= _gemm_tolerance(x, wdq, dtype)(ref))
+    torch_y = w4a16_gemm.w4a16_matmul(x, wq, backend="torch")
+    assert torch_y.shape == y.shape
+
+
+def test_w4a16_matmul_batched_input_and_errors():
+    wq = nvfp4.quantize(_rand(32, 64, seed=10))
+    x = _rand(2, 3, 64, seed=11)
+    y = w4a16_gemm.w4a16_matmul(x.to(DEVICE), wq.to(DEVICE)).cpu()
+    ref = x.double() @ wq.dequantize().double().T
+    assert y.shape == (2, 3, 32)
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(FormatError, match="does not end in K=64"):
+        w4a16_gemm.w4a16_matmul(_rand(3, 48).to(DEVICE), wq.to(DEVICE))
+    with pytest.raises(TypeError, match="expected an NVFP4Tensor"):
+        w4a16_gemm.w4a16_matmul(x, torch.zeros(32, 64))
+
+
+# --------------------------------------------------------------------------------------------
+# Grouped MoE against transformers' Nemotron-H expert block on the dequantized weights
+# --------------------------------------------------------------------------------------------
+def _transformers_experts(n_exp, hid, inter, top_k, up_w, down_w):
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    cfg = NemotronHConfig(n_routed_experts=n_exp, hidden_size=hid, moe_intermediate_size=inter,
+                          num_experts_per_tok=top_k, mlp_hidden_act="relu2")
+    cfg._experts_implementation = "eager"
+    mod = NemotronHExperts(cfg).to(up_w.dtype)
+    with torch.no_grad():
+        mod.up_proj.copy_(up_w)
+        mod.down_proj.copy_(down_w)
+    return mod
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("tokens", [1, 13])
+def test_moe_matches_transformers_experts(dtype, rtol, tokens):
+    n_exp, hid, inter, top_k = 8, 64, 96, 3
+    up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=12, scale=0.1), scale_rule="4o6")
+    down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=13, scale=0.1))
+    g = torch.Generator().manual_seed(14)
+    x = _rand(tokens, hid, seed=15, dtype=dtype)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand((tokens, top_k), generator=g)
+    with torch.no_grad():
+        ref = _transformers_experts(n_exp, hid, inter, top_k, up.dequantize(dtype), down.dequantize(dtype))(x, ids, weights)
+    got = moe_gemm.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE)).cpu()
+    assert got.dtype == dtype
+    # Relative Frobenius error: fp32 -> accumulation order only; fp16 -> the reference rounds its
+    # intermediates to fp16 as the kernel does, but sums in another order.
+    assert float((got.double() - ref.double()).norm() / ref.double().norm()) < rtol
+    torch_ref = moe_gemm.moe_experts(x, ids, weights, up, down, backend="torch")
+    assert float((torch_ref.double() - ref.double()).norm() / ref.double().norm()) < rtol
+
+
+def test_moe_unused_experts_and_errors():
+    n_exp, hid, inter = 6, 32, 48
+    up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=16))
+    down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=17))
+    x = _rand(4, hid, seed=18)
+    ids = torch.tensor([[5, 0], [5, 2], [0, 5], [2, 0]])  # experts 1, 3, 4 get no tokens
+    weights = torch.rand(4, 2, generator=torch.Generator().manual_seed(19))
+    got = moe_gemm.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE)).cpu()
+    ref = moe_gemm.experts_reference(x.double(), ids, weights.double(), up.dequantize().double(), down.dequantize().double())
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(FormatError, match=re.escape("down_proj shape")):
+        moe_gemm.moe_experts(x, ids, weights, up, up)
