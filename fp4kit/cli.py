@@ -60,7 +60,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     job = QuantizeJob(
         model=args.model, recipe=args.recipe, calib=args.calib, dataset=args.dataset, output=args.output,
         overwrite=args.overwrite, seed=args.seed, device=args.device, backend=args.backend,
-        batch_size=args.batch_size, allow_repeat=args.allow_repeat, trust_remote_code=args.trust_remote_code,
+        batch_size=args.batch_size, allow_repeat=args.allow_repeat, trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle,
         progress=not args.no_progress, resume=args.resume, checkpoint_every=args.checkpoint_every,
         arith=args.arith,
     )
@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--batch-size", type=int, default=1, help="calibration samples per forward pass")
     q.add_argument("--allow-repeat", action="store_true", help="reuse calibration text when the source is smaller than N x L")
     q.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run (off by default)")
+    q.add_argument("--allow-pickle", action="store_true", help="accept pickle (.bin) weights; they can run code when loaded")
     q.add_argument(
         "--arith", choices=("cuda", "cpu"), default="cuda",
         help="reproduce nvidia-modelopt's bytes as it computes them on CUDA (default) or on the CPU",

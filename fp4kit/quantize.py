@@ -369,6 +369,7 @@ class QuantizeJob:
     batch_size: int = 1
     allow_repeat: bool = False
     trust_remote_code: bool = False
+    allow_pickle: bool = False
     progress: bool = True
     max_shard_bytes: int | None = None
     resume: bool = False
@@ -407,6 +408,11 @@ def validate_job(job: QuantizeJob):
                 raise FileNotFoundError(f"--model {model_ref}: no such folder (and not a hub id of the form org/name)")
             if not (p / "config.json").is_file():
                 raise FileNotFoundError(f"--model {model_ref}: the folder has no config.json")
+            if not job.allow_pickle and not any(p.glob("*.safetensors")) and any(p.glob("*.bin")):
+                raise ValueError(
+                    f"--model {model_ref}: only pickle (.bin) weights, which can run code when loaded; "
+                    "convert them to safetensors, or pass --allow-pickle if you trust the source"
+                )
             model_ref = str(p)
     if job.output is None:
         name = Path(model_ref).name if job.model is None or _looks_like_path(model_ref) else model_ref.split("/")[-1]
@@ -436,10 +442,12 @@ def check_free_space(model_dir: Path, output: Path) -> None:
         raise OSError(f"{parent} has {free / 1e9:.1f} GB free; the checkpoint may need up to {need / 1e9:.1f} GB (the BF16 source size)")
 
 
-def load_model(model_ref: str, *, device: str, trust_remote_code: bool = False, tokenizer: bool = True):
+def load_model(model_ref: str, *, device: str, trust_remote_code: bool = False, tokenizer: bool = True,
+               allow_pickle: bool = False):
+    """BF16 model (+ tokenizer). Weights from safetensors only unless `allow_pickle`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = dict(dtype=torch.bfloat16, trust_remote_code=trust_remote_code, use_safetensors=True)
+    kwargs = dict(dtype=torch.bfloat16, trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True)
     if device == "auto":
         kwargs["device_map"] = "auto"
     model = AutoModelForCausalLM.from_pretrained(model_ref, **kwargs)
@@ -457,7 +465,8 @@ def run(job: QuantizeJob, log=print) -> tuple[QuantizedModel, Path]:
     timings = {}
     t0 = time.perf_counter()
     log(f"loading {model_ref} on {job.device}")
-    model, tokenizer = load_model(model_ref, device=job.device, trust_remote_code=job.trust_remote_code)
+    model, tokenizer = load_model(model_ref, device=job.device, trust_remote_code=job.trust_remote_code,
+                                  allow_pickle=job.allow_pickle)
     timings["load"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()

@@ -280,30 +280,9 @@ def sglang_excluded(unit: str, entries: list[str], fused_shards: tuple[str, ...]
     return skipped
 
 
-def vllm_mixed_algo(unit: str, layers: dict[str, str], fused_shards: tuple[str, ...] = ()) -> str | None:
-    """vLLM 0.33 `ModelOptMixedPrecisionConfig._resolve_quant_algo` (engine-side names)."""
-    if unit in layers:
-        return layers[unit]
-    base = unit.rpartition(".")[0]
-    if fused_shards:
-        algos = {layers[f"{base}.{s}"] for s in fused_shards if f"{base}.{s}" in layers}
-        if len(algos) > 1:
-            raise ValueError(f"shards of {unit} declare different algos {sorted(algos)}")
-        if algos:
-            return algos.pop()
-    for key, algo in layers.items():
-        if key.startswith(unit + "."):
-            return algo
-    if unit.endswith(".experts"):
-        parent = unit[: -len("experts")]
-        for key, algo in layers.items():
-            if key.startswith(parent):
-                return algo
-    return None
-
-
 def sglang_mixed_algo(unit: str, layers: dict[str, str], fused_shards: tuple[str, ...] = ()) -> str | None:
-    """SGLang 0.5.23 `ModelOptMixedPrecisionConfig._resolve_quant_algo` (engine-side names)."""
+    """SGLang 0.5.23 `ModelOptMixedPrecisionConfig._resolve_quant_algo` (engine-side names):
+    the exact name, then the fused shards (which must agree), then the first key under `unit.`."""
     if unit in layers:
         return layers[unit]
     base = unit.rpartition(".")[0]
@@ -317,6 +296,18 @@ def sglang_mixed_algo(unit: str, layers: dict[str, str], fused_shards: tuple[str
         if key.startswith(unit + "."):
             return algo
     return None
+
+
+def vllm_mixed_algo(unit: str, layers: dict[str, str], fused_shards: tuple[str, ...] = ()) -> str | None:
+    """vLLM 0.33 `ModelOptMixedPrecisionConfig._resolve_quant_algo` (engine-side names): SGLang's
+    lookup, then, for a MoE layer, any key under its parent module."""
+    algo = sglang_mixed_algo(unit, layers, fused_shards)
+    if algo is None and unit.endswith(".experts"):
+        parent = unit[: -len("experts")]
+        for key, layer_algo in layers.items():
+            if key.startswith(parent):
+                return layer_algo
+    return algo
 
 
 def _family(algo: str | None) -> str | None:

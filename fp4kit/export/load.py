@@ -440,7 +440,10 @@ class _Tensors:
         for f in files:
             if not (folder / f).is_file():
                 raise CheckpointError(f"{folder}: shard {f} named in the index is missing")
-            h = safe_open(str(folder / f), framework="pt", device=str(device))
+            try:
+                h = safe_open(str(folder / f), framework="pt", device=str(device))
+            except Exception as exc:  # safetensors' own error type is not a ValueError
+                raise CheckpointError(f"{folder / f}: not a readable safetensors file: {exc}") from None
             self.handles[f] = h
             for k in h.keys():
                 if k in self.where:

@@ -36,6 +36,11 @@ def test_pickle_checkpoints_are_refused(tmp_path):
     torch.save(model.state_dict(), path / "pytorch_model.bin")
     with pytest.raises(OSError, match="safetensors|model.safetensors"):
         load_model(str(path), device="cpu", tokenizer=False)
+    from fp4kit.quantize import QuantizeJob, validate_job
+
+    with pytest.raises(ValueError, match="only pickle .* --allow-pickle"):
+        validate_job(QuantizeJob(model=str(path), output=str(tmp_path / "out")))
+    validate_job(QuantizeJob(model=str(path), output=str(tmp_path / "out"), allow_pickle=True))
 
 
 def test_remote_code_is_not_run_unless_asked(tmp_path):
@@ -63,4 +68,22 @@ def test_too_little_disk_space_is_refused_before_loading(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 100, 100))
     with pytest.raises(OSError, match="100 B free|0.0 GB free"):
+        validate_job(QuantizeJob(model=str(tmp_path / "m"), output=str(tmp_path / "out")))
+
+
+def test_resume_with_different_settings_is_refused(tmp_path):
+    from fp4kit.calibrate import Statistics
+    from fp4kit.quantize import CalibState
+
+    CalibState(tmp_path / "s", {"calib": "32x512", "seed": 0}).save(Statistics(tokens_seen=64), 2)
+    assert CalibState(tmp_path / "s", {"calib": "32x512", "seed": 0}).load()[1] == 2
+    with pytest.raises(ValueError, match="different settings"):
+        CalibState(tmp_path / "s", {"calib": "32x512", "seed": 1}).load()
+
+
+def test_model_folder_without_config_is_refused(tmp_path):
+    from fp4kit.quantize import QuantizeJob, validate_job
+
+    (tmp_path / "m").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
         validate_job(QuantizeJob(model=str(tmp_path / "m"), output=str(tmp_path / "out")))
