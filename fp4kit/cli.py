@@ -102,6 +102,18 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_push(args: argparse.Namespace) -> int:
+    from .export.push import push
+
+    try:
+        url = push(args.checkpoint, args.repo, private=args.private, revision=args.revision)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"uploaded {args.checkpoint} to {url}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp4kit", description="NVFP4 quantization toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--device", default="cpu", help="where to load --source")
     v.add_argument("--json", type=Path, help="also write the report as JSON")
     v.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("push", help="upload a checkpoint folder to the Hugging Face hub (after a conformance check)")
+    p.add_argument("checkpoint", type=Path)
+    p.add_argument("--repo", required=True, help="hub id, owner/name")
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--revision", help="branch to upload to")
+    p.set_defaults(func=_cmd_push)
 
     from .evaluate import add_eval_parser
 

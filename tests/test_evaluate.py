@@ -29,7 +29,7 @@ from fp4kit.models.tiny import tiny_model_path
 from fp4kit.quantize import quantize
 from fp4kit.recipe import load_recipe
 
-_spec = importlib.util.spec_from_file_location("pipeline_models", Path(__file__).parent / "pipeline" / "conftest.py")
+_spec = importlib.util.spec_from_file_location("pipeline_models", Path(__file__).parent / "pipeline" / "tiny_models.py")
 models = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(models)
 

@@ -35,7 +35,7 @@ from fp4kit.models import adapter_for
 from fp4kit.quantize import quantize
 from fp4kit.recipe import load_recipe, recipe_from_dict
 
-_spec = importlib.util.spec_from_file_location("pipeline_models", Path(__file__).parents[1] / "pipeline" / "conftest.py")
+_spec = importlib.util.spec_from_file_location("pipeline_models", Path(__file__).parents[1] / "pipeline" / "tiny_models.py")
 models = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(models)
 

@@ -6,7 +6,7 @@ import torch
 from fp4kit.quantize import load_model, quantize
 from fp4kit.recipe import load_recipe
 
-from conftest import build_nemotron_h
+from tiny_models import build_nemotron_h
 
 
 def test_nan_in_a_weight_names_the_tensor(token_samples):

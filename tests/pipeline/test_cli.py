@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import build_nemotron_h
+from tiny_models import build_nemotron_h
 
 TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "fp4kit", "data", "tiny-nemotron-h")
 

@@ -46,7 +46,7 @@ from fp4kit.formats import nvfp4  # noqa: E402
 from fp4kit.quantize import quantize  # noqa: E402
 from fp4kit.recipe import load_recipe  # noqa: E402
 
-from conftest import build_llama, build_nemotron_h  # noqa: E402
+from tiny_models import build_llama, build_nemotron_h  # noqa: E402
 
 LIGHTNING_RECIPE = "models/nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16/ptq/w4a16_nvfp4_4o6.yaml"
 

@@ -15,7 +15,7 @@ from fp4kit.export.modelopt import export_checkpoint
 from fp4kit.quantize import quantize
 from fp4kit.recipe import load_recipe
 
-from conftest import build_nemotron_h
+from tiny_models import build_nemotron_h
 
 
 @pytest.fixture(scope="module")

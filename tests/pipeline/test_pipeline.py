@@ -14,7 +14,7 @@ from fp4kit.models import Role, adapter_for
 from fp4kit.quantize import PlanError, plan_targets, quantize
 from fp4kit.recipe import load_recipe, recipe_from_dict
 
-from conftest import build_llama, build_nemotron_h
+from tiny_models import build_llama, build_nemotron_h
 
 
 def read_all(folder):

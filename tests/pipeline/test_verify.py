@@ -11,7 +11,7 @@ from fp4kit.quantize import quantize
 from fp4kit.recipe import load_recipe
 from fp4kit.verify import tensor_parallel, verify
 
-from conftest import build_nemotron_h
+from tiny_models import build_nemotron_h
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,58 @@
+"""`fp4kit push`: a conformant folder is uploaded whole; anything else is refused before any upload."""
+
+import pytest
+import torch
+
+from fp4kit.export.modelopt import export_checkpoint
+from fp4kit.export.push import push
+from fp4kit.quantize import quantize
+from fp4kit.recipe import load_recipe
+
+
+class FakeHub:
+    def __init__(self):
+        self.calls = []
+
+    def create_repo(self, repo_id, **kw):
+        self.calls.append(("create_repo", repo_id, kw))
+
+    def upload_folder(self, **kw):
+        self.calls.append(("upload_folder", kw))
+        return type("Commit", (), {"commit_url": f"https://hub.invalid/{kw['repo_id']}/commit/1"})()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "pipeline"))
+    from tiny_models import build_nemotron_h  # noqa: E402
+
+    samples = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    qm = quantize(build_nemotron_h(), load_recipe("nemotron-h-w4a16-4o6"), samples, progress=False)
+    return export_checkpoint(qm, tmp_path_factory.mktemp("push") / "ckpt", progress=False)
+
+
+def test_uploads_the_whole_folder(ckpt):
+    hub = FakeHub()
+    url = push(ckpt, "me/tiny-nvfp4", private=True, api=hub)
+    assert url.endswith("/commit/1")
+    assert hub.calls[0] == ("create_repo", "me/tiny-nvfp4", {"private": True, "exist_ok": True, "repo_type": "model"})
+    assert hub.calls[1][1]["folder_path"] == str(ckpt) and hub.calls[1][1]["repo_id"] == "me/tiny-nvfp4"
+
+
+def test_refuses_bad_ids_and_nonconformant_folders(ckpt, tmp_path):
+    import shutil
+
+    hub = FakeHub()
+    with pytest.raises(ValueError, match="owner/name"):
+        push(ckpt, "no-owner", api=hub)
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    (bad / "hf_quant_config.json").write_text('{"quantization": {"quant_algo": "INT3"}}')
+    with pytest.raises(ValueError, match="conformance"):
+        push(bad, "me/x", api=hub)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        push(tmp_path, "me/x", api=hub)
+    assert hub.calls == []  # nothing reached the hub
