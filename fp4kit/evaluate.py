@@ -560,6 +560,7 @@ def add_eval_parser(subparsers):
     p.add_argument("--backend", choices=("torch", "triton"), help="how quantized layers run (default: triton on CUDA, torch on CPU)")
     p.add_argument("--no-act-quant", action="store_true", help="run W4A4 NVFP4 layers weight-only, as the engines do on Hopper")
     p.add_argument("--out", help="folder for eval.json, eval.md and the plots")
+    p.add_argument("--update-card", action="store_true", help="write the measured quality into the checkpoint's README.md")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run_eval_command)
     return p
@@ -572,8 +573,8 @@ def run_eval_command(args) -> int:
         if args.reference or args.quantized:
             print("error: --compare-recipes quantizes --model itself; it takes no --reference/--quantized", file=sys.stderr)
             return 2
-        if args.backend or args.no_act_quant:
-            print("error: --backend/--no-act-quant apply to --quantized only", file=sys.stderr)
+        if args.backend or args.no_act_quant or args.update_card:
+            print("error: --backend/--no-act-quant/--update-card apply to --quantized only", file=sys.stderr)
             return 2
         try:
             summary = compare_recipes(
@@ -604,6 +605,11 @@ def run_eval_command(args) -> int:
     print(quality_markdown(result))
     print()
     print(layers_markdown(result["layers"]))
+    if args.update_card:
+        from .export.card import set_quality_section
+
+        card = set_quality_section(args.quantized, quality_markdown(result))
+        print(f"updated {card}")
     if args.out:
         print(f"wrote {', '.join(result['files'])} to {args.out}")
     return 0

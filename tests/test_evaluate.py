@@ -169,3 +169,14 @@ def test_eval_command(pair, tmp_path, capsys):
     assert (tmp_path / "o" / "eval.json").is_file()
     assert _cli(["eval", "--compare-recipes", "--reference", str(bf16_dir)]) == 2
     assert _cli(["eval", "--reference", str(bf16_dir)]) == 2
+
+
+def test_quality_section_is_written_and_replaced(tmp_path):
+    from fp4kit.export.card import set_quality_section
+
+    (tmp_path / "README.md").write_text("# card\n\n## Calibration\n\n- x\n\n## Recipe\n\n```yaml\nname: r\n```\n")
+    set_quality_section(tmp_path, "| KL | 0.1 |")
+    set_quality_section(tmp_path, "| KL | 0.2 |")
+    text = (tmp_path / "README.md").read_text()
+    assert text.count("## Quality") == 1 and "0.2" in text and "0.1" not in text
+    assert text.index("## Calibration") < text.index("## Quality") < text.index("## Recipe")

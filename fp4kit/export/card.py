@@ -107,3 +107,21 @@ def model_card(qm, nested_config: dict, total_bytes: int, extra: dict) -> str:
         lines += ["", "## Quality", "", extra["quality"]]
     lines += ["", "## Recipe", "", "```yaml", recipe.to_yaml().rstrip(), "```", ""]
     return "\n".join(lines)
+
+
+def set_quality_section(folder, markdown: str):
+    """Write (or replace) the `## Quality` section of a checkpoint's model card."""
+    from pathlib import Path
+
+    card = Path(folder) / "README.md"
+    text = card.read_text() if card.is_file() else ""
+    section = f"## Quality\n\n{markdown.strip()}\n\n"
+    start = text.find("## Quality\n")
+    if start >= 0:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
+    else:
+        at = text.find("## Recipe\n")
+        text = text[:at] + section + text[at:] if at >= 0 else text.rstrip() + "\n\n" + section
+    card.write_text(text)
+    return card
