@@ -96,6 +96,14 @@ def plan_targets(model: nn.Module, recipe: Recipe, adapter: ModuleType | None = 
                 rule = None
         plan.append(Planned(t, rule, reason))
     warnings = [f"{p.target.disk_names[0]}: kept in BF16 ({p.reason})" for p in plan if p.reason]
+    import fnmatch
+
+    names = [d for p in plan for d in p.target.disk_names]
+    warnings += [
+        f"recipe {recipe.name!r}: exclude pattern {pat!r} matches no module of this model"
+        for pat in recipe.exclude
+        if not any(fnmatch.fnmatchcase(n, pat) for n in names)
+    ]
     warnings += [
         f"recipe {recipe.name!r}: rule {i} ({r.format} for roles {list(r.roles)} names {list(r.names)}) matches no module of this model"
         for i, (r, u) in enumerate(zip(recipe.rules, used))

@@ -98,6 +98,15 @@ def test_plan_warns_for_rules_that_match_nothing_and_keeps_bad_k_in_bf16():
     assert down.rule is None and "K=120" in down.reason
 
 
+def test_exclude_pattern_that_matches_nothing_is_reported(nemotron_h_model):
+    recipe = recipe_from_dict({"name": "x", "rules": [{"roles": ["routed_experts"], "format": "nvfp4"}], "exclude": ["*.mixer.gate_proj", "backbone.layers.1.*"]})
+    plan, warnings = plan_targets(nemotron_h_model, recipe)
+    assert any("'*.mixer.gate_proj' matches no module" in w for w in warnings)
+    assert not any("backbone.layers.1.*" in w for w in warnings)
+    layer1 = [p for p in plan if p.target.layer == 1 and p.target.role == Role.ROUTED_EXPERTS]
+    assert layer1 and all(p.rule is None for p in layer1)
+
+
 def test_split_formats_inside_a_fused_group_are_refused(llama_model):
     recipe = recipe_from_dict({"name": "x", "rules": [{"names": ["*.q_proj"], "format": "fp8"}, {"roles": ["attention_qkv"], "format": "nvfp4"}]})
     with pytest.raises(PlanError, match="self_attn.qkv"):
