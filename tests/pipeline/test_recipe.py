@@ -29,7 +29,9 @@ def test_default_recipe_is_the_lightning_card():
     assert r.rule_for("mamba_in_proj", "backbone.layers.0.mixer.in_proj").format == "fp8"
     for role in ("attention_qkv", "attention_o", "router", "conv1d", "lm_head", "embeddings"):
         assert r.rule_for(role, "x") is None
-    assert r.rule_for("routed_experts", "mtp.layers.0.mixer.experts.0.up_proj") is None  # excluded subtree
+    assert r.rule_for("mtp", "mtp.layers.0.mixer.q_proj") is None  # the MTP subtree stays BF16
+    lightning = load_recipe("modelopt-lightning")
+    assert lightning.rule_for("routed_experts", "mtp.layers.0.mixer.experts.0.up_proj") is None  # excluded subtree
 
 
 @pytest.mark.parametrize(
