@@ -201,6 +201,16 @@ def rederive(report: VerifyReport, folder: Path, source: str, *, device: str = "
             continue
         ok, detail = _bytes_equal(reader.get(name), tensor.cpu())
         report.add("rederive", ok, detail, name)
+    from .export.modelopt import unloaded_source_tensors
+
+    source_dir = Path(source)
+    for name in unloaded_source_tensors(model, source_dir if source_dir.is_dir() else None):
+        expected_names.add(name)
+        if name not in reader:
+            report.add("rederive", False, "in the source but missing from the checkpoint", name)
+            continue
+        ok, detail = _bytes_equal(reader.get(name), CheckpointReader(source_dir).get(name))
+        report.add("rederive", ok, detail, name)
     extra = sorted(n for n in reader.names() if n not in expected_names and not n.endswith(("k_scale", "v_scale")))
     for name in extra:
         report.add("rederive", False, "not produced by the recorded recipe from the source", name)

@@ -37,8 +37,10 @@ def _excluded_module_names(qm: QuantizedModel) -> list[str]:
     return sorted(set(names))
 
 
-def quant_configs(qm: QuantizedModel) -> tuple[dict, dict]:
-    """(hf_quant_config.json, config.json's flat `quantization_config`)."""
+def quant_configs(qm: QuantizedModel, carried: list[str] = ()) -> tuple[dict, dict]:
+    """(hf_quant_config.json, config.json's flat `quantization_config`).
+
+    `carried`: source tensors copied unchanged (BF16); their modules are listed as excluded."""
     algos = sorted({q.algo for q in qm.quantized.values()})
     kv = "FP8" if qm.kv_scales or qm.recipe.kv_cache == "fp8" else None
     nested: dict = {"producer": PRODUCER, "quantization": {}}
@@ -50,7 +52,7 @@ def quant_configs(qm: QuantizedModel) -> tuple[dict, dict]:
         if algo in NVFP4_ALGOS:
             nested["quantization"]["group_size"] = 16
             flat["group_size"] = 16
-        excluded = _excluded_module_names(qm)
+        excluded = sorted(set(_excluded_module_names(qm)) | {n.rsplit(".", 1)[0] for n in carried if n.endswith(".weight")})
         nested["quantization"]["exclude_modules"] = excluded
         flat["ignore"] = excluded
     elif algos:
@@ -97,7 +99,20 @@ def _source_config(qm: QuantizedModel, source_dir: Path | None) -> dict:
     return config
 
 
-def _write_tensors(qm: QuantizedModel, writer: ShardWriter, progress_cb=None) -> None:
+def unloaded_source_tensors(model, source_dir: Path | None) -> list[str]:
+    """Source tensors the model class drops on load (its `_keys_to_ignore_on_load_unexpected`,
+    e.g. Nemotron-H's `mtp.*` subtree): the export copies them unchanged so nothing is lost."""
+    import re
+
+    from ..verify import CheckpointReader
+
+    patterns = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    if source_dir is None or not patterns or not any(Path(source_dir).glob("*.safetensors")):
+        return []
+    return sorted(n for n in CheckpointReader(Path(source_dir)).names() if any(p.search(n) for p in patterns))
+
+
+def _write_tensors(qm: QuantizedModel, writer: ShardWriter, progress_cb=None, source_dir: Path | None = None) -> None:
     by_key = {p.target.key: p for p in qm.plan}
     seen_storage: set[int] = set()
     for key, tensor in qm.model.state_dict().items():
@@ -122,6 +137,13 @@ def _write_tensors(qm: QuantizedModel, writer: ShardWriter, progress_cb=None) ->
     for attn, (k_scale, v_scale) in qm.kv_scales.items():
         writer.add(f"{attn}.k_proj.k_scale", k_scale.reshape(()))
         writer.add(f"{attn}.v_proj.v_scale", v_scale.reshape(()))
+    extra = unloaded_source_tensors(qm.model, source_dir)
+    if extra:
+        from ..verify import CheckpointReader
+
+        source = CheckpointReader(source_dir)
+        for name in extra:
+            writer.add(name, source.get(name))
 
 
 def export_checkpoint(
@@ -140,12 +162,12 @@ def export_checkpoint(
 
     t0 = time.perf_counter()
     source_dir = Path(source_dir) if source_dir else None
-    nested, flat = quant_configs(qm)
+    nested, flat = quant_configs(qm, unloaded_source_tensors(qm.model, source_dir))
     with AtomicFolder(Path(output), overwrite=overwrite) as folder:
         writer = ShardWriter(folder.tmp, max_shard_bytes)
         n = len(qm.model.state_dict())
         bar = tqdm(total=n, desc="export", unit="tensor", disable=not progress)
-        _write_tensors(qm, writer, bar.update)
+        _write_tensors(qm, writer, bar.update, source_dir)
         bar.close()
         writer.close()
         config = _source_config(qm, source_dir)

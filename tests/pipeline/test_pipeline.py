@@ -208,3 +208,24 @@ def test_export_refuses_an_existing_folder_and_is_atomic(tmp_path, token_samples
     monkeypatch.undo()
     path = export_checkpoint(qm, target, overwrite=True, progress=False)
     assert (path / "model.safetensors").is_file()
+
+
+def test_tensors_the_model_drops_on_load_are_carried_over(tmp_path, token_samples):
+    """Nemotron-H's `mtp.*` subtree is ignored by transformers on load; the export keeps it."""
+    from safetensors.torch import load_file, save_file
+
+    from fp4kit.quantize import load_model
+    from fp4kit.verify import verify
+
+    src = tmp_path / "src"
+    build_nemotron_h().save_pretrained(src)
+    tensors = load_file(str(src / "model.safetensors"))
+    mtp = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    tensors["mtp.layers.0.mixer.q_proj.weight"] = mtp
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    model, _ = load_model(str(src), device="cpu", tokenizer=False)
+    qm = quantize(model, load_recipe("nemotron-h-w4a16-4o6"), token_samples, progress=False)
+    out = export_checkpoint(qm, tmp_path / "ckpt", source_dir=src, progress=False)
+    assert torch.equal(read_all(out)["mtp.layers.0.mixer.q_proj.weight"], mtp)
+    report = verify(out, source=str(src))
+    assert report.ok, report.text()
