@@ -234,18 +234,25 @@ def _input_scale(amax: torch.Tensor | None, denom: float, n: int, what: str, war
     return [s.reshape(()) for s in scale.unbind(0)]
 
 
+def fused_group_amax(plan: list[Planned]) -> dict[str, torch.Tensor]:
+    """max|W| over each group of NVFP4 siblings that read one input (q/k/v, gate/up): their shared
+    global amax, so that the engines' fused layer sees one weight_scale_2."""
+    out: dict[str, torch.Tensor] = {}
+    for p in plan:
+        if p.rule is not None and p.target.fuse_group and p.rule.format.startswith("nvfp4"):
+            a = p.target.weight.detach().abs().amax().float()
+            g = p.target.fuse_group
+            out[g] = a if g not in out else torch.maximum(out[g], a)
+    return out
+
+
 def quantize_weights(
     plan: list[Planned], stats: Statistics, *, backend: str, progress: bool, warnings: list[str],
     arith: str = DEFAULT_ARITH,
 ) -> dict[str, QuantizedTarget]:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    group_amax: dict[str, torch.Tensor] = {}
-    for p in plan:
-        if p.rule is not None and p.target.fuse_group and p.rule.format.startswith("nvfp4"):
-            a = p.target.weight.detach().abs().amax().float()
-            g = p.target.fuse_group
-            group_amax[g] = a if g not in group_amax else torch.maximum(group_amax[g], a)
+    group_amax = fused_group_amax(plan)
     out: dict[str, QuantizedTarget] = {}
     todo = [p for p in plan if p.rule is not None]
     for p in tqdm(todo, desc="quantize", unit="weight", disable=not progress):

@@ -133,7 +133,7 @@ def _expected_nvfp4(w: torch.Tensor, rule, global_amax, stored_scale: torch.Tens
 
 def rederive(report: VerifyReport, folder: Path, source: str, *, device: str = "cpu") -> None:
     """Compare every tensor of the checkpoint with what the recipe makes of the source weights."""
-    from .quantize import load_model, plan_targets
+    from .quantize import fused_group_amax, load_model, plan_targets
     from .recipe import recipe_from_dict
 
     meta = read_metadata(folder)
@@ -146,11 +146,7 @@ def rederive(report: VerifyReport, folder: Path, source: str, *, device: str = "
     plan, _ = plan_targets(model, recipe)
     reader = CheckpointReader(folder)
     expected_names: set[str] = set()
-    group_amax: dict[str, torch.Tensor] = {}
-    for p in plan:
-        if p.rule is not None and p.target.fuse_group and p.rule.format.startswith("nvfp4"):
-            a = p.target.weight.detach().abs().amax().float()
-            group_amax[p.target.fuse_group] = torch.maximum(group_amax.get(p.target.fuse_group, a), a)
+    group_amax = fused_group_amax(plan)
     covered: set[str] = set()
     for p in plan:
         t = p.target
@@ -204,12 +200,14 @@ def rederive(report: VerifyReport, folder: Path, source: str, *, device: str = "
     from .export.modelopt import unloaded_source_tensors
 
     source_dir = Path(source)
-    for name in unloaded_source_tensors(model, source_dir if source_dir.is_dir() else None):
+    carried = unloaded_source_tensors(model, source_dir if source_dir.is_dir() else None)
+    source_reader = CheckpointReader(source_dir) if carried else None
+    for name in carried:
         expected_names.add(name)
         if name not in reader:
             report.add("rederive", False, "in the source but missing from the checkpoint", name)
             continue
-        ok, detail = _bytes_equal(reader.get(name), CheckpointReader(source_dir).get(name))
+        ok, detail = _bytes_equal(reader.get(name), source_reader.get(name))
         report.add("rederive", ok, detail, name)
     extra = sorted(n for n in reader.names() if n not in expected_names and not n.endswith(("k_scale", "v_scale")))
     for name in extra:
