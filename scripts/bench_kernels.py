@@ -4,8 +4,9 @@
 
 Measures (triton.testing.do_bench, median): the device-to-device copy ceiling; NVFP4 quantize
 (plain and 4/6) bandwidth on the Nemotron-3-Nano expert stacks and an 8192^2 tensor, against
-ModelOpt's 4/6 weight calibration where modelopt imports; the W4A16 GEMM against bf16
-torch.matmul; the grouped MoE against a bf16 grouped baseline. Writes JSON and prints a table.
+ModelOpt's 4/6 weight calibration where modelopt imports (scripts/bench_modelopt_4o6.py); the
+W4A16 GEMM against bf16 torch.matmul; the grouped MoE against a bf16 grouped baseline. Writes
+JSON and prints a table.
 """
 
 from __future__ import annotations
@@ -32,33 +33,14 @@ def copy_ceiling_tbps(n_bytes: int = 2 << 30) -> float:
     return 2 * n_bytes / (ms * 1e-3) / 1e12
 
 
-def modelopt_4o6_seconds(w: torch.Tensor):
-    """Wall time of ModelOpt 0.47's 4/6 weight calibration + export-arithmetic quantization of one
-    weight (as an nn.Linear), or (None, reason) when modelopt is not importable here."""
-    try:
-        import modelopt.torch.quantization as mtq
-    except Exception as exc:  # noqa: BLE001 -- optional comparison
-        return None, f"modelopt not importable: {type(exc).__name__}: {exc}"
-    cfg_name = next((n for n in ("NVFP4_FOUR_OVER_SIX_CFG", "NVFP4_4O6_CFG") if hasattr(mtq, n)), None)
-    if cfg_name is None:
-        return None, "no Four-Over-Six config found in modelopt.torch.quantization"
-    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=w.dtype)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-    model = torch.nn.Sequential(lin)
-    x = torch.randn(1, w.shape[1], device="cuda", dtype=w.dtype)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    mtq.quantize(model, getattr(mtq, cfg_name), forward_loop=lambda m: m(x))
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0, f"mtq.quantize({cfg_name}) incl. one 1-token forward"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<gpu>.json)")
     parser.add_argument("--skip-modelopt", action="store_true", help="do not time ModelOpt")
     parser.add_argument("--sweep", action="store_true", help="also time a few launch shapes per kernel")
+    parser.add_argument("--sweep-gemv", action="store_true",
+                        help="time the CUDA-core GEMV's launch shapes against the matrix-unit kernel "
+                             "and use it up to the M where it is faster")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
@@ -79,7 +61,15 @@ def main() -> None:
         result["sweep_gemm"] = w4a16_gemm.sweep()
         w4a16_gemm.DECODE.update(w4a16_gemm.pick_decode(result["sweep_gemm"]))
         print(f"sweep gemm: {json.dumps(result['sweep_gemm'])}", flush=True)
-    result["launch_shapes"] = {"quantize": dict(kquant.TUNING), "gemm_decode": dict(w4a16_gemm.DECODE)}
+        result["sweep_moe"] = moe_gemm.sweep()
+        moe_gemm.MOE_DECODE.update(moe_gemm.pick(result["sweep_moe"]))
+        print(f"sweep moe: {json.dumps(result['sweep_moe'])}", flush=True)
+    if args.sweep_gemv:
+        result["sweep_gemv"] = w4a16_gemm.sweep_gemv()
+        w4a16_gemm.GEMV.update(w4a16_gemm.pick_gemv(result["sweep_gemv"]))
+        print(f"sweep gemv: {json.dumps(result['sweep_gemv'])}", flush=True)
+    result["launch_shapes"] = {"quantize": dict(kquant.TUNING), "gemm_decode": dict(w4a16_gemm.DECODE),
+                               "gemv": dict(w4a16_gemm.GEMV), "moe_decode": dict(moe_gemm.MOE_DECODE)}
     print(f"launch shapes: {result['launch_shapes']}", flush=True)
 
     q_rows = kquant.bench(shapes=(*NANO_STACKS, (8192, 8192)))
@@ -88,24 +78,27 @@ def main() -> None:
     quant = {
         "rows": q_rows,
         "timing": "expert_stack_* and ratio: the whole quantize() call, eager (checks included); "
-                  "*_kernels: its two launches replayed from a CUDA graph",
+                  "*_kernels: its two launches (max pass, quantize) replayed from a CUDA graph; "
+                  "*_given_amax: the one quantize launch when the global amax is given",
         "expert_stack_tbps": traffic / sum(r["ms_4o6"] for r in stacks) / 1e9,
         "expert_stack_tbps_plain": traffic / sum(r["ms_6"] for r in stacks) / 1e9,
         "expert_stack_tbps_kernels_4o6": traffic / sum(r["ms_kernels_4o6"] for r in stacks) / 1e9,
         "expert_stack_tbps_kernels_plain": traffic / sum(r["ms_kernels_6"] for r in stacks) / 1e9,
+        "expert_stack_tbps_given_amax_4o6": traffic / sum(r["ms_given_amax_4o6"] for r in stacks) / 1e9,
+        "expert_stack_tbps_given_amax_plain": traffic / sum(r["ms_given_amax_6"] for r in stacks) / 1e9,
         "ratio_4o6_to_plain": sum(r["ms_4o6"] for r in stacks) / sum(r["ms_6"] for r in stacks),
         "speedup_vs_modelopt": None,
         "modelopt_note": "not measured",
     }
-    if not args.skip_modelopt:
-        w = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda") * 0.02
-        secs, note = modelopt_4o6_seconds(w)
-        quant["modelopt_note"] = note
-        if secs is not None:
-            ours = do_bench(lambda: kquant.quantize(w, scale_rule="4o6"), warmup=10, rep=50, return_mode="median")
-            quant["modelopt_4o6_s_8192x8192"] = secs
-            quant["speedup_vs_modelopt"] = secs / (ours * 1e-3)
-        del w
+    if not args.skip_modelopt:  # on the Nano layer's expert stacks and shared expert (bench_modelopt_4o6.py)
+        try:
+            import bench_modelopt_4o6
+
+            mo = bench_modelopt_4o6.measure()
+            quant.update(speedup_vs_modelopt=mo["speedup_vs_modelopt"], modelopt=mo,
+                         modelopt_note="ModelOpt's Lightning 4/6 calibration vs fp4kit quantize, same tensors")
+        except ImportError as exc:
+            quant["modelopt_note"] = f"modelopt not importable: {exc}"
     result["quantize"] = quant
     print(f"quantize: {json.dumps(quant['rows'])}", flush=True)
 
@@ -127,7 +120,7 @@ def print_gemm(rows) -> None:
     for g in rows:
         print(f"{'':38s}{g['N']:7d}{g['K']:7d}{g['M']:7d} {1e3 * g['ms_w4a16']:10.1f} {1e3 * g['ms_bf16']:9.1f}"
               f" {g['speedup_vs_bf16']:8.2f}  [{1e3 * g['ms_w4a16_eager']:.1f} / {1e3 * g['ms_bf16_eager']:.1f}]"
-              f" {g['path']}", flush=True)
+              f" {g['path']}  (arith dequant {1e3 * g['ms_w4a16_arith_dequant']:.1f})", flush=True)
 
 
 def print_table(r: dict) -> None:
@@ -140,6 +133,8 @@ def print_table(r: dict) -> None:
         print(f"{'':20s} kernels {row['ms_kernels_6']:7.3f} {row['tbps_kernels_6']:7.2f} {row['ms_kernels_4o6']:8.3f}"
               f" {row['tbps_kernels_4o6']:9.2f} {row['ms_kernels_4o6'] / row['ms_kernels_6']:6.2f}"
               f"   (amax pass {row['ms_amax_pass']:.3f} ms)")
+        print(f"{'':20s} g given {row['ms_given_amax_6']:7.3f} {row['tbps_given_amax_6']:7.2f} {row['ms_given_amax_4o6']:8.3f}"
+              f" {row['tbps_given_amax_4o6']:9.2f} {row['ms_given_amax_4o6'] / row['ms_given_amax_6']:6.2f}")
     print(f"expert stacks: {q['expert_stack_tbps']:.2f} TB/s (4o6), {q['expert_stack_tbps_plain']:.2f} TB/s (6);"
           f" vs ModelOpt: {q['speedup_vs_modelopt']} ({q['modelopt_note']})")
     print_gemm(r["gemm"])

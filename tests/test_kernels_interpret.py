@@ -11,11 +11,14 @@ reliable in the interpreter (tests/gpu covers bf16).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,9 +84,25 @@ def check_quantize(w: torch.Tensor, **kw) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rule", ["6", "4o6"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shape", [(64, 128), (3, 40, 96), (256,), (2, 2, 8, 48)])
+@pytest.mark.parametrize("shape", [(64, 128), (3, 40, 96), (256,), (2, 2, 8, 48), (3, 64, 32), (2, 128, 64)])
 def test_quantize_random(rule, dtype, shape):
     check_quantize(_rand(*shape, dtype=dtype, seed=len(shape)), scale_rule=rule)
+
+
+def test_reciprocal_quotient_is_the_ieee_quotient():
+    # The kernel's division-free quotient (scripts/check_markstein.py; that script covers every
+    # bf16 mantissa against every fp32 step mantissa): here every bf16 mantissa against every
+    # 64th step mantissa, and 2^20 random fp32 pairs.
+    pytest.importorskip("triton._C.libtriton")
+    spec = importlib.util.spec_from_file_location("check_markstein", Path(__file__).parents[1] / "scripts" / "check_markstein.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert check.bf16_against_steps(step_stride=64)[0] == 0
+    assert check.random_pairs(2**20)[0] == 0
+    # and the check can fail: a plain reciprocal multiply is wrong on some pairs
+    a = np.linspace(1.0, 4.0, 2**16, dtype=np.float32)
+    s = np.full_like(a, np.float32(1.2345679))
+    assert int(((a * (np.float32(1.0) / s)).astype(np.float32) != (a / s).astype(np.float32)).sum()) > 0
 
 
 @pytest.mark.parametrize("rule", ["6", "4o6"])
@@ -98,8 +117,9 @@ def test_quantize_both_constant_divisions(rule, arith):
 
 
 @pytest.mark.parametrize("rule", ["6", "4o6"])
-def test_quantize_zero_members_blocks_and_tiny_blocks(rule):
-    w = _rand(5, 16, 64, seed=1)
+@pytest.mark.parametrize("rows", [16, 32])  # 64 or 128 blocks per member: members per block or per program
+def test_quantize_zero_members_blocks_and_tiny_blocks(rule, rows):
+    w = _rand(5, rows, 64, seed=1)
     w[1] = 0.0  # an all-zero expert: global scale 1, scales 1, codes 0
     w[2, :, :16] = 0.0  # zero blocks in a non-zero expert
     w[3, :, 16:32] *= 1e-6  # blocks under the 2^-9 scale floor
@@ -123,8 +143,9 @@ def test_quantize_e2m1_ties(rule, dtype):
     check_quantize(w.to(dtype), scale_rule=rule)
 
 
-def test_quantize_4o6_importance_and_global_amax():
-    w = _rand(2, 24, 64, seed=3)
+@pytest.mark.parametrize("rows", [24, 32])  # 96 or 128 blocks per member
+def test_quantize_4o6_importance_and_global_amax(rows):
+    w = _rand(2, rows, 64, seed=3)
     g = torch.Generator().manual_seed(4)
     choice = check_quantize(w, scale_rule="4o6", importance=torch.rand(64, generator=g))
     assert 0 < int(choice.sum()) < choice.numel()  # both candidates occur
@@ -238,6 +259,26 @@ def test_w4a16_matmul(dtype, m, split):
     assert torch.all((y.double() - ref).abs() <= _gemm_tolerance(x, wdq, dtype)(ref))
     torch_y = w4a16_gemm.w4a16_matmul(x, wq, backend="torch")
     assert torch_y.shape == y.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("nk", [(72, 160), (64, 256)])  # ragged (masked) and even tiles
+def test_w4a16_gemv(dtype, m, nk, monkeypatch):
+    # The CUDA-core kernel for a few rows (w4a16_gemm.GEMV), with and without split-K.
+    monkeypatch.setitem(w4a16_gemm.GEMV, "max_m", 4)
+    n, k = nk
+    wq = nvfp4.quantize(_rand(n, k, seed=12), scale_rule="4o6")
+    x = _rand(m, k, seed=13, dtype=dtype)
+    wdq = wq.dequantize(dtype)
+    ref = x.double() @ wdq.double().T
+    cfg = w4a16_gemm.config(m, n, k, torch.device(DEVICE))
+    assert cfg["gemv"]
+    for split in (cfg["SPLIT"], 1):
+        forced = dict(cfg, SPLIT=split, k_per_split=cfg["k_per_split"] if split > 1 else k)
+        y = w4a16_gemm.w4a16_matmul(x.to(DEVICE), wq.to(DEVICE), cfg=forced).cpu()
+        assert y.dtype == dtype and y.shape == (m, n)
+        assert torch.all((y.double() - ref).abs() <= _gemm_tolerance(x, wdq, dtype)(ref)), split
 
 
 def test_w4a16_matmul_batched_input_and_errors():

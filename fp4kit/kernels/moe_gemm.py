@@ -19,8 +19,10 @@ One launch per projection:
 - the k slots of each token are summed in fp32 (fixed order) and cast to the activation dtype.
 
 Measured on an H200 against transformers' grouped_mm experts in bf16 (CUDA graphs, 128 experts,
-top-6, H=2688, I=1856): 1.35x at 1 token, 1.16x at 64, 0.59x at 2048 tokens; like the GEMM it is
-bound by the dequantization's instruction count (see w4a16_gemm.py), not by weight bytes.
+top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json): 1.45x at 1 token, 1.84x at 8,
+1.76x at 64, 1.61x at 256, 0.65x at 2048. At decode sizes the per-expert tiles are few and the
+weight tiles stream one ahead per program, so the grid is latency bound; the dequantization is
+the GEMM's (about 7 instructions per weight in the loop).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from fp4kit.formats import nvfp4
 from fp4kit.formats.errors import FormatError
 
 from .backend import check_backend, launch_options
-from .w4a16_gemm import _ACT_DTYPES, _accumulate, check_weight
+from .w4a16_gemm import _ACT_DTYPES, _accumulate, check_weight, lut_tile, use_lut
 
 _WHAT = "kernels.moe_experts"
 
@@ -43,6 +45,7 @@ def _moe_up_kernel(
     x_ptr, order_ptr, offsets_ptr, wq_ptr, ws_ptr, gs_ptr, inter_ptr,
     H, I, TOPK,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    LUT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     e = tl.program_id(0)
     start = tl.load(offsets_ptr + e)
@@ -52,7 +55,7 @@ def _moe_up_kernel(
         n_ok = n < I
         n64 = n.to(tl.int64)
         e64 = e.to(tl.int64)
-        wq = wq_ptr + e64 * I * (H // 2)
+        wq = wq_ptr + e64 * I * (H // 8)
         ws = ws_ptr + e64 * I * (H // 16)
         gs = tl.load(gs_ptr + e)
         for m0 in range(start, end, BLOCK_M):
@@ -62,7 +65,7 @@ def _moe_up_kernel(
             token = (assignment // TOPK).to(tl.int64)
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             acc = _accumulate(acc, x_ptr, token * H, m_ok, wq, ws, gs, n64, n_ok, H, 0, H,
-                              BLOCK_N, BLOCK_K, IEEE)
+                              BLOCK_N, BLOCK_K, IEEE, LUT, EVEN_N, EVEN_K)
             h = acc.to(inter_ptr.dtype.element_ty).to(tl.float32)  # the linear's output dtype
             h = tl.maximum(h, 0.0)
             h = (h * h).to(inter_ptr.dtype.element_ty)  # relu2, rounded like torch's square
@@ -75,6 +78,7 @@ def _moe_down_kernel(
     inter_ptr, order_ptr, offsets_ptr, weight_ptr, wq_ptr, ws_ptr, gs_ptr, out_ptr,
     H, I,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    LUT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     ACT_DTYPE: tl.constexpr,
 ):
     e = tl.program_id(0)
@@ -85,7 +89,7 @@ def _moe_down_kernel(
         n_ok = n < H
         n64 = n.to(tl.int64)
         e64 = e.to(tl.int64)
-        wq = wq_ptr + e64 * H * (I // 2)
+        wq = wq_ptr + e64 * H * (I // 8)
         ws = ws_ptr + e64 * H * (I // 16)
         gs = tl.load(gs_ptr + e)
         for m0 in range(start, end, BLOCK_M):
@@ -94,7 +98,7 @@ def _moe_down_kernel(
             assignment = tl.load(order_ptr + pos, mask=m_ok, other=0)
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             acc = _accumulate(acc, inter_ptr, pos.to(tl.int64) * I, m_ok, wq, ws, gs, n64, n_ok,
-                              I, 0, I, BLOCK_N, BLOCK_K, IEEE)
+                              I, 0, I, BLOCK_N, BLOCK_K, IEEE, LUT, EVEN_N, EVEN_K)
             route_w = tl.load(weight_ptr + assignment, mask=m_ok, other=0.0)
             y = acc.to(ACT_DTYPE).to(tl.float32) * route_w[None, :]
             tl.store(out_ptr + assignment[None, :].to(tl.int64) * H + n64[:, None], y,
@@ -134,16 +138,61 @@ def experts_reference(hidden, top_k_index, top_k_weights, up_w, down_w):
     return out.to(hidden.dtype)
 
 
+# Launch shape for decode-sized runs (up to 24 rows per expert), picked on an H200 by `sweep`
+# (scripts/bench_kernels.py --sweep; benchmarks/results/kernels-h200.json).
+MOE_DECODE = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+
+
 def moe_config(assignments: int, n_experts: int, device: torch.device) -> dict:
     """BLOCK_M follows the mean number of rows per expert; decode sizes get 16."""
     per_expert = assignments / max(n_experts, 1)
     if per_expert <= 24:
-        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)  # the GEMM's DECODE
+        cfg = dict(BLOCK_M=16, **MOE_DECODE)
     else:
         cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
     if device.type != "cuda":
         cfg.update(BLOCK_N=32, BLOCK_K=64)
     return cfg
+
+
+def sweep(tokens=(1, 8, 64), n_exp=128, top_k=6, hid=2688, inter=1856,
+          shapes=((64, 128, 4), (32, 128, 4), (32, 256, 4), (64, 256, 4), (64, 256, 8), (128, 128, 8))):
+    """CUDA-graph times of decode launch shapes (BLOCK_N, BLOCK_K, warps) on Nano's experts."""
+    from triton.testing import do_bench_cudagraph
+
+    from .quantize import quantize
+
+    up = quantize(torch.randn((n_exp, inter, hid), dtype=torch.bfloat16, device="cuda") * 0.02)
+    down = quantize(torch.randn((n_exp, hid, inter), dtype=torch.bfloat16, device="cuda") * 0.02)
+    out = []
+    for t in tokens:
+        h = torch.randn((t, hid), dtype=torch.bfloat16, device="cuda")
+        ids = torch.rand((t, n_exp), device="cuda").topk(top_k, dim=-1).indices
+        w = torch.rand((t, top_k), device="cuda")
+        ref = moe_experts(h, ids, w, up, down, backend="torch").float()
+        for bn, bk, nw in shapes:
+            cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=3)
+            row = {"tokens": t, **cfg}
+            try:
+                err = (moe_experts(h, ids, w, up, down, cfg=cfg).float() - ref).norm() / ref.norm()
+                if not float(err) < 1e-2:  # a launch shape must be right before it is fast
+                    raise ArithmeticError(f"relative error {float(err):.3g}")
+                row["ms"] = do_bench_cudagraph(lambda: moe_experts(h, ids, w, up, down, cfg=cfg), rep=30,
+                                               return_mode="median")
+            except Exception as exc:  # noqa: BLE001 -- e.g. out of shared memory
+                row.update(ms=None, error=f"{type(exc).__name__}: {exc}"[:160])
+            out.append(row)
+    return out
+
+
+def pick(rows) -> dict:
+    """The MOE_DECODE entry with the smallest summed sweep time."""
+    totals = {}
+    for r in rows:
+        key = (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"])
+        totals[key] = totals.get(key, 0.0) + (r["ms"] if r["ms"] is not None else float("inf"))
+    bn, bk, nw = min(totals, key=totals.get)
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 3}
 
 
 def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -155,8 +204,8 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     `up_proj.dequantize()` / `down_proj.dequantize()` in the activation dtype).
     """
     n_exp, inter, hid = _check_inputs(hidden_states, top_k_index, top_k_weights, up_proj, down_proj)
-    check_backend(backend, _moe_up_kernel, hidden_states, top_k_index, top_k_weights, up_proj.packed,
-                  down_proj.packed, what=_WHAT)
+    check_backend(backend, _moe_up_kernel, hidden_states, top_k_index, top_k_weights, up_proj.packed.view(torch.int32),
+                  down_proj.packed.view(torch.int32), what=_WHAT)
     dtype = hidden_states.dtype
     if backend == "torch":
         return experts_reference(hidden_states, top_k_index, top_k_weights,
@@ -171,15 +220,18 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     weights = top_k_weights.reshape(-1).to(torch.float32).contiguous()
     a = t * top_k
     cfg = dict(cfg or moe_config(a, n_exp, device))
+    lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(dtype, _moe_up_kernel)
     ieee = dtype == torch.float32
     inter_act = torch.empty((a, inter), dtype=dtype, device=device)
     _moe_up_kernel[(n_exp, triton.cdiv(inter, cfg["BLOCK_N"]))](
-        x, order, offsets, up_proj.packed, up_proj.block_scale.view(torch.uint8), up_proj.global_scale,
-        inter_act, hid, inter, top_k, IEEE=ieee, **cfg, **launch_options())
+        x, order, offsets, up_proj.packed.view(torch.int32), up_proj.block_scale.view(torch.uint8), up_proj.global_scale,
+        inter_act, hid, inter, top_k, IEEE=ieee, LUT=lut,
+        EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=hid % cfg["BLOCK_K"] == 0, **cfg, **launch_options())
     per_slot = torch.empty((a, hid), dtype=torch.float32, device=device)
     _moe_down_kernel[(n_exp, triton.cdiv(hid, cfg["BLOCK_N"]))](
-        inter_act, order, offsets, weights, down_proj.packed, down_proj.block_scale.view(torch.uint8),
-        down_proj.global_scale, per_slot, hid, inter, IEEE=ieee, ACT_DTYPE=_TL_DTYPES[dtype],
+        inter_act, order, offsets, weights, down_proj.packed.view(torch.int32), down_proj.block_scale.view(torch.uint8),
+        down_proj.global_scale, per_slot, hid, inter, IEEE=ieee, LUT=lut,
+        EVEN_N=hid % cfg["BLOCK_N"] == 0, EVEN_K=inter % cfg["BLOCK_K"] == 0, ACT_DTYPE=_TL_DTYPES[dtype],
         **cfg, **launch_options())
     return per_slot.view(t, top_k, hid).sum(dim=1).to(dtype)
 

@@ -3,35 +3,46 @@
 Reference: `fp4kit.formats.nvfp4.quantize` (the contract). This kernel returns the same bytes for
 every input the reference accepts: the same codes, block scales, global scales and 4/6 choices.
 
-Two launches per call, whatever the number of experts:
+Two launches per call, whatever the number of experts (one when the global amax is given, as
+for fused siblings: the member maxima the checks need are then folded in atomically):
 1. `_amax_kernel`: max|w| per batch member (per expert of an [E, N, K] stack), NaN/Inf flagged.
 2. `_quantize_kernel`: each program takes a run of 16-element blocks (the weight is a flat run
    of blocks since K % 16 == 0), computes the block maxima, both 4/6 candidates in registers,
    their squared errors, the choice and the codes, and writes packed bytes and scale bytes.
+   Where a program's blocks lie in one member (always for Nemotron-H's expert shapes), its
+   global scale is one scalar and the path below is chosen once per program.
 
 Why the bytes are the reference's (read with `fp4kit/formats/nvfp4.py` beside this):
 - Every fp32 operation is the reference's, in its order (e.g. `6 * global_scale` rounded before
   `block_amax / (...)`; `x / (float(scale) * global_scale)`, a division by the rounded product).
-- Division: `tl.math.div_rn` for every division by data, per element too (IEEE round-to-nearest;
-  Triton's `/` on fp32 is `div.full.f32`, which is not correctly rounded). Divisions by the
-  constants 6, 1536 and 2688 follow `arith` (`_div_const`): a multiplication by the fp32
-  reciprocal (arith "cuda", ModelOpt on CUDA, the default) or `div_rn` (arith "cpu"). A reciprocal-multiply shortcut
-  with a fallback near E2M1 midpoints was tried and dropped: on bf16 weights about 0.14 % of the
-  quotients land exactly on a midpoint (short mantissas), so most programs fell back.
-- No fused multiply-add: launched with `enable_fp_fusion=False` (`backend.launch_options`;
-  the PTX then holds `mul.rn` / `add.rn`, which ptxas does not contract), so `v * step - x` and
-  the error sums are rounded step by step like torch's.
+- Division by data: correctly rounded. Per element, RN(|x| / step) comes from y = RN(1 / step)
+  (one IEEE division per block and candidate) as q0 = RN(|x| * y), r = fma(-step, q0, |x|)
+  (exact), q = RN(q0 + r * y): Markstein's theorem makes q the correctly rounded quotient while
+  the operands stay normal, which `_fast_range` guarantees (steps in [2^-96, STEP_MAX)) wherever
+  the quotient can reach an E2M1 midpoint; scripts/check_markstein.py checks it against IEEE
+  division for every bf16 mantissa and every fp32 step mantissa, and on 2^28 random fp32 pairs. The block-scale quotients by the
+  member's divisor use the same correction (`_div_by`). Programs whose global scale falls
+  outside that range take `tl.math.div_rn` per element (Triton's `/` on fp32 is
+  `div.full.f32`, which is not correctly rounded). Divisions by the constants 6, 1536 and 2688
+  follow `arith` (`_div_const`): a multiplication by the fp32 reciprocal (arith "cuda",
+  ModelOpt on CUDA, the default) or `div_rn` (arith "cpu").
+- Multiply-adds: only the explicit `tl.fma` above (single rounding is the point there; the
+  E2M1 rounding's two fmas have exact products). Launched with `enable_fp_fusion=False`
+  (`backend.launch_options`; the PTX then holds `mul.rn` / `add.rn`, which ptxas does not
+  contract), so `v * step - x` and the error sums are rounded step by step like torch's.
 - Reductions: maxima are exact in any order; the 4/6 error sum uses the reference's fixed tree
   (`block_sum16`: pairs (i, i+8), (i, i+4), (i, i+2), (i, i+1)), each level a sum over an axis
   of length 2, i.e. exactly one addition per output.
 - E4M3 and E2M1 rounding are written here at bit level (`_e4m3_round`, `_e2m1_round`), not left
   to Triton's float8 cast, so the interpreter and every GPU give the same round-to-nearest-even,
   saturating at 448 (scales are clamped to [2^-9, 448] first, as the reference does).
-Measured on an H200 (benchmarks/results/kernels-h200.json, Nano expert stacks, bf16): 1.41 TB/s
-plain and 0.71 TB/s 4/6 for the two launches (the amax pass alone runs at 4.45 TB/s). The
-quantize kernel is bound by instruction issue: per element and candidate, an IEEE division
-(about 10 issue slots incl. the reciprocal and range check), the E2M1 rounding (7) and the
-squared error (3-4), against ~20 slots per element that would keep pace with 4.25 TB/s.
+Measured on an H200 (benchmarks/results/kernels-h200.json, Nano expert stacks, bf16, CUDA
+graphs): 1.53 TB/s plain and 1.04 TB/s 4/6 for the two launches; 1.77 and 1.11 TB/s for the one
+launch with a given global amax (the copy ceiling is 4.24 TB/s; the amax pass alone takes
+0.29 ms of the plain rule's 1.07). The quantize kernel is bound by instruction issue: its fast
+path is about 35 (plain) and 54 (4/6) SASS instructions per element, and 0.78 ms for 638 M
+elements is ~40 issue slots per element on 132 SMs; 2.5 TB/s would need ~20 slots per element
+including the amax pass, below what the exact per-candidate error sums alone take.
 Known limit shared with nothing real: an fp32 weight so small that its global scale underflows
 (max|w| < ~2e-42) makes the reference produce NaN block scales whose sign bit depends on the
 platform's default NaN; this kernel writes 0x7F there.
@@ -145,6 +156,50 @@ def _e2m1_of_quotient(a, step):
 
 
 @triton.jit
+def _e2m1_of_quotient_fast(a, step, y):
+    """E2M1 value of RN(a / step) from y = RN(1 / step), without a division per element.
+
+    q0 = RN(a * y) is within an ulp of a / step; the residual a - step * q0 is then exact in one
+    fused multiply-add, and q0 + residual * y rounded once is the correctly rounded quotient
+    (Markstein's theorem for a correctly rounded reciprocal). It needs a normal step, and a, q0
+    and the residual away from the subnormal range wherever the quotient can reach an E2M1
+    midpoint (>= 0.25): `_fast_range` admits only steps in [2^-96, STEP_MAX), which keeps every
+    such a >= 2^-98. A quotient too small to matter may come out inexact but stays far below
+    0.25, so its E2M1 value is 0 either way. The rounding needs no clamp: q <= 10 here.
+    """
+    q0 = a * y
+    r = tl.fma(-step, q0, a)
+    q = tl.fma(r, y, q0)
+    # `_e2m1_round` with its additions as fused multiply-adds: e * 2^22 is exact, so each fma
+    # rounds exactly as the addition it replaces.
+    e = tl.maximum(q.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000).to(tl.float32, bitcast=True)
+    v = tl.fma(e, -4194304.0, tl.fma(e, 4194304.0, q))
+    return tl.minimum(v, 6.0)
+
+
+@triton.jit
+def _fast_range(gs_lo, gs_hi, STEP_MAX: tl.constexpr):
+    """True if every step a block can get from global scales in [gs_lo, gs_hi] (block scales
+    lie in [2^-9, 448]) lies in [2^-96, STEP_MAX). The fast quotients are then exact (see
+    `_e2m1_of_quotient_fast`; `_div_by` for the block-scale quotients), and a nonzero |x| never
+    gives a quotient that rounds to zero (STEP_MAX = the input dtype's smallest positive value
+    * 2^150), so a code's sign is simply x < 0."""
+    return (gs_lo * 0.001953125 >= 1.2621774483536189e-29) & (gs_hi * 448.0 < STEP_MAX)
+
+
+@triton.jit
+def _div_by(a, d, y, MARKSTEIN: tl.constexpr):
+    """RN(a / d): with MARKSTEIN, from y = RN(1 / d) (one multiply and two fused multiply-adds,
+    exact while a, d and the quotient stay normal, which `_fast_range` guarantees wherever the
+    quotient can matter); else an IEEE division."""
+    if MARKSTEIN:
+        q0 = a * y
+        return tl.fma(tl.fma(-d, q0, a), y, q0)
+    else:
+        return tl.math.div_rn(a, d)
+
+
+@triton.jit
 def _sq_error(v, step, a, imp, HAS_IMP: tl.constexpr):
     """(E2M1 value * step - |x|)^2 (* importance): |decode(code) * step - x|, the sign cancels."""
     err = v * step - a
@@ -155,17 +210,14 @@ def _sq_error(v, step, a, imp, HAS_IMP: tl.constexpr):
 
 
 @triton.jit
-def _codes(x, pos, v, BLOCKS: tl.constexpr):
-    """Packed bytes [BLOCKS, 4] of 8 elements: sign from `x / step < 0` as the reference (a
-    negative x whose quotient is -0.0 gets code 0), magnitude index from the E2M1 value."""
-    code = _e2m1_index(v) | tl.where((x < 0.0) & pos, 8, 0)
+def _codes(neg, v, BLOCKS: tl.constexpr):
+    """Packed bytes [BLOCKS, 4] of 8 elements: sign from `neg` (the reference's `x / step < 0`:
+    a negative x whose quotient is -0.0 gets code 0), magnitude index from the E2M1 value."""
+    code = _e2m1_index(v) | tl.where(neg, 8, 0)
     even, odd = tl.split(tl.reshape(code, (BLOCKS, 4, 2)))
     return (even | (odd << 4)).to(tl.uint8)
 
 
-# --------------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------------
 @triton.jit
 def _div_const(x, c: tl.constexpr, r, RECIP: tl.constexpr):
     """x / c as fp4kit.formats.arith.div_const: times the fp32 reciprocal r (ModelOpt on CUDA),
@@ -174,6 +226,122 @@ def _div_const(x, c: tl.constexpr, r, RECIP: tl.constexpr):
         return x * r
     else:
         return tl.math.div_rn(x, c)
+
+
+@triton.jit
+def _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo, imp_hi, r6, r1536, r2688,
+               RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr,
+               FAST: tl.constexpr, MARKSTEIN: tl.constexpr, BLOCKS: tl.constexpr):
+    """`_quantize_tile` for one arithmetic path: FAST (reciprocal quotients per element, valid
+    under `_fast_range`) or not (an IEEE division per element); MARKSTEIN: the block-scale
+    quotient by the member's divisor from its reciprocal y_den (a uniform g under FAST)."""
+    if RULE_4O6:
+        gs = _div_const(g, 1536.0, r1536, RECIP)  # g / (6 * 256)
+        g6 = _div_const(g, 6.0, r6, RECIP)
+        # static_block_scale(a * mult, g, 256): s = a*mult/6; s==0 -> 1; e4m3(clamp(s*256/(g/6)))
+        s6 = _div_const(block_amax, 6.0, r6, RECIP)
+        s4 = _div_const(block_amax * 1.5, 6.0, r6, RECIP)
+        s6 = tl.where(s6 == 0.0, 1.0, s6)
+        s4 = tl.where(s4 == 0.0, 1.0, s4)
+        scale6 = _clamped_scale(_div_by(s6 * 256.0, g6, y_den, MARKSTEIN))
+        scale4 = _clamped_scale(_div_by(s4 * 256.0, g6, y_den, MARKSTEIN))
+        step6 = scale6 * gs
+        step4 = scale4 * gs
+        if FAST:
+            y6 = tl.math.div_rn(1.0, step6)
+            y4 = tl.math.div_rn(1.0, step4)
+            v6_lo = _e2m1_of_quotient_fast(a_lo, step6, y6)
+            v6_hi = _e2m1_of_quotient_fast(a_hi, step6, y6)
+            v4_lo = _e2m1_of_quotient_fast(a_lo, step4, y4)
+            v4_hi = _e2m1_of_quotient_fast(a_hi, step4, y4)
+        else:
+            v6_lo, p6_lo = _e2m1_of_quotient(a_lo, step6)
+            v6_hi, p6_hi = _e2m1_of_quotient(a_hi, step6)
+            v4_lo, p4_lo = _e2m1_of_quotient(a_lo, step4)
+            v4_hi, p4_hi = _e2m1_of_quotient(a_hi, step4)
+        err6 = _block_sum16(_sq_error(v6_lo, step6, a_lo, imp_lo, HAS_IMP),
+                            _sq_error(v6_hi, step6, a_hi, imp_hi, HAS_IMP), BLOCKS)
+        err4 = _block_sum16(_sq_error(v4_lo, step4, a_lo, imp_lo, HAS_IMP),
+                            _sq_error(v4_hi, step4, a_hi, imp_hi, HAS_IMP), BLOCKS)
+        choose4 = (err4 < err6) & live  # strict: a tie keeps 6
+        scale = tl.where(choose4, scale4, scale6)
+        v_lo = tl.where(choose4, v4_lo, v6_lo)
+        v_hi = tl.where(choose4, v4_hi, v6_hi)
+        if FAST:  # every quotient of a nonzero |x| is > 0 here (`_fast_range`)
+            neg_lo = x_lo < 0.0
+            neg_hi = x_hi < 0.0
+        else:
+            neg_lo = (x_lo < 0.0) & tl.where(choose4, p4_lo, p6_lo)
+            neg_hi = (x_hi < 0.0) & tl.where(choose4, p4_hi, p6_hi)
+    else:
+        gs = _div_const(g, 2688.0, r2688, RECIP)  # g / (6 * 448)
+        s = _div_by(block_amax, 6.0 * gs, y_den, MARKSTEIN)  # 6 * gs rounded first
+        s = tl.where(s == 0.0, 1.0, s)
+        scale = _clamped_scale(s)
+        step = scale * gs
+        if FAST:
+            y = tl.math.div_rn(1.0, step)
+            v_lo = _e2m1_of_quotient_fast(a_lo, step, y)
+            v_hi = _e2m1_of_quotient_fast(a_hi, step, y)
+            neg_lo = x_lo < 0.0
+            neg_hi = x_hi < 0.0
+        else:
+            v_lo, pos_lo = _e2m1_of_quotient(a_lo, step)
+            v_hi, pos_hi = _e2m1_of_quotient(a_hi, step)
+            neg_lo = (x_lo < 0.0) & pos_lo
+            neg_hi = (x_hi < 0.0) & pos_hi
+        choose4 = (block_amax < 0.0) & live  # all False, one per block
+    # All-zero member: scales 1.0 and global scale 1.0; its elements are 0, so the codes are 0
+    # whichever step they were divided by.
+    scale = tl.where(zero, 1.0, scale)
+    code_lo = _codes(neg_lo, v_lo, BLOCKS)
+    code_hi = _codes(neg_hi, v_hi, BLOCKS)
+    return code_lo, code_hi, _e4m3_code(scale).to(tl.uint8), choose4, tl.where(zero, 1.0, gs + 0.0 * block_amax)
+
+
+@triton.jit
+def _quantize_tile(x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688,
+                   RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr,
+                   UNIFORM: tl.constexpr, STEP_MAX: tl.constexpr, BLOCKS: tl.constexpr):
+    """Quantizes BLOCKS 16-element blocks, held as two rows of 8 (elements 0-7 in x_lo, 8-15 in
+    x_hi; fp32), g the global amax of the blocks' member: a scalar if UNIFORM (all blocks of the
+    tile in one member), else one per block ([BLOCKS, 1]).
+
+    Returns packed bytes (lo, hi: [BLOCKS, 4] each), E4M3 scale bytes, the 4/6 choice and the
+    global scale ([BLOCKS, 1] each, the last one a scalar if UNIFORM). A thread owns whole
+    blocks, so block maxima, error sums and packing never cross threads, and the first level
+    of the error tree (i, i+8) is one add. Which arithmetic path runs is decided once per tile
+    from the global scale(s) (`_fast_range`); every path gives the reference's bytes.
+    """
+    a_lo = tl.abs(x_lo)
+    a_hi = tl.abs(x_hi)
+    block_amax = tl.max(tl.maximum(a_lo, a_hi), axis=1, keep_dims=True)  # exact in any order
+    g_b = g + 0.0 * block_amax  # per block (g may be one scalar)
+    zero = g_b == 0.0  # all-zero tensor/expert: global scale 1, block scales 1, codes 0
+    live = g_b != 0.0
+    g = tl.where(g == 0.0, 1.0, g)
+    if RULE_4O6:
+        gs_check = _div_const(g, 1536.0, r1536, RECIP)
+        den = _div_const(g, 6.0, r6, RECIP)
+    else:
+        gs_check = _div_const(g, 2688.0, r2688, RECIP)
+        den = 6.0 * gs_check
+    if UNIFORM:
+        if _fast_range(gs_check, gs_check, STEP_MAX):
+            y_den = tl.math.div_rn(1.0, den)
+            out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo, imp_hi,
+                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True, True, BLOCKS)
+        else:
+            out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, den, zero, live, imp_lo, imp_hi,
+                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, False, False, BLOCKS)
+    else:
+        if _fast_range(tl.min(gs_check), tl.max(gs_check), STEP_MAX):
+            out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, den, zero, live, imp_lo, imp_hi,
+                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True, False, BLOCKS)
+        else:
+            out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, den, zero, live, imp_lo, imp_hi,
+                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, False, False, BLOCKS)
+    return out
 
 
 @triton.jit
@@ -192,92 +360,100 @@ def _amax_kernel(w_ptr, part_ptr, per_batch, chunk, n_chunks, BLOCK: tl.constexp
 
 
 @triton.jit
+def _load_blocks(w_ptr, blk, ok):
+    """Elements 0-7 and 8-15 of the blocks `blk` ([BLOCKS, 1]) as fp32 [BLOCKS, 8] each."""
+    j = tl.arange(0, 8)[None, :]
+    x_lo = tl.load(w_ptr + blk * 16 + j, mask=ok, other=0.0).to(tl.float32)
+    x_hi = tl.load(w_ptr + blk * 16 + 8 + j, mask=ok, other=0.0).to(tl.float32)
+    return x_lo, x_hi
+
+
+@triton.jit
+def _nan_max(x_lo, x_hi):
+    """max|x| over a tile with NaN counted as +Inf ([BLOCKS, 1])."""
+    m = tl.maximum(tl.where(x_lo == x_lo, tl.abs(x_lo), float("inf")),
+                   tl.where(x_hi == x_hi, tl.abs(x_hi), float("inf")))
+    return tl.max(m, axis=1, keep_dims=True)
+
+
+@triton.jit
+def _store_tile(packed_ptr, scale_ptr, choice_ptr, blk, ok, code_lo, code_hi, scale_code, choose4,
+                WRITE_CHOICE: tl.constexpr):
+    out = packed_ptr + blk * 8 + tl.arange(0, 4)[None, :]
+    tl.store(out, code_lo, mask=ok)
+    tl.store(out + 4, code_hi, mask=ok)
+    tl.store(scale_ptr + blk, scale_code, mask=ok)
+    if WRITE_CHOICE:
+        tl.store(choice_ptr + blk, choose4.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _load_importance(imp_ptr, member, blk, ok, blocks_per_row, imp_stride, HAS_IMP: tl.constexpr):
+    imp_lo = 0.0
+    imp_hi = 0.0
+    if HAS_IMP:
+        j = tl.arange(0, 8)[None, :]
+        imp_at = imp_ptr + member * imp_stride + (blk % blocks_per_row) * 16 + j
+        imp_lo = tl.load(imp_at, mask=ok, other=0.0)
+        imp_hi = tl.load(imp_at + 8, mask=ok, other=0.0)
+    return imp_lo, imp_hi
+
+
+@triton.jit
 def _quantize_kernel(
-    w_ptr, g_ptr, imp_ptr, packed_ptr, scale_ptr, gs_ptr, choice_ptr,
+    w_ptr, g_ptr, own_ptr, imp_ptr, packed_ptr, scale_ptr, gs_ptr, choice_ptr,
     n_blocks, blocks_per_member, blocks_per_row, imp_stride, r6, r1536, r2688,
     RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr, WRITE_CHOICE: tl.constexpr,
-    ONE_MEMBER: tl.constexpr, OFFSET_DTYPE: tl.constexpr, BLOCKS: tl.constexpr,
+    OWN_MAX: tl.constexpr, MEMBERS: tl.constexpr, OFFSET_DTYPE: tl.constexpr,
+    STEP_MAX: tl.constexpr, BLOCKS: tl.constexpr,
 ):
-    """Quantizes BLOCKS consecutive 16-element blocks of the flattened weight.
+    """Quantizes BLOCKS consecutive 16-element blocks of the flattened weight, with the global
+    amax of each member read from g_ptr.
 
     K % 16 == 0, so the weight is a flat run of blocks: block b holds elements 16b..16b+15 and
-    owns packed bytes 8b..8b+7 and scale byte b. Each block is held as two rows of 8 (its
-    elements 0-7 and 8-15): a thread owns whole blocks, so block maxima, error sums and packing
-    never cross threads, and the first level of the error tree (i, i+8) is one vector add.
-    Per-block values stay [BLOCKS, 1] so they share the element tiles' register layout.
+    owns packed bytes 8b..8b+7 and scale byte b. MEMBERS: 0 = one member, 1 = members of a
+    multiple of BLOCKS blocks (a program's blocks lie in one member: its global amax is one
+    scalar), 2 = any (a member per block). With OWN_MAX, the program also folds max|x| of its
+    blocks into own_ptr[member] (atomic max; NaN as +Inf), the member maxima the caller checks
+    a given global amax against, so the weight is read once.
     """
     pid = tl.program_id(0)
     blk = (pid * BLOCKS + tl.arange(0, BLOCKS)[:, None]).to(OFFSET_DTYPE)  # [BLOCKS, 1]
     ok = blk < n_blocks
-    j = tl.arange(0, 8)[None, :]
-    x_lo = tl.load(w_ptr + blk * 16 + j, mask=ok, other=0.0).to(tl.float32)
-    x_hi = tl.load(w_ptr + blk * 16 + 8 + j, mask=ok, other=0.0).to(tl.float32)
-    a_lo = tl.abs(x_lo)
-    a_hi = tl.abs(x_hi)
-    block_amax = tl.max(tl.maximum(a_lo, a_hi), axis=1, keep_dims=True)  # exact in any order
-
-    if ONE_MEMBER:
-        member = blk * 0
-    else:
+    x_lo, x_hi = _load_blocks(w_ptr, blk, ok)
+    if MEMBERS == 2:
         member = blk // blocks_per_member
-    g = tl.load(g_ptr + member, mask=ok, other=1.0)  # global amax of the block's batch member
-    zero = g == 0.0  # all-zero tensor/expert: global scale 1, block scales 1, codes 0
-    g = tl.where(zero, 1.0, g)
-
-    imp_lo = 0.0
-    imp_hi = 0.0
-    if HAS_IMP:
-        imp_at = imp_ptr + member * imp_stride + (blk % blocks_per_row) * 16 + j
-        imp_lo = tl.load(imp_at, mask=ok, other=0.0)
-        imp_hi = tl.load(imp_at + 8, mask=ok, other=0.0)
-
-    if RULE_4O6:
-        gs = _div_const(g, 1536.0, r1536, RECIP)  # g / (6 * 256)
-        g6 = _div_const(g, 6.0, r6, RECIP)
-        # static_block_scale(a * mult, g, 256): s = a*mult/6; s==0 -> 1; e4m3(clamp(s*256/(g/6)))
-        s6 = _div_const(block_amax, 6.0, r6, RECIP)
-        s4 = _div_const(block_amax * 1.5, 6.0, r6, RECIP)
-        s6 = tl.where(s6 == 0.0, 1.0, s6)
-        s4 = tl.where(s4 == 0.0, 1.0, s4)
-        scale6 = _clamped_scale(tl.math.div_rn(s6 * 256.0, g6))
-        scale4 = _clamped_scale(tl.math.div_rn(s4 * 256.0, g6))
-        step6 = scale6 * gs
-        step4 = scale4 * gs
-        v6_lo, p6_lo = _e2m1_of_quotient(a_lo, step6)
-        v6_hi, p6_hi = _e2m1_of_quotient(a_hi, step6)
-        v4_lo, p4_lo = _e2m1_of_quotient(a_lo, step4)
-        v4_hi, p4_hi = _e2m1_of_quotient(a_hi, step4)
-        err6 = _block_sum16(_sq_error(v6_lo, step6, a_lo, imp_lo, HAS_IMP),
-                            _sq_error(v6_hi, step6, a_hi, imp_hi, HAS_IMP), BLOCKS)
-        err4 = _block_sum16(_sq_error(v4_lo, step4, a_lo, imp_lo, HAS_IMP),
-                            _sq_error(v4_hi, step4, a_hi, imp_hi, HAS_IMP), BLOCKS)
-        choose4 = (err4 < err6) & ~zero  # strict: a tie keeps 6
-        scale = tl.where(choose4, scale4, scale6)
-        pos_lo = tl.where(choose4, p4_lo, p6_lo)
-        pos_hi = tl.where(choose4, p4_hi, p6_hi)
-        v_lo = tl.where(choose4, v4_lo, v6_lo)
-        v_hi = tl.where(choose4, v4_hi, v6_hi)
+        g = tl.load(g_ptr + member, mask=ok, other=1.0)  # global amax of the block's member
+        uniform: tl.constexpr = False
     else:
-        gs = _div_const(g, 2688.0, r2688, RECIP)  # g / (6 * 448)
-        s = tl.math.div_rn(block_amax, 6.0 * gs)  # 6 * gs rounded first
-        s = tl.where(s == 0.0, 1.0, s)
-        scale = _clamped_scale(s)
-        step = scale * gs
-        v_lo, pos_lo = _e2m1_of_quotient(a_lo, step)
-        v_hi, pos_hi = _e2m1_of_quotient(a_hi, step)
-        choose4 = zero & ~zero  # all False, one per block
-    # All-zero member: scales 1.0 and global scale 1.0; its elements are 0, so the codes are 0
-    # whichever step they were divided by.
-    scale = tl.where(zero, 1.0, scale)
-    gs = tl.where(zero, 1.0, gs)
-
-    out = packed_ptr + blk * 8 + tl.arange(0, 4)[None, :]
-    tl.store(out, _codes(x_lo, pos_lo, v_lo, BLOCKS), mask=ok)
-    tl.store(out + 4, _codes(x_hi, pos_hi, v_hi, BLOCKS), mask=ok)
-    tl.store(scale_ptr + blk, _e4m3_code(scale).to(tl.uint8), mask=ok)
-    if WRITE_CHOICE:
-        tl.store(choice_ptr + blk, choose4.to(tl.uint8), mask=ok)
-    tl.store(gs_ptr + member, gs, mask=ok & (blk % blocks_per_member == 0))
+        if MEMBERS == 0:
+            member = pid * 0
+        else:
+            member = pid // (blocks_per_member // BLOCKS)
+        g = tl.load(g_ptr + member)
+        uniform: tl.constexpr = True
+    imp_lo, imp_hi = _load_importance(imp_ptr, member, blk, ok, blocks_per_row, imp_stride, HAS_IMP)
+    code_lo, code_hi, scale_code, choose4, gs = _quantize_tile(
+        x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, uniform,
+        STEP_MAX, BLOCKS)
+    _store_tile(packed_ptr, scale_ptr, choice_ptr, blk, ok, code_lo, code_hi, scale_code, choose4,
+                WRITE_CHOICE)
+    if MEMBERS == 2:
+        tl.store(gs_ptr + member, gs, mask=ok & (blk % blocks_per_member == 0))
+    else:  # the member's first program writes its global scale
+        first = (blk - pid * BLOCKS + pid % (blocks_per_member // BLOCKS)) == 0
+        tl.store(gs_ptr + member + blk * 0, gs, mask=first)
+    if OWN_MAX:
+        m = _nan_max(x_lo, x_hi)
+        if MEMBERS == 2:
+            first = (pid * BLOCKS).to(OFFSET_DTYPE) // blocks_per_member
+            last = tl.minimum(pid * BLOCKS + BLOCKS, n_blocks).to(OFFSET_DTYPE) - 1
+            if first == last // blocks_per_member:
+                tl.atomic_max(own_ptr + first, tl.max(m), sem="relaxed")
+            else:
+                tl.atomic_max(own_ptr + member, m, mask=ok, sem="relaxed")
+        else:
+            tl.atomic_max(own_ptr + member, tl.max(m), sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,41 +502,57 @@ def member_amax(w: torch.Tensor) -> torch.Tensor:
     return part.amax(dim=1).reshape(batch)
 
 
+# Smallest positive value of each input dtype: with steps below its 2^150 multiple, no nonzero
+# |x| has a quotient that rounds to zero (see `_fast_range`).
+_STEP_MAX = {torch.bfloat16: 2.0**17, torch.float16: 2.0**126, torch.float32: 2.0}
+
+
 def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = None,
            importance: torch.Tensor | None = None, return_choice: bool = False,
            arith: str = DEFAULT_ARITH):
-    """The two launches and nothing else: no validation, no host synchronisation.
+    """The launches and nothing else: no validation, no host synchronisation.
 
     w contiguous, already validated; global_amax None or an fp32 tensor of the batch shape;
     importance None or fp32 [1 or batch members, K]. Returns (NVFP4Tensor, choice uint8 or None,
     own max|w| per member). `quantize` is this plus the reference's checks.
+
+    With a given global amax one launch reads the weight once (the member maxima for the checks
+    are folded in atomically); otherwise a max pass runs first and the weight is read twice.
     """
     k = w.shape[-1]
     n = w.shape[-2] if w.dim() >= 2 else 1
     batch = tuple(w.shape[:-2])
-    own = member_amax(w)
-    g = (own if global_amax is None else global_amax).reshape(-1)
+    n_blocks = w.numel() // NVFP4_BLOCK_SIZE
+    blocks_per_row = k // NVFP4_BLOCK_SIZE
+    blocks_per_member = n * blocks_per_row
+    n_members = max(1, n_blocks // blocks_per_member)
     if importance is not None:
         imp, imp_stride = importance, (0 if importance.shape[0] == 1 else k)
     else:
-        imp, imp_stride = g, 0  # unused
+        imp, imp_stride = w, 0  # unused
     packed = torch.empty((*w.shape[:-1], k // 2), dtype=torch.uint8, device=w.device)
     scale = torch.empty((*w.shape[:-1], k // NVFP4_BLOCK_SIZE), dtype=torch.uint8, device=w.device)
     gs = torch.empty(batch, dtype=torch.float32, device=w.device)
     choice = torch.empty(scale.shape, dtype=torch.uint8, device=w.device) if return_choice else scale
-    n_blocks = w.numel() // NVFP4_BLOCK_SIZE
-    blocks_per_row = k // NVFP4_BLOCK_SIZE
-    blocks = TUNING["blocks"]
-    _quantize_kernel[(triton.cdiv(n_blocks, blocks),)](
-        w, g, imp, packed, scale, gs, choice, n_blocks, n * blocks_per_row, blocks_per_row, imp_stride,
-        fp32_reciprocal(6.0), fp32_reciprocal(1536.0), fp32_reciprocal(2688.0),
-        RECIP=arith == "cuda", RULE_4O6=scale_rule == "4o6", HAS_IMP=importance is not None, WRITE_CHOICE=return_choice,
-        ONE_MEMBER=len(batch) == 0 or n_blocks == n * blocks_per_row,
-        OFFSET_DTYPE=tl.int32 if w.numel() < 2**31 - 2**20 else tl.int64,
-        BLOCKS=blocks, num_warps=TUNING["num_warps"], **launch_options(),
-    )
+    offset_dtype = tl.int32 if w.numel() < 2**31 - 2**20 else tl.int64
+    consts = dict(RECIP=arith == "cuda", RULE_4O6=scale_rule == "4o6", HAS_IMP=importance is not None,
+                  WRITE_CHOICE=return_choice, OFFSET_DTYPE=offset_dtype,
+                  STEP_MAX=_STEP_MAX[w.dtype], BLOCKS=TUNING["blocks"])
+    recips = (fp32_reciprocal(6.0), fp32_reciprocal(1536.0), fp32_reciprocal(2688.0))
+    opts = dict(num_warps=TUNING["num_warps"], **launch_options())
+    if global_amax is None:
+        own = member_amax(w).reshape(-1)
+        g, own_max = own, False
+    else:
+        own = torch.zeros(n_members, dtype=torch.float32, device=w.device)
+        g, own_max = global_amax.reshape(-1), True
+    _quantize_kernel[(triton.cdiv(n_blocks, consts["BLOCKS"]),)](
+        w, g, own, imp, packed, scale, gs, choice, n_blocks, blocks_per_member, blocks_per_row,
+        imp_stride, *recips, OWN_MAX=own_max,
+        MEMBERS=0 if n_members == 1 else (1 if blocks_per_member % consts["BLOCKS"] == 0 else 2),
+        **consts, **opts)
     qt = nvfp4.NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs)
-    return qt, (choice if return_choice else None), own
+    return qt, (choice if return_choice else None), own.reshape(batch)
 
 
 def quantize(
@@ -422,8 +614,9 @@ assert (BLOCK_SCALE_MIN, BLOCK_SCALE_MAX, E4M3_MIN_NORMAL) == (2.0**-9, 448.0, 2
 # --------------------------------------------------------------------------------------------
 def bench(shapes=((128, 1856, 2688), (128, 2688, 1856), (8192, 8192)), dtype=torch.bfloat16):
     """Median times and achieved bandwidth (weight bytes in + packed bytes out) per shape and
-    rule: the whole `quantize` call (eager, with its checks), and its two launches alone
-    (`launch`, replayed from a CUDA graph)."""
+    rule: the whole `quantize` call (eager, with its checks), its two launches alone (`launch`,
+    replayed from a CUDA graph), and the one launch with a given global amax (fused siblings,
+    or a stack whose amax is known), side by side."""
     from triton.testing import do_bench, do_bench_cudagraph
 
     rows = []
@@ -440,9 +633,14 @@ def bench(shapes=((128, 1856, 2688), (128, 2688, 1856), (8192, 8192)), dtype=tor
             ms_k = do_bench_cudagraph(lambda: launch(w, rule), rep=100, return_mode="median")
             row[f"ms_kernels_{rule}"] = ms_k
             row[f"tbps_kernels_{rule}"] = traffic / (ms_k * 1e-3) / 1e12
-        # The amax pass alone (it reads the weight once more; the quantize kernel is the rest).
+            g = member_amax(w)
+            ms_g = do_bench_cudagraph(lambda: launch(w, rule, global_amax=g), rep=100, return_mode="median")
+            row[f"ms_given_amax_{rule}"] = ms_g
+            row[f"tbps_given_amax_{rule}"] = traffic / (ms_g * 1e-3) / 1e12
+        # The max pass alone (it reads the weight once more in the two-pass path).
         row["ms_amax_pass"] = do_bench_cudagraph(lambda: member_amax(w), rep=100, return_mode="median")
         row["ratio_4o6_to_plain"] = row["ms_4o6"] / row["ms_6"]
+        row["ratio_4o6_to_plain_kernels"] = row["ms_kernels_4o6"] / row["ms_kernels_6"]
         rows.append(row)
         del w
     return rows

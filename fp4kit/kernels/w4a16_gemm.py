@@ -8,24 +8,32 @@ registers and is the reference's arithmetic exactly (see `_dequant_tile`): every
 sees is `W.dequantize()` rounded to the activation dtype; `dequantize(..., backend="triton")` runs
 the same helper and writes the tile out, so tests compare it bit for bit.
 
-The dot is computed transposed, acc[N, M] = W_tile @ x_tile^T: at decode sizes (M = 1..16) the
-weight fills the matrix unit's 64-row side (wgmma with A in registers on Hopper) and the few
-tokens its narrow side, instead of padding M to 64. The next weight tile is loaded while the
-current one is dequantized. Split-K (partials in fp32, summed in a fixed order by a second
-kernel) keeps the GPU full when N / BLOCK_N alone is too few programs. Above LARGE_M rows the
-weight is dequantized once by the same helper and multiplied by torch.matmul.
+Dequantization to bf16/fp16 is a per-block table of the 8 magnitudes applied with byte permutes
+(`_dequant_tile_lut`, inline PTX, about 2 instructions per weight); fp32 activations and
+Triton's interpreter use the arithmetic form (`_dequant_tile_arith`), the same values.
 
-Measured on an H200 (benchmarks/results/kernels-h200.json): the fused kernel is bound by
-instruction issue, not memory: about 11 SASS instructions per weight in its main loop (nibble
-to fp32 bits, two fp32 multiplies for the exact product, the bf16 conversion), i.e. >= 22 us of
-issue for an 8192 x 8192 weight against 9 us of memory traffic; M = 1 runs at 0.84x bf16.
-A per-block lookup table applied with byte permutes (4 weights per instruction, inline PTX)
-is the known way past this; it needs a GPU to develop and is not done.
+One row (M = 1, `GEMV`) runs on the CUDA cores (`_gemv_kernel`): one fp32 fma per weight into a
+[BLOCK_N, BLOCK_K] accumulator, no shared-memory round trip. More rows use the matrix units:
+the dot is computed transposed, acc[N, M] = W_tile @ x_tile^T: at decode sizes (M <= 16) the
+weight fills the matrix unit's 64-row side (wgmma) and the few tokens its narrow side, instead
+of padding M to 64. The next weight tile is loaded while the current one is dequantized.
+Split-K (partials in fp32, summed in a fixed order by a second kernel) keeps the GPU full when
+N / BLOCK_N alone is too few programs. Above LARGE_M rows the weight is dequantized once by the
+same helper and multiplied by torch.matmul.
+
+Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
+the bf16 weight): M = 1: 1.26x on 8192 x 8192, 1.40x on 28672 x 8192, 1.13-1.27x on the Nano
+shapes; M = 4-16: 0.83-1.26x; M = 64: 0.52-0.87x. The weight bytes are 3.5x fewer than bf16's,
+but neither path reaches the memory bound: 8192 x 8192 at M = 1 takes 26.7 us for 37.7 MB
+(1.4 TB/s). The matrix-unit path spends ~7 SASS instructions per weight in its main loop
+(table dequantization, the register-to-shared-memory staging of the tile, address and mask
+arithmetic); the CUDA-core path ~7.5 per weight for one row and its time doubles per extra row.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import triton
@@ -35,7 +43,7 @@ from fp4kit.formats import nvfp4
 from fp4kit.formats.constants import NVFP4_BLOCK_SIZE
 from fp4kit.formats.errors import FormatError
 
-from .backend import check_backend, launch_options
+from .backend import check_backend, interpreted, launch_options
 
 _WHAT = "kernels.w4a16_matmul"
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -65,61 +73,187 @@ def _e2m1_bits(packed, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _dequant_tile(packed, scale_code, gs, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K/2] packed bytes + [BLOCK_N, BLOCK_K/16] scale bytes -> fp32 weights.
+def _dequant_tile_arith(words, scale_code, gs, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K/8] packed words (4 bytes, 8 codes each, little-endian: code i of the
+    word in bits 4i..4i+3) + [BLOCK_N, BLOCK_K/16] scale bytes -> fp32 weights [BLOCK_N, BLOCK_K].
 
-    Returns (even, odd): the elements at K offsets 0, 2, 4, ... and 1, 3, 5, ... of the tile.
     Each value is RN(e2m1 * (float(scale) * gs)), the reference's fp32 product: (bits * 2^126)
     is the E2M1 value exactly (scaling by a power of two; subnormals are kept, no flush-to-zero
     in these kernels), then one rounded multiply by the block's step.
     """
-    p = packed.to(tl.int32)
+    codes = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    values = _e2m1_bits(codes, 0) * 8.507059173023462e37  # 2^126
     step = _e4m3_decode(scale_code.to(tl.int32)) * gs  # float(scale) * global_scale, fp32
-    step = tl.reshape(step, (BLOCK_N, BLOCK_K // 16, 1))
-    lo = tl.reshape(_e2m1_bits(p, 0) * 8.507059173023462e37, (BLOCK_N, BLOCK_K // 16, 8))  # 2^126
-    hi = tl.reshape(_e2m1_bits(p, 4) * 8.507059173023462e37, (BLOCK_N, BLOCK_K // 16, 8))
-    even = tl.reshape(lo * step, (BLOCK_N, BLOCK_K // 2))
-    odd = tl.reshape(hi * step, (BLOCK_N, BLOCK_K // 2))
-    return even, odd
+    w = tl.reshape(values, (BLOCK_N, BLOCK_K // 16, 16)) * tl.reshape(step, (BLOCK_N, BLOCK_K // 16, 1))
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+# Per-block tables of the 8 magnitudes RN16(RN32(e2m1 * step)), e2m1 in {0, .5, 1, 1.5, 2, 3, 4, 6}
+# ($4 = step): the high bytes of entries 0-3 ($0) and 4-7 ($1), the low bytes of 0-3 ($2) and
+# 4-7 ($3). Each product is the reference's rounded fp32 product; cvt.rn rounds to the 16-bit
+# type as torch's cast does (cvt.rn.T.f32 d, a, b puts a in the high half).
+_LUT_ASM_TEMPLATE = """
+{
+.reg .f32 m1, m3, m4, m5, m6, m7;
+.reg .b32 p01, p23, p45, p67;
+mul.rn.f32 m1, $4, 0f3F000000;
+mul.rn.f32 m3, $4, 0f3FC00000;
+mul.rn.f32 m4, $4, 0f40000000;
+mul.rn.f32 m5, $4, 0f40400000;
+mul.rn.f32 m6, $4, 0f40800000;
+mul.rn.f32 m7, $4, 0f40C00000;
+cvt.rn.CVT.f32 p01, m1, 0f00000000;
+cvt.rn.CVT.f32 p23, m3, $4;
+cvt.rn.CVT.f32 p45, m5, m4;
+cvt.rn.CVT.f32 p67, m7, m6;
+prmt.b32 $0, p01, p23, 0x7531;
+prmt.b32 $1, p45, p67, 0x7531;
+prmt.b32 $2, p01, p23, 0x6420;
+prmt.b32 $3, p45, p67, 0x6420;
+}
+"""
+_DEQUANT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 20))
+_LUT_ASM_BF16 = tl.constexpr(_LUT_ASM_TEMPLATE.replace("CVT", "bf16x2"))
+_LUT_ASM_F16 = tl.constexpr(_LUT_ASM_TEMPLATE.replace("CVT", "f16x2"))
+
+# Dequantization of one packed word ($4: 8 codes) by byte permutes: 2 instructions per weight.
+# The asm runs on 4 copies of each input (pack=4; $4-$7 the word, $8-$11, $12-$15, $16-$19,
+# $20-$23 the word's block tables: high bytes of entries 0-3 and 4-7, low bytes of 0-3 and 4-7)
+# and reads the first. Outputs, two 16-bit values per register in K order: $0, $1 the codes of
+# bytes 0-1 (K offsets 0-3), $2, $3 those of bytes 2-3 (K offsets 4-7).
+# - prmt with selector nibbles code & 7 picks each code's table byte (high and low);
+# - the sign: prmt over bytes {0x00 x4, 0x80 x4} with the selector (codes >> 1) picks 0x80 where
+#   the code's bit 3 is set (the nibble's top bit then lands on the replicate-sign mode, which
+#   turns 0x80 into 0xFF and leaves 0x00 alone: bit 7 is the sign either way), masked to bit 7
+#   and or-ed into the high byte (-0.0 for code 8, as the reference's -0.0 * step);
+# - prmt interleaves low and high bytes into 16-bit values.
+_DEQUANT_ASM = tl.constexpr("""
+{
+.reg .b32 m, s, ha, la, sa, zero, neg;
+mov.b32 zero, 0;
+mov.b32 neg, 0x80808080;
+and.b32 m, $4, 0x77777777;
+shr.u32 s, $4, 1;
+prmt.b32 ha, $8, $12, m;
+prmt.b32 la, $16, $20, m;
+prmt.b32 sa, zero, neg, s;
+and.b32 sa, sa, 0x80808080;
+or.b32 ha, ha, sa;
+prmt.b32 $0, la, ha, 0x5140;
+prmt.b32 $1, la, ha, 0x7362;
+shr.u32 m, m, 16;
+shr.u32 s, $4, 17;
+prmt.b32 ha, $8, $12, m;
+prmt.b32 la, $16, $20, m;
+prmt.b32 sa, zero, neg, s;
+and.b32 sa, sa, 0x80808080;
+or.b32 ha, ha, sa;
+prmt.b32 $2, la, ha, 0x5140;
+prmt.b32 $3, la, ha, 0x7362;
+}
+""")
 
 
 @triton.jit
-def _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k0, K,
+def _per_word(t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K/16] per-block values -> [BLOCK_N, BLOCK_K/8, 4]: each packed word's
+    block value, 4 times (the 4 bytes the table asm takes at once)."""
+    t = tl.broadcast_to(tl.reshape(t, (BLOCK_N, BLOCK_K // 16, 1, 1)), (BLOCK_N, BLOCK_K // 16, 2, 4))
+    return tl.reshape(t, (BLOCK_N, BLOCK_K // 8, 4))
+
+
+@triton.jit
+def _dequant_tile_lut(words, scale_code, gs, DT: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Packed bytes [BLOCK_N, BLOCK_K/2] and scale bytes [BLOCK_N, BLOCK_K/16] at K offset k0;
-    zeros past K. The mask is on K (a multiple of 16), so whole 16-blocks are in or out and the
-    loads stay vectorized."""
-    half = tl.arange(0, BLOCK_K // 2)
+    """`_dequant_tile_arith` rounded to DT (bf16 or fp16), by per-block tables and byte permutes
+    (inline PTX; CUDA only): the same values, about 2 instructions per weight instead of 11."""
+    step = _e4m3_decode(scale_code.to(tl.int32)) * gs  # float(scale) * global_scale, fp32
+    if DT == tl.bfloat16:
+        h0, h1, l0, l1 = tl.inline_asm_elementwise(
+            _LUT_ASM_BF16, "=r,=r,=r,=r,r", [step], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1)
+    else:
+        h0, h1, l0, l1 = tl.inline_asm_elementwise(
+            _LUT_ASM_F16, "=r,=r,=r,=r,r", [step], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1)
+    # Each word 4 times, so that one asm instance (pack=4) sees one word and writes its 8 values.
+    w4 = tl.broadcast_to(words[:, :, None], (BLOCK_N, BLOCK_K // 8, 4))
+    tables = [w4, _per_word(h0, BLOCK_N, BLOCK_K), _per_word(h1, BLOCK_N, BLOCK_K),
+              _per_word(l0, BLOCK_N, BLOCK_K), _per_word(l1, BLOCK_N, BLOCK_K)]
+    if DT == tl.bfloat16:
+        first, second = tl.inline_asm_elementwise(_DEQUANT_ASM, _DEQUANT_CONSTRAINTS, tables,
+                                                  dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        first, second = tl.inline_asm_elementwise(_DEQUANT_ASM, _DEQUANT_CONSTRAINTS, tables,
+                                                  dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    # first/second hold K offsets 0-3 / 4-7 of each word's run of 8: back to K order.
+    return tl.reshape(tl.permute(tl.join(first, second), (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _dequant_tile(words, scale_code, gs, DT: tl.constexpr, LUT: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] tile in DT: W.dequantize() exactly, rounded to DT."""
+    if LUT:
+        w = _dequant_tile_lut(words, scale_code, gs, DT, BLOCK_N, BLOCK_K)
+    else:
+        w = _dequant_tile_arith(words, scale_code, gs, BLOCK_N, BLOCK_K).to(DT)
+    return w
+
+
+@triton.jit
+def _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k0, K, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """Packed words [BLOCK_N, BLOCK_K/8] (int32: 8 codes each) and scale bytes
+    [BLOCK_N, BLOCK_K/16] at K offset k0; zeros past N and K. The mask is on K (a multiple of
+    16), so whole 16-blocks are in or out and the loads stay vectorized; with EVEN_N / EVEN_K
+    (the tile divides N / K) there is no mask on that side."""
+    word = tl.arange(0, BLOCK_K // 8)
     grp = tl.arange(0, BLOCK_K // 16)
-    col = k0 // 2 + half  # contiguous, compared with K/2: the mask is constant over 8-byte runs
-    packed = tl.load(wq_ptr + n64[:, None] * (K // 2) + col[None, :],
-                     mask=n_ok[:, None] & (col < K // 2)[None, :], other=0)
-    sc = tl.load(ws_ptr + n64[:, None] * (K // 16) + (k0 // 16 + grp)[None, :],
-                 mask=n_ok[:, None] & ((k0 // 16 + grp) < K // 16)[None, :], other=0)
-    return packed, sc
+    col = k0 // 8 + word
+    gcol = k0 // 16 + grp
+    w_at = wq_ptr + n64[:, None] * (K // 8) + col[None, :]
+    s_at = ws_ptr + n64[:, None] * (K // 16) + gcol[None, :]
+    if EVEN_N and EVEN_K:
+        words = tl.load(w_at)
+        sc = tl.load(s_at)
+    elif EVEN_K:
+        words = tl.load(w_at, mask=n_ok[:, None], other=0)
+        sc = tl.load(s_at, mask=n_ok[:, None], other=0)
+    else:
+        words = tl.load(w_at, mask=n_ok[:, None] & (col < K // 8)[None, :], other=0)
+        sc = tl.load(s_at, mask=n_ok[:, None] & (gcol < K // 16)[None, :], other=0)
+    return words, sc
 
 
 @triton.jit
 def _accumulate(acc, x_ptr, x_row, m_ok, wq_ptr, ws_ptr, gs, n64, n_ok, K, k_start, k_end,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, LUT: tl.constexpr,
+                EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     """acc[BLOCK_N, BLOCK_M] += W[n, k_start:k_end] @ x[rows, k_start:k_end]^T.
 
     x_row: [BLOCK_M] int64 element offsets of the activation rows (gathered rows for MoE);
-    wq_ptr / ws_ptr: packed bytes [*, K/2] and scale bytes [*, K/16] of the weight matrix.
+    wq_ptr / ws_ptr: packed words [*, K/8] (int32 view of the packed bytes) and scale bytes
+    [*, K/16] of the weight matrix.
     The next weight tile is loaded before the current one is dequantized (register double
-    buffering: the weight stream is what decode sizes wait on); the last prefetch reads a tile
-    past k_end that is never used. k_end - k_start is a multiple of BLOCK_K or ends at K.
+    buffering: the weight stream is what decode sizes wait on). k_end - k_start is a multiple
+    of BLOCK_K or ends at K; with EVEN_K the last prefetch re-reads the last tile (in bounds,
+    unmasked), else it is masked off past K.
     """
     kk = tl.arange(0, BLOCK_K)
-    packed, sc = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k_start, K, BLOCK_N, BLOCK_K)
+    packed, sc = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k_start, K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        packed_next, sc_next = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k0 + BLOCK_K, K,
-                                                 BLOCK_N, BLOCK_K)
-        x = tl.load(x_ptr + x_row[None, :] + (k0 + kk)[:, None],
-                    mask=m_ok[None, :] & ((k0 + kk) < K)[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
-        even, odd = _dequant_tile(packed, sc, gs, BLOCK_N, BLOCK_K)
-        # Interleave back to K order: each byte's two values sit in the same thread.
-        w = tl.reshape(tl.join(even.to(x.dtype), odd.to(x.dtype)), (BLOCK_N, BLOCK_K))
+        k_next = k0 + BLOCK_K
+        if EVEN_K:
+            k_next = tl.minimum(k_next, k_end - BLOCK_K)
+        packed_next, sc_next = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k_next, K,
+                                                 BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
+        if EVEN_K:
+            x = tl.load(x_ptr + x_row[None, :] + (k0 + kk)[:, None], mask=m_ok[None, :], other=0.0)
+        else:
+            x = tl.load(x_ptr + x_row[None, :] + (k0 + kk)[:, None],
+                        mask=m_ok[None, :] & ((k0 + kk) < K)[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
+        w = _dequant_tile(packed, sc, gs, x.dtype, LUT, BLOCK_N, BLOCK_K)
         if IEEE:
             acc = tl.dot(w, x, acc, input_precision="ieee")
         else:
@@ -134,7 +268,8 @@ def _w4a16_kernel(
     x_ptr, wq_ptr, ws_ptr, gs_ptr, out_ptr,
     M, N, K, stride_xm, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr, LUT: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -148,13 +283,60 @@ def _w4a16_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = _accumulate(acc, x_ptr, m.to(tl.int64) * stride_xm, m_ok, wq_ptr, ws_ptr, tl.load(gs_ptr),
-                      n64, n_ok, K, k_start, k_end, BLOCK_N, BLOCK_K, IEEE)
+                      n64, n_ok, K, k_start, k_end, BLOCK_N, BLOCK_K, IEEE, LUT, EVEN_N, EVEN_K)
     out_off = m[None, :].to(tl.int64) * N + n64[:, None]
     ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT == 1:
         tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(out_ptr + pid_s.to(tl.int64) * M * N + out_off, acc, mask=ok)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, wq_ptr, ws_ptr, gs_ptr, out_ptr,
+    M, N, K, stride_xm, k_per_split,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, LUT: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """y[m] = W @ x[m] for one activation row per program (grid: N tiles, rows, K splits) on the
+    CUDA cores: the dequantized tile (the same values the matrix-unit kernel feeds its dot)
+    times the row, one fp32 fused multiply-add per weight into a [BLOCK_N, BLOCK_K] accumulator,
+    summed over K at the end. No shared memory and no matrix-unit round trip per tile: for one
+    to a few rows this is the cheapest way to stream the weight."""
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    n64 = n.to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    gs = tl.load(gs_ptr)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    packed, sc = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k_start, K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_next = k0 + BLOCK_K
+        if EVEN_K:
+            k_next = tl.minimum(k_next, k_end - BLOCK_K)
+        packed_next, sc_next = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k_next, K,
+                                                 BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
+        if EVEN_K:
+            x = tl.load(x_row + k0 + kk)
+        else:
+            x = tl.load(x_row + k0 + kk, mask=(k0 + kk) < K, other=0.0)
+        w = _dequant_tile(packed, sc, gs, x.dtype, LUT, BLOCK_N, BLOCK_K)
+        acc = tl.fma(w.to(tl.float32), x.to(tl.float32)[None, :], acc)
+        packed = packed_next
+        sc = sc_next
+    y = tl.sum(acc, axis=1)
+    out_off = row.to(tl.int64) * N + n64
+    if SPLIT == 1:
+        tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(out_ptr + pid_s.to(tl.int64) * M * N + out_off, y, mask=n_ok)
 
 
 @triton.jit
@@ -169,7 +351,7 @@ def _splitk_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
-def _dequantize_kernel(wq_ptr, ws_ptr, gs_ptr, out_ptr, N, K,
+def _dequantize_kernel(wq_ptr, ws_ptr, gs_ptr, out_ptr, N, K, LUT: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Writes the tiles `_w4a16_kernel` feeds to its dot (same loads, same helper, same
     interleave), in the output's dtype."""
@@ -177,10 +359,8 @@ def _dequantize_kernel(wq_ptr, ws_ptr, gs_ptr, out_ptr, N, K,
     k0 = tl.program_id(1) * BLOCK_K
     n_ok = n < N
     n64 = n.to(tl.int64)
-    packed, sc = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k0, K, BLOCK_N, BLOCK_K)
-    even, odd = _dequant_tile(packed, sc, tl.load(gs_ptr), BLOCK_N, BLOCK_K)
-    dt = out_ptr.dtype.element_ty
-    w = tl.reshape(tl.join(even.to(dt), odd.to(dt)), (BLOCK_N, BLOCK_K))
+    packed, sc = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k0, K, BLOCK_N, BLOCK_K, False, False)
+    w = _dequant_tile(packed, sc, tl.load(gs_ptr), out_ptr.dtype.element_ty, LUT, BLOCK_N, BLOCK_K)
     kk = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + n64[:, None] * K + kk[None, :], w, mask=n_ok[:, None] & (kk < K)[None, :])
 
@@ -204,6 +384,22 @@ def _check_activations(x: torch.Tensor, k: int, what: str) -> None:
         raise FormatError(f"{what}: x of shape {tuple(x.shape)} does not end in K={k}")
 
 
+# The table dequantization (inline PTX) for 16-bit activations on a GPU; the arithmetic one
+# elsewhere (fp32 activations, Triton's interpreter). Both give the reference's values.
+DEQUANT = {"lut": True}
+
+
+def use_lut(dtype: torch.dtype, kernel) -> bool:
+    return DEQUANT["lut"] and dtype in (torch.bfloat16, torch.float16) and not interpreted(kernel)
+
+
+def lut_tile(cfg: dict) -> bool:
+    """Launch shapes whose table dequantization tests/gpu checks on an H200 (4 warps, BLOCK_K >=
+    128: the decode and M <= 64 tiles); other shapes dequantize arithmetically (the same
+    values, more instructions)."""
+    return cfg.get("num_warps", 4) == 4 and cfg["BLOCK_K"] >= 128
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -215,11 +411,12 @@ def _sm_count(device: torch.device) -> int:
     return 4  # interpreter: small grids
 
 
-def _split(m: int, n: int, k: int, cfg: dict, device: torch.device) -> dict:
-    """Split K until there are about 4 programs per multiprocessor (never below one K tile)."""
+def _split(m: int, n: int, k: int, cfg: dict, device: torch.device, programs_per_sm: int | None = None) -> dict:
+    """Split K until there are about `programs_per_sm` (default DECODE's) programs per
+    multiprocessor (never below one K tile)."""
     tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
     k_blocks = triton.cdiv(k, cfg["BLOCK_K"])
-    want = 4 * _sm_count(device)
+    want = (programs_per_sm or DECODE["programs_per_sm"]) * _sm_count(device)
     split = max(1, min(k_blocks, want // tiles)) if tiles < want else 1
     k_per_split = triton.cdiv(k_blocks, split) * cfg["BLOCK_K"]
     return {"SPLIT": triton.cdiv(k, k_per_split), "k_per_split": k_per_split}
@@ -227,18 +424,32 @@ def _split(m: int, n: int, k: int, cfg: dict, device: torch.device) -> dict:
 
 # Decode launch shape (M <= 16), picked on an H200 by `sweep` (scripts/bench_kernels.py --sweep:
 # 8192x8192 and 3712x2688 at M = 1 and 16, CUDA-graph times; benchmarks/results/kernels-h200.json).
-DECODE = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+DECODE = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4}
+
+
+# The CUDA-core kernel (`_gemv_kernel`) for up to GEMV["max_m"] rows (0: never), its tile and
+# split-K target; picked on an H200 by `scripts/bench_kernels.py --sweep-gemv` (sweep_gemv in
+# benchmarks/results/kernels-h200.json: faster than the matrix-unit kernel at M = 1, slower at 2).
+GEMV = {"max_m": 1, "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1, "programs_per_sm": 8}
 
 
 def config(m: int, n: int, k: int, device: torch.device) -> dict:
-    """Tile sizes and split-K for one problem: decode-sized M streams the weight through many
-    programs; large M uses big tiles. Chosen by rule (no autotuning at call time)."""
+    """Tile sizes and split-K for one problem: one to a few rows on the CUDA cores (GEMV);
+    decode-sized M streams the weight through many programs on the matrix units; large M uses
+    big tiles. Chosen by rule (no autotuning at call time)."""
+    if m <= GEMV["max_m"]:
+        cfg = dict(BLOCK_M=1, gemv=True, **{key: v for key, v in GEMV.items() if key not in ("max_m", "programs_per_sm")})
+        if device.type != "cuda":
+            cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 64)
+        cfg.update(_split(1, n, k, cfg, device, GEMV["programs_per_sm"]))
+        return cfg
     if m <= 16:
-        cfg = dict(BLOCK_M=16, **DECODE)
+        cfg = dict(BLOCK_M=16, **{key: v for key, v in DECODE.items() if key != "programs_per_sm"})
     elif m <= 64:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     else:
-        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+        # BLOCK_K = 64 here gave wrong products on an H200 (Triton 3.6) with int32 weight words.
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
     if device.type != "cuda":
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 64)
     cfg.update(_split(m, n, k, cfg, device))
@@ -277,13 +488,19 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
         return torch.matmul(x2, dequantize(w, x.dtype).T).reshape(*lead, n)
     cfg = dict(cfg or config(m, n, k, x.device))
     split, k_per_split = cfg.pop("SPLIT"), cfg.pop("k_per_split")
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(x.dtype, _w4a16_kernel)
+    gemv = cfg.pop("gemv", False)
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    _w4a16_kernel[grid](
-        x2, w.packed, w.block_scale.view(torch.uint8), w.global_scale, dst,
-        m, n, k, x2.stride(0), k_per_split, SPLIT=split, IEEE=x.dtype == torch.float32,
-        **cfg, **launch_options(),
-    )
+    even = dict(EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0)
+    args = (x2, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.global_scale, dst,
+            m, n, k, x2.stride(0), k_per_split)
+    if gemv:
+        cfg.pop("BLOCK_M", None)
+        _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), m, split)](
+            *args, SPLIT=split, LUT=lut, **even, **cfg, **launch_options())
+    else:
+        _w4a16_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)](
+            *args, SPLIT=split, IEEE=x.dtype == torch.float32, LUT=lut, **even, **cfg, **launch_options())
     if split > 1:
         block = 1024
         _splitk_sum_kernel[(triton.cdiv(m * n, block),)](dst, out, m * n, SPLIT=split, BLOCK=block,
@@ -302,8 +519,8 @@ def dequantize(w: nvfp4.NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, bac
     out = torch.empty((n, k), dtype=dtype, device=w.packed.device)
     bn, bk = (32, 64) if w.packed.device.type != "cuda" else (64, 256)
     _dequantize_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-        w.packed, w.block_scale.view(torch.uint8), w.global_scale, out, n, k,
-        BLOCK_N=bn, BLOCK_K=bk, **launch_options())
+        w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.global_scale, out, n, k,
+        LUT=use_lut(dtype, _dequantize_kernel), BLOCK_N=bn, BLOCK_K=bk, **launch_options())
     return out
 
 
@@ -311,29 +528,38 @@ def dequantize(w: nvfp4.NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, bac
 # Benchmark entry
 # --------------------------------------------------------------------------------------------
 def sweep(shapes=((8192, 8192), (3712, 2688)), ms=(1, 16),
-          tiles=((32, 256), (64, 128), (64, 256), (128, 128), (128, 256)), warps=(4, 8), stages=(3,)):
-    """CUDA-graph times of decode tile shapes (BLOCK_N, BLOCK_K) x warps x stages, split-K by rule."""
+          tiles=((32, 256), (64, 128), (64, 256), (128, 256)), warps=(4, 8), stages=(3,),
+          programs_per_sm=(4, 8)):
+    """CUDA-graph times of decode launch shapes: tile (BLOCK_N, BLOCK_K) x warps x stages x the
+    split-K target (programs per multiprocessor)."""
     from triton.testing import do_bench_cudagraph
 
     from .quantize import quantize
 
     out = []
-    for n, k in shapes:
-        wq = quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02)
-        for m in ms:
-            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
-            for bn, bk in tiles:
-                for nw in warps:
-                    for st in stages:
-                        cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st)
-                        cfg.update(_split(m, n, k, cfg, x.device))
-                        try:
-                            t = do_bench_cudagraph(lambda: w4a16_matmul(x, wq, cfg=cfg), rep=30,
-                                                   return_mode="median")
-                        except Exception as exc:  # noqa: BLE001 -- e.g. out of shared memory
-                            t = None
-                            cfg["error"] = type(exc).__name__
-                        out.append({"N": n, "K": k, "M": m, **cfg, "ms": t})
+    saved = dict(DECODE)
+    try:
+        for n, k in shapes:
+            wq = quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02)
+            for m in ms:
+                x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+                ref = torch.nn.functional.linear(x.float(), wq.dequantize(torch.bfloat16).float())
+                for (bn, bk), nw, st, pps in itertools.product(tiles, warps, stages, programs_per_sm):
+                    DECODE["programs_per_sm"] = pps
+                    cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st)
+                    cfg.update(_split(m, n, k, cfg, x.device))
+                    row = {"N": n, "K": k, "M": m, **cfg, "programs_per_sm": pps}
+                    try:
+                        err = (w4a16_matmul(x, wq, cfg=cfg).float() - ref).norm() / ref.norm()
+                        if not float(err) < 1e-2:  # a launch shape must be right before it is fast
+                            raise ArithmeticError(f"relative error {float(err):.3g}")
+                        row["ms"] = do_bench_cudagraph(lambda: w4a16_matmul(x, wq, cfg=cfg), rep=30,
+                                                       return_mode="median")
+                    except Exception as exc:  # noqa: BLE001 -- e.g. out of shared memory
+                        row.update(ms=None, error=f"{type(exc).__name__}: {exc}"[:160])
+                    out.append(row)
+    finally:
+        DECODE.update(saved)
     return out
 
 
@@ -341,11 +567,71 @@ def pick_decode(rows) -> dict:
     """The DECODE entry with the smallest summed sweep time over its shapes and M."""
     totals = {}
     for r in rows:
-        key = (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["num_stages"])
+        key = (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["num_stages"], r["programs_per_sm"])
         t = r["ms"] if r["ms"] is not None else float("inf")
         totals[key] = totals.get(key, 0.0) + t
-    bn, bk, nw, st = min(totals, key=totals.get)
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": st}
+    bn, bk, nw, st, pps = min(totals, key=totals.get)
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": st, "programs_per_sm": pps}
+
+
+def sweep_gemv(shapes=((8192, 8192), (3712, 2688)), ms=(1, 2, 4),
+               tiles=((16, 256, 4), (32, 128, 4), (8, 512, 4)), programs_per_sm=(8, 16)):
+    """CUDA-graph times of the CUDA-core kernel's launch shapes (BLOCK_N, BLOCK_K, warps) x
+    split-K target, and of the matrix-unit kernel's default at the same M, side by side; each
+    launch shape is checked against an fp32 reference first (a wrong one is not timed)."""
+    from triton.testing import do_bench_cudagraph
+
+    from .quantize import quantize
+
+    out = []
+    for n, k in shapes:
+        wq = quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02)
+        wdq = wq.dequantize(torch.bfloat16).float()
+        for m in ms:
+            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+            ref = torch.nn.functional.linear(x.float(), wdq)
+            base = config(m, n, k, x.device) if m > GEMV["max_m"] else None
+            if base is not None:
+                out.append({"N": n, "K": k, "M": m, "kernel": "matrix-unit default",
+                            "ms": do_bench_cudagraph(lambda: w4a16_matmul(x, wq, cfg=base), rep=30,
+                                                     return_mode="median")})
+            for (bn, bk, nw), pps in itertools.product(tiles, programs_per_sm):
+                cfg = dict(BLOCK_M=1, gemv=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1)
+                cfg.update(_split(1, n, k, cfg, x.device, pps))
+                row = {"N": n, "K": k, "M": m, "kernel": "gemv", **cfg, "programs_per_sm": pps}
+                try:
+                    err = (w4a16_matmul(x, wq, cfg=cfg).float() - ref).norm() / ref.norm()
+                    if not float(err) < 1e-2:  # a launch shape must be right before it is fast
+                        raise ArithmeticError(f"relative error {float(err):.3g}")
+                    row["ms"] = do_bench_cudagraph(lambda: w4a16_matmul(x, wq, cfg=cfg), rep=30,
+                                                   return_mode="median")
+                except Exception as exc:  # noqa: BLE001 -- e.g. out of registers
+                    row.update(ms=None, error=f"{type(exc).__name__}: {exc}"[:160])
+                out.append(row)
+    return out
+
+
+def pick_gemv(rows) -> dict:
+    """GEMV's launch shape with the smallest summed time, and max_m: the largest M at which it
+    beats the matrix-unit kernel on every swept shape (0 if at none)."""
+    totals = {}
+    for r in rows:
+        if r["kernel"] == "gemv":
+            key = (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["programs_per_sm"])
+            totals[key] = totals.get(key, 0.0) + (r["ms"] if r["ms"] is not None else float("inf"))
+    bn, bk, nw, pps = min(totals, key=totals.get)
+    best = {(r["N"], r["M"]): r["ms"] for r in rows if r["kernel"] == "gemv" and r["ms"] is not None
+            and (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["programs_per_sm"]) == (bn, bk, nw, pps)}
+    base = {(r["N"], r["M"]): r["ms"] for r in rows if r["kernel"] != "gemv"}
+    max_m = 0
+    for m in sorted({mm for _, mm in base}):
+        keys = [key for key in base if key[1] == m]
+        if keys and all(key in best and best[key] < base[key] for key in keys):
+            max_m = m
+        else:
+            break
+    return {"max_m": max_m, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 1,
+            "programs_per_sm": pps}
 
 
 def bench(nk=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688)),
@@ -367,15 +653,20 @@ def bench(nk=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 
             bf16 = lambda: torch.matmul(x, wb.T)  # noqa: E731
             t_fp4 = do_bench_cudagraph(fp4, rep=50, return_mode="median")
             t_bf16 = do_bench_cudagraph(bf16, rep=50, return_mode="median")
+            DEQUANT["lut"] = False
+            try:
+                t_arith = do_bench_cudagraph(fp4, rep=50, return_mode="median")
+            finally:
+                DEQUANT["lut"] = True
             weight_bytes = n * k // 2 + n * k // 16
             row = {
                 "N": n, "K": k, "M": m, "ms_w4a16": t_fp4, "ms_bf16": t_bf16,
-                "speedup_vs_bf16": t_bf16 / t_fp4,
+                "speedup_vs_bf16": t_bf16 / t_fp4, "ms_w4a16_arith_dequant": t_arith,
                 "w4a16_weight_tbps": weight_bytes / (t_fp4 * 1e-3) / 1e12,
                 "bf16_weight_tbps": 2 * n * k / (t_bf16 * 1e-3) / 1e12,
                 "ms_w4a16_eager": do_bench(fp4, warmup=10, rep=50, return_mode="median"),
                 "ms_bf16_eager": do_bench(bf16, warmup=10, rep=50, return_mode="median"),
-                "path": "fused" if m <= LARGE_M else "dequantize+torch.matmul",
+                "path": ("gemv" if m <= GEMV["max_m"] else "fused") if m <= LARGE_M else "dequantize+torch.matmul",
             }
             row["speedup_vs_bf16_eager"] = row["ms_bf16_eager"] / row["ms_w4a16_eager"]
             if m > LARGE_M:  # the fused kernel at this size, for the record

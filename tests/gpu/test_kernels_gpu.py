@@ -114,6 +114,76 @@ def test_quantize_edge_values_fp32_and_fp16(rule):
         assert _same(kquant.quantize(w.to(DEV), scale_rule=rule), nvfp4.quantize(w, scale_rule=rule))
 
 
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_quantize_every_bf16_value(rule):
+    # Every finite bf16 bit pattern, shuffled into 16-element blocks: once as is (global amax
+    # near bf16's max: steps too large for the fast quotient, the per-element division path),
+    # and once with |x| <= 1 and each row scaled by 2^-100..2^0 (global amax <= 1: the fast
+    # quotient, with quotients over the whole E2M1 range and far below it, subnormals included).
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    vals = bits.view(torch.bfloat16)
+    vals = vals[torch.isfinite(vals.float())]
+    g = torch.Generator().manual_seed(14)
+    vals = vals[torch.randperm(vals.numel(), generator=g)]
+    vals = vals[: vals.numel() // 256 * 256].reshape(-1, 256)
+    amax = vals.float().abs().max()
+    for global_amax in (None, amax * 1.003):
+        got = kquant.quantize(vals.to(DEV), scale_rule=rule, global_amax=global_amax)
+        assert _same(got, nvfp4.quantize(vals, scale_rule=rule, global_amax=global_amax)), global_amax
+    scales = 2.0 ** torch.randint(-100, 1, (vals.shape[0], 1), generator=g).float()
+    small = vals.float().clamp(-1.0, 1.0)
+    for w in ((small * scales).to(torch.bfloat16), small.to(torch.bfloat16)):
+        got, choice = kquant.quantize(w.to(DEV), scale_rule=rule, return_choice=True)
+        ref, ref_choice = nvfp4.quantize(w, scale_rule=rule, return_choice=True)
+        assert _same(got, ref) and torch.equal(choice.cpu(), ref_choice)
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_quantize_given_amax_one_launch_equals_own(rule):
+    # With a given global amax (one launch, member maxima folded in atomically) equal to the
+    # members' own maxima, the bytes are those of the two-launch path; the own maxima come back.
+    w = _randn(24, 512, 1024, seed=15)
+    w[3] = 0.0
+    w[7, 5, 9] = 1.5  # one expert with an outlier
+    own = w.float().abs().amax(dim=(1, 2))
+    one = kquant.quantize(w, scale_rule=rule, return_choice=True, global_amax=own)
+    two = kquant.quantize(w, scale_rule=rule, return_choice=True)
+    assert _same(one[0], two[0]) and torch.equal(one[1], two[1])
+    qt, _, got_own = kquant.launch(w, rule, global_amax=own)
+    assert torch.equal(got_own, own)
+    ref, ref_choice = nvfp4.quantize(w.cpu(), scale_rule=rule, return_choice=True)
+    assert _same(one[0], ref) and torch.equal(one[1].cpu(), ref_choice)
+
+
+def test_quantize_given_amax_below_own_is_an_error():
+    w = _randn(8, 256, 512, seed=18)
+    with pytest.raises(Exception, match="below"):
+        kquant.quantize(w, scale_rule="4o6", global_amax=w.float().abs().amax() * 0.5)
+
+
+def test_quantize_flags_nan_and_inf():
+    w = _randn(8, 256, 512, seed=16)
+    w[2, 3, 4] = float("nan")
+    with pytest.raises(Exception, match="finite|NaN|nan"):
+        kquant.quantize(w, scale_rule="4o6")
+    w[2, 3, 4] = float("inf")
+    with pytest.raises(Exception, match="finite|inf|Inf"):
+        kquant.quantize(w, scale_rule="4o6")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_table_path_equals_arithmetic_path(dtype):
+    wq = kquant.quantize(_randn(3712, 2688, seed=17) * 40, scale_rule="4o6")
+    lut = w4a16_gemm.dequantize(wq, dtype)
+    w4a16_gemm.DEQUANT["lut"] = False
+    try:
+        arith = w4a16_gemm.dequantize(wq, dtype)
+    finally:
+        w4a16_gemm.DEQUANT["lut"] = True
+    assert torch.equal(_bits(lut), _bits(arith))
+    assert torch.equal(_bits(lut), _bits(wq.dequantize(dtype)))
+
+
 # --------------------------------------------------------------------------------------------
 # dequantize / W4A16 GEMM
 # --------------------------------------------------------------------------------------------
@@ -157,10 +227,33 @@ def test_w4a16_matmul_bf16(nk, m, fused):
     assert bool(torch.all(err <= bound)), f"max excess {(err - bound).max().item():.3g}"
 
 
+@pytest.mark.parametrize("nk", [(8192, 8192), (3712, 2688), (2688, 3712)])
+@pytest.mark.parametrize("m", [1, 3])
+def test_w4a16_gemv_bf16(nk, m, monkeypatch):
+    """The CUDA-core kernel (w4a16_gemm.GEMV's launch shape) within the bound of
+    test_w4a16_matmul_bf16."""
+    monkeypatch.setitem(w4a16_gemm.GEMV, "max_m", 4)
+    n, k = nk
+    wq = kquant.quantize(_randn(n, k, seed=19), scale_rule="4o6")
+    x = _randn(m, k, seed=20, scale=1.0)
+    assert w4a16_gemm.config(m, n, k, x.device)["gemv"]
+    y = w4a16_gemm.w4a16_matmul(x, wq)
+    wdq = wq.dequantize(torch.bfloat16).float()
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref = x.float() @ wdq.T
+        bound = 2.0**-8 * ref.abs() + 4 * k * 2.0**-24 * (x.float().abs() @ wdq.abs().T)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert bool(torch.all((y.float() - ref).abs() <= bound))
+
+
 # --------------------------------------------------------------------------------------------
 # Grouped MoE
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tokens", [1, 8, 64, 300])
+@pytest.mark.parametrize("tokens", [1, 8, 64, 300, 2048])  # 2048: the large-M launch shape
 def test_moe_bf16_nano_shapes(tokens):
     n_exp, hid, inter, top_k = 128, 2688, 1856, 6
     up = kquant.quantize(_randn(n_exp, inter, hid, seed=8), scale_rule="4o6")

@@ -1,0 +1,154 @@
+"""The W4A16 kernels' table dequantization (inline PTX) run by a small PTX emulator on the CPU.
+
+The PTX in fp4kit.kernels.w4a16_gemm only runs on a GPU (tests/gpu checks it there, bit for
+bit). Here the very strings the kernels compile are executed instruction by instruction with
+the PTX ISA's semantics for the few instructions they use (mov, and, or, shr, prmt, mul.rn.f32,
+cvt.rn.{bf16x2,f16x2}.f32), for every byte value in every position of a word and many block
+steps, and compared with NVFP4Tensor.dequantize: the table layout, the selectors, the sign
+trick and the interleave are checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from fp4kit.formats import nvfp4
+from fp4kit.kernels import w4a16_gemm as g
+
+MASK32 = 0xFFFFFFFF
+
+
+def _f32_bits(x: float) -> int:
+    return int(np.array(x, dtype=np.float32).view(np.uint32))
+
+
+def _bits_f32(b: int) -> np.float32:
+    return np.array(b & MASK32, dtype=np.uint32).view(np.float32)[()]
+
+
+def _half_bits(x: np.float32, dtype: torch.dtype) -> int:
+    """Round-to-nearest-even conversion, as cvt.rn (torch's cast is the same rounding)."""
+    return int(torch.tensor(float(x), dtype=torch.float32).to(dtype).view(torch.int16).item()) & 0xFFFF
+
+
+def _prmt(a: int, b: int, c: int) -> int:
+    """prmt.b32 d, a, b, c (default mode): byte i of d from selector nibble i of c; bit 3 of the
+    nibble replicates the selected byte's sign bit."""
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        byte = src[sel & 7]
+        if sel & 8:
+            byte = 0xFF if byte & 0x80 else 0x00
+        out |= byte << (8 * i)
+    return out
+
+
+def run_ptx(asm: str, operands: dict[int, int]) -> dict[int, int]:
+    """Executes `asm` with $n operands given as 32-bit integers; returns all $n afterwards."""
+    regs: dict[str, int] = {f"${k}": v & MASK32 for k, v in operands.items()}
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        if tok.startswith("0f"):
+            return int(tok[2:], 16)
+        return int(tok, 0) & MASK32
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        args = [a.strip() for a in args.split(",")]
+        dst = args[0]
+        if op == "mov.b32":
+            regs[dst] = val(args[1])
+        elif op == "and.b32":
+            regs[dst] = val(args[1]) & val(args[2])
+        elif op == "or.b32":
+            regs[dst] = val(args[1]) | val(args[2])
+        elif op == "shr.u32":
+            regs[dst] = val(args[1]) >> val(args[2])
+        elif op == "prmt.b32":
+            regs[dst] = _prmt(val(args[1]), val(args[2]), val(args[3]))
+        elif op == "mul.rn.f32":
+            prod = np.float32(_bits_f32(val(args[1]))) * np.float32(_bits_f32(val(args[2])))
+            regs[dst] = _f32_bits(prod)
+        elif (m := re.fullmatch(r"cvt\.rn\.(bf16x2|f16x2)\.f32", op)):
+            dtype = torch.bfloat16 if m.group(1) == "bf16x2" else torch.float16
+            hi = _half_bits(_bits_f32(val(args[1])), dtype)
+            lo = _half_bits(_bits_f32(val(args[2])), dtype)
+            regs[dst] = (hi << 16) | lo
+        else:
+            raise AssertionError(f"instruction not emulated: {line}")
+    return {int(k[1:]): v for k, v in regs.items() if k.startswith("$")}
+
+
+def _dequant_word(word: int, step: np.float32, dtype: torch.dtype) -> list[int]:
+    """The 8 16-bit values (K order) the kernels produce for one packed word in a block."""
+    lut = g._LUT_ASM_BF16 if dtype == torch.bfloat16 else g._LUT_ASM_F16
+    t = run_ptx(lut.value, {4: _f32_bits(step)})
+    ops = {k: word for k in range(4, 8)}
+    for base, reg in ((8, 0), (12, 1), (16, 2), (20, 3)):
+        ops.update({base + i: t[reg] for i in range(4)})
+    out = run_ptx(g._DEQUANT_ASM.value, ops)
+    values = []
+    for reg in (0, 1, 2, 3):
+        values += [out[reg] & 0xFFFF, out[reg] >> 16]
+    return values
+
+
+def _reference(words: np.ndarray, scale: torch.Tensor, gs: float, dtype: torch.dtype) -> np.ndarray:
+    """NVFP4Tensor.dequantize bits of one row of words (two words per 16-element block)."""
+    packed = torch.from_numpy(words.astype("<u4").view(np.uint8).copy()).reshape(1, -1)
+    k = packed.shape[1] * 2
+    block_scale = scale.reshape(1, k // 16)
+    qt = nvfp4.NVFP4Tensor(packed, block_scale, torch.tensor(gs, dtype=torch.float32))
+    return qt.dequantize(dtype).view(torch.int16).numpy().astype(np.int64).ravel() & 0xFFFF
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_table_dequant_every_byte_in_every_position(dtype):
+    # Words covering each byte value 0..255 in each of the 4 byte positions (1024 words), paired
+    # into blocks, against the reference for several scales and global scales.
+    words = []
+    for pos in range(4):
+        for b in range(256):
+            filler = (0x9A3C51E7 >> (8 * ((pos + 1) % 4))) & 0xFF
+            w = 0
+            for i in range(4):
+                w |= (b if i == pos else (filler + 37 * i) & 0xFF) << (8 * i)
+            words.append(w)
+    words = np.array(words, dtype=np.uint64)
+    rng = np.random.default_rng(0)
+    cases = [(0x38, 1.0), (0x7E, 2.0 ** -12), (0x01, 0.3), (0x5A, 3.0e-3)]
+    for scale_byte, gs in cases:
+        n_blocks = len(words) // 2
+        codes = torch.tensor(np.full(n_blocks, scale_byte), dtype=torch.uint8)
+        codes[rng.integers(0, n_blocks, 64)] = torch.tensor(rng.integers(1, 0x7F, 64), dtype=torch.uint8)
+        scale = codes.view(torch.float8_e4m3fn)
+        ref = _reference(words, scale, gs, dtype)
+        steps = (scale.float() * torch.tensor(gs, dtype=torch.float32)).numpy()
+        got = []
+        for i, w in enumerate(words):
+            got += _dequant_word(int(w), np.float32(steps[i // 2]), dtype)
+        assert np.array_equal(np.array(got, dtype=np.int64), ref), (scale_byte, gs)
+
+
+def test_table_layout_and_sign():
+    # Code 8 is -0.0 and code 0 is +0.0; every magnitude lands at its own table entry.
+    step = np.float32(0.75)
+    word = 0x76543210  # codes 0..7 in K order
+    vals = _dequant_word(word, step, torch.bfloat16)
+    expect = [float(torch.tensor(v * 0.75).to(torch.bfloat16).float()) for v in (0, .5, 1, 1.5, 2, 3, 4, 6)]
+    got = [float(torch.tensor([v], dtype=torch.int16).view(torch.bfloat16).float()) for v in vals]
+    assert got == expect
+    neg = _dequant_word(0xFEDCBA98, step, torch.bfloat16)
+    assert neg[0] == 0x8000 and all(v & 0x8000 for v in neg)
