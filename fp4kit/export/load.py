@@ -100,10 +100,24 @@ def fake_quant_nvfp4(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor
     return quantize_activations(x, input_scale).dequantize(torch.float32).reshape(x.shape)
 
 
+def native_e4m3(q: torch.Tensor) -> torch.Tensor:
+    """fp32 -> float8_e4m3fn by a clamp to +-448 and torch's own cast (round to nearest even):
+    the bytes of fp4kit.formats.e4m3.cast for every fp32 input, NaN included (checked on the CPU
+    in tests/export/test_load.py and on a GPU in tests/gpu)."""
+    return q.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def e4m3_cast(q: torch.Tensor) -> torch.Tensor:
+    """fp32 -> float8_e4m3fn, saturating at +-448: `native_e4m3` on a GPU (two kernel launches
+    where the bit-level emulator takes over a dozen, which a decode step of FP8 layers waits
+    on), the emulator itself elsewhere."""
+    return native_e4m3(q) if q.is_cuda else e4m3.cast(q)
+
+
 def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x -> e4m3(x / scale) * scale in x's dtype; the quotient in fp32, saturating at +-448."""
     s = scale.float()
-    return (e4m3.decode(e4m3.encode(x.float() / s)) * s).to(x.dtype)
+    return (e4m3_cast(x.float() / s).float() * s).to(x.dtype)
 
 
 def _resolve_backend(backend: str | None, device: torch.device) -> str:
@@ -190,12 +204,12 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xs = self.input_scale.float()
-        xq = e4m3.encode(x.float() / xs)  # the quotient in fp32, saturating at +-448
+        xq = e4m3_cast(x.float() / xs)  # the quotient in fp32, saturating at +-448
         if self.backend == "triton":
-            y = self._scaled_mm(xq.view(torch.float8_e4m3fn), x.dtype)
+            y = self._scaled_mm(xq, x.dtype)
             return y if self.bias is None else y + self.bias
         # Both operands dequantized to fp32, one fp32 linear, rounded once to the activation dtype.
-        y = F.linear(e4m3.decode(xq) * xs, self.dequantized_weight(), None if self.bias is None else self.bias.float())
+        y = F.linear(xq.float() * xs, self.dequantized_weight(), None if self.bias is None else self.bias.float())
         return y.to(x.dtype)
 
     def _scaled_mm(self, xq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

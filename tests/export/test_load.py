@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fp4kit.export.load import (
+    native_e4m3,
     FP8KVProjection,
     FP8Linear,
     NVFP4Experts,
@@ -378,3 +379,12 @@ def test_cuda_fast_path_matches_the_emulation(ckpts, which, act_quant):
 def test_cuda_w4a4_experts_have_no_triton_kernel(ckpts):
     with pytest.raises(CheckpointError, match="no W4A4 MoE kernel"):
         load_quantized(ckpts["nemotron_w4a4"][1], "cuda", act_quant=True)
+
+
+def test_native_e4m3_cast_equals_the_emulator():
+    # Every 241st fp32 bit pattern (17.8 M values: every exponent, NaN and Inf included): the
+    # clamp-and-cast the loader uses on a GPU gives the emulator's bytes (tests/gpu repeats
+    # this on CUDA, where the loader uses it).
+    bits = torch.arange(-2**31, 2**31, 241, dtype=torch.int64).to(torch.int32)
+    q = bits.view(torch.float32)
+    assert torch.equal(native_e4m3(q).view(torch.uint8), e4m3.encode(q))
