@@ -287,7 +287,8 @@ def quantize_weights(
                 frac4 = choice.float().mean().item() if rule.scale_rule == "4o6" else None
                 after = qt.packed.numel() + qt.block_scale.numel() + 4 * qt.global_scale.numel()
             else:
-                parts = [fp8.quantize_per_tensor(x, arith) for x in (w.unbind(0) if stack else [w])]
+                search = rule.amax_search or None
+                parts = [fp8.quantize_per_tensor(x, arith, amax_multipliers=search) for x in (w.unbind(0) if stack else [w])]
                 tensors = {"weight": [q.cpu() for q, _ in parts], "weight_scale": [s.cpu() for _, s in parts]}
                 tensors["input_scale"] = _input_scale(stats.input_amax.get(t.key), FP8_MAX, n, t.disk_names[0], warnings, arith)
                 w_hat = torch.stack([fp8.dequantize_per_tensor(q, s) for q, s in parts]) if stack else fp8.dequantize_per_tensor(*parts[0])

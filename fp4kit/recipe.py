@@ -14,6 +14,7 @@ unknown roles, unknown formats and options that do not apply to a format are err
         importance: false             # nvfp4 4o6: weight the 4/6 choice by E[x^2] per input channel
       - roles: [mamba_in_proj, mamba_out_proj]
         format: fp8
+        amax_search: [1.0, 1.5]       # fp8: ModelOpt's `mse` range search (optional; default max|W|)
     exclude: ["mtp.*"]                # checkpoint-name globs kept BF16 whatever the rules say
 """
 
@@ -46,6 +47,7 @@ class Rule:
     names: tuple[str, ...] = ()
     scale_rule: str = "6"
     importance: bool = False
+    amax_search: tuple[float, ...] = ()
 
     def matches(self, role: str, disk_name: str) -> bool:
         if self.roles and role not in self.roles:
@@ -92,6 +94,8 @@ class Recipe:
             if r.format.startswith("nvfp4"):
                 rd["scale_rule"] = r.scale_rule
                 rd["importance"] = r.importance
+            if r.amax_search:
+                rd["amax_search"] = list(r.amax_search)
             d["rules"].append(rd)
         return d
 
@@ -100,7 +104,7 @@ class Recipe:
 
 
 _RECIPE_KEYS = {"name", "version", "description", "kv_cache", "rules", "exclude"}
-_RULE_KEYS = {"roles", "names", "format", "scale_rule", "importance"}
+_RULE_KEYS = {"roles", "names", "format", "scale_rule", "importance", "amax_search"}
 
 
 def _str_list(value, what: str) -> tuple[str, ...]:
@@ -137,7 +141,15 @@ def _parse_rule(d, where: str) -> Rule:
         raise RecipeError(f"{where}: importance must be true or false, got {importance!r}")
     if importance and scale_rule != "4o6":
         raise RecipeError(f"{where}: importance weighting needs scale_rule '4o6'")
-    return Rule(format=fmt, roles=roles, names=names, scale_rule=scale_rule, importance=importance)
+    search = d.get("amax_search", [])
+    if "amax_search" in d and fmt != "fp8":
+        raise RecipeError(f"{where}: amax_search applies to the fp8 format only, not {fmt!r}")
+    if not isinstance(search, list) or not all(
+        isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c < float("inf") for c in search
+    ):
+        raise RecipeError(f"{where}: amax_search must be a list of positive numbers (range multipliers), got {search!r}")
+    return Rule(format=fmt, roles=roles, names=names, scale_rule=scale_rule, importance=importance,
+                amax_search=tuple(float(c) for c in search))
 
 
 def recipe_from_dict(d, source: str = "<dict>") -> Recipe:

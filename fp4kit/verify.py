@@ -174,7 +174,7 @@ def rederive(report: VerifyReport, folder: Path, source: str, *, device: str = "
                     q = _expected_nvfp4(part, p.rule, group_amax.get(t.fuse_group), reader.get(f"{disk}.weight_scale"), arith)
                     want = {"weight": q.packed, "weight_scale": q.block_scale, "weight_scale_2": q.global_scale}
                 else:
-                    qw, s = fp8.quantize_per_tensor(part, arith)
+                    qw, s = fp8.quantize_per_tensor(part, arith, amax_multipliers=p.rule.amax_search or None)
                     want = {"weight": qw, "weight_scale": s}
             except ValueError as exc:
                 report.add("rederive", False, str(exc), f"{disk}.weight_scale")

@@ -19,9 +19,10 @@ Four-Over-Six (rule "4o6") is the static path with m = 256 and a per-block amax 
 squared error; a tie keeps 1.0. The error is that of the exported bytes (dequantized as above,
 minus W in fp32), optionally weighted per input channel by `importance`, summed over the 16
 elements in a fixed pairwise order (see `block_sum16`) so that any kernel can reproduce the
-choice bit for bit. ModelOpt takes the same decision on its fake-quant kernel, whose block
-scales have no 2^-9 floor and whose output is rounded to the weight dtype; the two can differ on
-near-ties and on blocks below the floor.
+choice bit for bit. ModelOpt's `mse` calibration takes the decision on its fake-quant kernel
+instead (fp32, block scales without the 2^-9 floor, and sometimes rounded to another E4M3 code
+or step than its own export writes), so the two choices can differ there: on 187 of 622,592
+blocks of the embedded model (scripts/compare_modelopt_mse.py).
 
 Every division by a constant (/2688, /1536, /6) follows `arith` (see arith.py): ModelOpt's
 own bytes differ between CUDA and CPU there, and fp4kit reproduces either on any device.

@@ -30,8 +30,11 @@ def test_default_recipe_is_the_lightning_card():
     for role in ("attention_qkv", "attention_o", "router", "conv1d", "lm_head", "embeddings"):
         assert r.rule_for(role, "x") is None
     assert r.rule_for("mtp", "mtp.layers.0.mixer.q_proj") is None  # the MTP subtree stays BF16
+    assert r.rule_for("mamba_in_proj", "backbone.layers.0.mixer.in_proj").amax_search == ()  # max|W|
     lightning = load_recipe("modelopt-lightning")
     assert lightning.rule_for("routed_experts", "mtp.layers.0.mixer.experts.0.up_proj") is None  # excluded subtree
+    # ModelOpt's Lightning recipe runs its `mse` range search on the FP8 weights too.
+    assert lightning.rule_for("mamba_out_proj", "backbone.layers.0.mixer.out_proj").amax_search == (1.0, 1.5)
 
 
 @pytest.mark.parametrize(
@@ -43,6 +46,9 @@ def test_default_recipe_is_the_lightning_card():
         (with_(rules=[{"roles": ["lm_head"], "format": "fp8", "scale_rule": "4o6"}]), "apply to nvfp4 formats only"),
         (with_(rules=[{"roles": ["lm_head"], "format": "nvfp4", "scale_rule": "5"}]), "scale_rule must be"),
         (with_(rules=[{"roles": ["lm_head"], "format": "nvfp4", "importance": True}]), "needs scale_rule '4o6'"),
+        (with_(rules=[{"roles": ["lm_head"], "format": "nvfp4", "amax_search": [1.0, 1.5]}]), "applies to the fp8 format only"),
+        (with_(rules=[{"roles": ["lm_head"], "format": "fp8", "amax_search": [1.0, -1.5]}]), "positive numbers"),
+        (with_(rules=[{"roles": ["lm_head"], "format": "fp8", "amax_search": "1.5"}]), "positive numbers"),
         (with_(rules=[{"format": "nvfp4"}]), "needs `roles` or `names`"),
         (with_(rules=[{"roles": ["lm_head"], "format": "nvfp4", "typo": 1}]), r"unknown key\(s\) \['typo'\]"),
         (with_(rules=[]), "non-empty list"),
