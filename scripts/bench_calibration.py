@@ -22,16 +22,10 @@ import torch
 
 from fp4kit.calibrate import Observers
 from fp4kit.models import Role, adapter_for
+from fp4kit.models.nemotron_h import NANO_WIDTHS
 from fp4kit.quantize import plan_targets
 from fp4kit.recipe import load_recipe
 
-NANO = dict(
-    vocab_size=131072, hidden_size=2688, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
-    mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128,
-    n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712,
-    n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, intermediate_size=1856,
-    tie_word_embeddings=False, max_position_embeddings=65536,
-)
 
 
 def observers_for(model, recipe_name: str) -> Observers:
@@ -72,7 +66,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
 
-    cfg = NemotronHConfig(hybrid_override_pattern=args.pattern, **NANO)
+    cfg = NemotronHConfig(hybrid_override_pattern=args.pattern, **NANO_WIDTHS)
     with torch.device("cuda"):
         model = NemotronHForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
     g = torch.Generator(device="cuda").manual_seed(0)

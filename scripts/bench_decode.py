@@ -44,16 +44,10 @@ import torch
 
 from fp4kit.export.load import load_quantized
 from fp4kit.export.modelopt import export_checkpoint
+from fp4kit.models.nemotron_h import NANO_WIDTHS
 from fp4kit.quantize import DEFAULT_RECIPE, quantize
 from fp4kit.recipe import load_recipe
 
-NANO = dict(
-    vocab_size=131072, hidden_size=2688, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
-    mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128,
-    n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712,
-    n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, intermediate_size=1856,
-    tie_word_embeddings=False, max_position_embeddings=65536,
-)
 # Run sizes: the real-width slice on a GPU, and the embedded tiny model for a CPU smoke run.
 DEFAULTS = {
     "slice": dict(batches="1,16", prompt_len=64, new_tokens=128, reps=3, calib_samples=8, calib_len=512),
@@ -70,7 +64,7 @@ def build_slice(pattern: str, device: torch.device, generator: torch.Generator):
     """The real-width Nemotron-H slice, random bf16 weights N(0, 0.02) (as bench_calibration.py)."""
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    cfg = NemotronHConfig(hybrid_override_pattern=pattern, **NANO)
+    cfg = NemotronHConfig(hybrid_override_pattern=pattern, **NANO_WIDTHS)
     torch.manual_seed(generator.initial_seed())  # the init draws the 1-d parameters (dt_bias) from it
     with device:
         model = NemotronHForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()

@@ -26,14 +26,9 @@ from pathlib import Path
 import torch
 
 from fp4kit.kernels import quantize as kquant
+from fp4kit.models.nemotron_h import NANO_WIDTHS
 
-NANO = dict(
-    vocab_size=1024, hidden_size=2688, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
-    mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128,
-    n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712,
-    n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, intermediate_size=1856,
-    tie_word_embeddings=False, max_position_embeddings=4096,
-)
+NANO = dict(NANO_WIDTHS, vocab_size=1024, max_position_embeddings=4096)
 LIGHTNING_RECIPE = "models/nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16/ptq/w4a16_nvfp4_4o6.yaml"
 
 

@@ -13,6 +13,16 @@ from .roles import AttentionKV, Role, Target
 
 MODEL_TYPE = "nemotron_h"
 
+# NemotronHConfig arguments with Nemotron-3-Nano-30B-A3B's widths (from its published config.json):
+# benchmarks build slices of the real model from these with a shorter layer pattern.
+NANO_WIDTHS = dict(
+    vocab_size=131072, hidden_size=2688, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+    mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128,
+    n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712,
+    n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, intermediate_size=1856,
+    tie_word_embeddings=False, max_position_embeddings=65536,
+)
+
 
 def _classes():
     from transformers.models.nemotron_h import modeling_nemotron_h as m
