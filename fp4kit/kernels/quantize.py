@@ -102,12 +102,21 @@ def _e4m3_code(v):
 @triton.jit
 def _e2m1_round(q):
     """|E2M1 value| of a quotient magnitude q >= 0: round half to even, saturate at 6, NaN -> 6."""
-    q = tl.where(q < 8.0, q, 8.0)  # everything above 5 ends at 6; NaN compares false -> 8 -> 6
-    # Add and subtract c = 2^(e + 22), e = max(exponent of q, 0): the fp32 spacing at c is the
-    # E2M1 quantum of q's binade (0.5 below 2, then 1, then 2), so the addition is the rounding.
-    e = tl.maximum(q.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
-    c = (e + (22 << 23)).to(tl.float32, bitcast=True)
-    v = (q + c) - c
+    return _e2m1_round_finite(tl.where(q < 8.0, q, 8.0))  # NaN compares false -> 8 -> 6
+
+
+@triton.jit
+def _e2m1_round_finite(q):
+    """`_e2m1_round` of a finite q < 2^100, no clamp needed: everything above 5 ends at 6, and a
+    tiny negative q (which the reciprocal quotient can give for |x| = 0) rounds to 0.
+
+    Add and subtract c = 2^(e + 22), e = max(exponent of q, 0): the fp32 spacing at c is the
+    E2M1 quantum of q's binade (0.5 below 2, then 1, then 2), so the addition is the rounding.
+    Both additions are fused multiply-adds of e by +-2^22: the products are exact, so each fma
+    rounds exactly as the addition it stands for.
+    """
+    e = tl.maximum(q.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000).to(tl.float32, bitcast=True)
+    v = tl.fma(e, -4194304.0, tl.fma(e, 4194304.0, q))
     return tl.minimum(v, 6.0)
 
 
@@ -169,12 +178,7 @@ def _e2m1_of_quotient_fast(a, step, y):
     """
     q0 = a * y
     r = tl.fma(-step, q0, a)
-    q = tl.fma(r, y, q0)
-    # `_e2m1_round` with its additions as fused multiply-adds: e * 2^22 is exact, so each fma
-    # rounds exactly as the addition it replaces.
-    e = tl.maximum(q.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000).to(tl.float32, bitcast=True)
-    v = tl.fma(e, -4194304.0, tl.fma(e, 4194304.0, q))
-    return tl.minimum(v, 6.0)
+    return _e2m1_round_finite(tl.fma(r, y, q0))
 
 
 @triton.jit

@@ -527,13 +527,25 @@ def dequantize(w: nvfp4.NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, bac
 # --------------------------------------------------------------------------------------------
 # Benchmark entry
 # --------------------------------------------------------------------------------------------
+def time_if_right(fn, ref: torch.Tensor) -> dict:
+    """{"ms": CUDA-graph median time of fn()} if fn() is within 1e-2 relative of ref (a launch
+    shape must be right before it is fast), else {"ms": None, "error": why}."""
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        err = float((fn().float() - ref).norm() / ref.norm())
+        if not err < 1e-2:
+            raise ArithmeticError(f"relative error {err:.3g}")
+        return {"ms": do_bench_cudagraph(fn, rep=30, return_mode="median")}
+    except Exception as exc:  # noqa: BLE001 -- e.g. out of shared memory or registers
+        return {"ms": None, "error": f"{type(exc).__name__}: {exc}"[:160]}
+
+
 def sweep(shapes=((8192, 8192), (3712, 2688)), ms=(1, 16),
           tiles=((32, 256), (64, 128), (64, 256), (128, 256)), warps=(4, 8), stages=(3,),
           programs_per_sm=(4, 8)):
     """CUDA-graph times of decode launch shapes: tile (BLOCK_N, BLOCK_K) x warps x stages x the
     split-K target (programs per multiprocessor)."""
-    from triton.testing import do_bench_cudagraph
-
     from .quantize import quantize
 
     out = []
@@ -549,14 +561,7 @@ def sweep(shapes=((8192, 8192), (3712, 2688)), ms=(1, 16),
                     cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st)
                     cfg.update(_split(m, n, k, cfg, x.device))
                     row = {"N": n, "K": k, "M": m, **cfg, "programs_per_sm": pps}
-                    try:
-                        err = (w4a16_matmul(x, wq, cfg=cfg).float() - ref).norm() / ref.norm()
-                        if not float(err) < 1e-2:  # a launch shape must be right before it is fast
-                            raise ArithmeticError(f"relative error {float(err):.3g}")
-                        row["ms"] = do_bench_cudagraph(lambda: w4a16_matmul(x, wq, cfg=cfg), rep=30,
-                                                       return_mode="median")
-                    except Exception as exc:  # noqa: BLE001 -- e.g. out of shared memory
-                        row.update(ms=None, error=f"{type(exc).__name__}: {exc}"[:160])
+                    row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=cfg), ref))
                     out.append(row)
     finally:
         DECODE.update(saved)
@@ -599,14 +604,7 @@ def sweep_gemv(shapes=((8192, 8192), (3712, 2688)), ms=(1, 2, 4),
                 cfg = dict(BLOCK_M=1, gemv=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1)
                 cfg.update(_split(1, n, k, cfg, x.device, pps))
                 row = {"N": n, "K": k, "M": m, "kernel": "gemv", **cfg, "programs_per_sm": pps}
-                try:
-                    err = (w4a16_matmul(x, wq, cfg=cfg).float() - ref).norm() / ref.norm()
-                    if not float(err) < 1e-2:  # a launch shape must be right before it is fast
-                        raise ArithmeticError(f"relative error {float(err):.3g}")
-                    row["ms"] = do_bench_cudagraph(lambda: w4a16_matmul(x, wq, cfg=cfg), rep=30,
-                                                   return_mode="median")
-                except Exception as exc:  # noqa: BLE001 -- e.g. out of registers
-                    row.update(ms=None, error=f"{type(exc).__name__}: {exc}"[:160])
+                row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=cfg), ref))
                 out.append(row)
     return out
 
