@@ -37,10 +37,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<gpu>.json)")
     parser.add_argument("--skip-modelopt", action="store_true", help="do not time ModelOpt")
-    parser.add_argument("--sweep", action="store_true", help="also time a few launch shapes per kernel")
+    parser.add_argument("--sweep", action="store_true", help="time launch shapes of every kernel (long)")
     parser.add_argument("--sweep-gemv", action="store_true",
                         help="time the CUDA-core GEMV's launch shapes against the matrix-unit kernel "
                              "and use it up to the M where it is faster")
+    parser.add_argument("--sweep-gemm", action="store_true", help="time the 2-16-row GEMM launch shapes")
+    parser.add_argument("--sweep-moe", action="store_true", help="time the MoE decode launch shapes")
+    parser.add_argument("--sweep-mid", action="store_true", help="time the 17-64-row GEMM launch shapes")
+    parser.add_argument("--sweep-moe-small", action="store_true",
+                        help="time the in-kernel-routing MoE path's split-K settings against the sorted path")
+    parser.add_argument("--skip-quantize", action="store_true", help="do not time quantize (trial runs)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
@@ -54,53 +60,68 @@ def main() -> None:
     result["copy_ceiling_tbps"] = copy_ceiling_tbps()
     print(f"copy ceiling {result['copy_ceiling_tbps']:.2f} TB/s", flush=True)
 
-    if args.sweep:  # tune first, then measure everything with the picked launch shapes
+    # Tune first, then measure everything with the picked launch shapes.
+    if args.sweep:
         result["sweep_quantize"] = kquant.sweep()
         kquant.TUNING.update(kquant.pick(result["sweep_quantize"]))
         print(f"sweep quantize: {json.dumps(result['sweep_quantize'])}", flush=True)
-        result["sweep_gemm"] = w4a16_gemm.sweep()
+    if args.sweep or args.sweep_gemm:
+        result["sweep_gemm"] = w4a16_gemm.sweep(tiles=((64, 128),), warps=(4,), programs_per_sm=(4, 8),
+                                                maxnreg=(None, 128, 96, 80))
         w4a16_gemm.DECODE.update(w4a16_gemm.pick_decode(result["sweep_gemm"]))
         print(f"sweep gemm: {json.dumps(result['sweep_gemm'])}", flush=True)
-        result["sweep_moe"] = moe_gemm.sweep()
+    if args.sweep or args.sweep_moe:
+        result["sweep_moe"] = moe_gemm.sweep(shapes=((64, 128, 4), (32, 128, 4)), maxnreg=(None, 128, 96, 80))
         moe_gemm.MOE_DECODE.update(moe_gemm.pick(result["sweep_moe"]))
         print(f"sweep moe: {json.dumps(result['sweep_moe'])}", flush=True)
+    if args.sweep_mid:
+        result["sweep_mid"] = w4a16_gemm.sweep_mid()
+        w4a16_gemm.MID.update(w4a16_gemm.pick_decode(result["sweep_mid"]))
+        print(f"sweep mid: {json.dumps(result['sweep_mid'])}", flush=True)
+    if args.sweep_moe_small:
+        result["sweep_moe_small"] = moe_gemm.sweep_small()
+        moe_gemm.SMALL.update(moe_gemm.pick_small(result["sweep_moe_small"]))
+        print(f"sweep moe small: {json.dumps(result['sweep_moe_small'])}", flush=True)
     if args.sweep_gemv:
-        result["sweep_gemv"] = w4a16_gemm.sweep_gemv()
+        result["sweep_gemv"] = w4a16_gemm.sweep_gemv(tiles=((16, 256, 4), (8, 512, 4)), programs_per_sm=(8,),
+                                                     maxnreg=(None, 80, 64))
         w4a16_gemm.GEMV.update(w4a16_gemm.pick_gemv(result["sweep_gemv"]))
         print(f"sweep gemv: {json.dumps(result['sweep_gemv'])}", flush=True)
     result["launch_shapes"] = {"quantize": dict(kquant.TUNING), "gemm_decode": dict(w4a16_gemm.DECODE),
-                               "gemv": dict(w4a16_gemm.GEMV), "moe_decode": dict(moe_gemm.MOE_DECODE)}
+                               "gemv": dict(w4a16_gemm.GEMV), "gemm_mid": dict(w4a16_gemm.MID),
+                               "moe_decode": dict(moe_gemm.MOE_DECODE), "moe_small": dict(moe_gemm.SMALL)}
     print(f"launch shapes: {result['launch_shapes']}", flush=True)
 
-    q_rows = kquant.bench(shapes=(*NANO_STACKS, (8192, 8192)))
-    stacks = [r for r in q_rows if len(r["shape"]) == 3]
-    traffic = sum(r["bytes"] for r in stacks)
-    quant = {
-        "rows": q_rows,
-        "timing": "expert_stack_* and ratio: the whole quantize() call, eager (checks included); "
-                  "*_kernels: its two launches (max pass, quantize) replayed from a CUDA graph; "
-                  "*_given_amax: the one quantize launch when the global amax is given",
-        "expert_stack_tbps": traffic / sum(r["ms_4o6"] for r in stacks) / 1e9,
-        "expert_stack_tbps_plain": traffic / sum(r["ms_6"] for r in stacks) / 1e9,
-        "expert_stack_tbps_kernels_4o6": traffic / sum(r["ms_kernels_4o6"] for r in stacks) / 1e9,
-        "expert_stack_tbps_kernels_plain": traffic / sum(r["ms_kernels_6"] for r in stacks) / 1e9,
-        "expert_stack_tbps_given_amax_4o6": traffic / sum(r["ms_given_amax_4o6"] for r in stacks) / 1e9,
-        "expert_stack_tbps_given_amax_plain": traffic / sum(r["ms_given_amax_6"] for r in stacks) / 1e9,
-        "ratio_4o6_to_plain": sum(r["ms_4o6"] for r in stacks) / sum(r["ms_6"] for r in stacks),
-        "speedup_vs_modelopt": None,
-        "modelopt_note": "not measured",
-    }
-    if not args.skip_modelopt:  # on the Nano layer's expert stacks and shared expert (bench_modelopt_4o6.py)
-        try:
-            import bench_modelopt_4o6
+    if not args.skip_quantize:
+        q_rows = kquant.bench(shapes=(*NANO_STACKS, (8192, 8192)))
+        stacks = [r for r in q_rows if len(r["shape"]) == 3]
+        traffic = sum(r["bytes"] for r in stacks)
+        quant = {
+            "rows": q_rows,
+            "timing": "expert_stack_* and ratio: the whole quantize() call, eager (checks included); "
+                      "*_kernels: its two launches (max pass, quantize) replayed from a CUDA graph; "
+                      "*_given_amax: the one quantize launch when the global amax is given",
+            "expert_stack_tbps": traffic / sum(r["ms_4o6"] for r in stacks) / 1e9,
+            "expert_stack_tbps_plain": traffic / sum(r["ms_6"] for r in stacks) / 1e9,
+            "expert_stack_tbps_kernels_4o6": traffic / sum(r["ms_kernels_4o6"] for r in stacks) / 1e9,
+            "expert_stack_tbps_kernels_plain": traffic / sum(r["ms_kernels_6"] for r in stacks) / 1e9,
+            "expert_stack_tbps_given_amax_4o6": traffic / sum(r["ms_given_amax_4o6"] for r in stacks) / 1e9,
+            "expert_stack_tbps_given_amax_plain": traffic / sum(r["ms_given_amax_6"] for r in stacks) / 1e9,
+            "ratio_4o6_to_plain": sum(r["ms_4o6"] for r in stacks) / sum(r["ms_6"] for r in stacks),
+            "speedup_vs_modelopt": None,
+            "modelopt_note": "not measured",
+        }
+        if not args.skip_modelopt:  # on the Nano layer's expert stacks and shared expert (bench_modelopt_4o6.py)
+            try:
+                import bench_modelopt_4o6
 
-            mo = bench_modelopt_4o6.measure()
-            quant.update(speedup_vs_modelopt=mo["speedup_vs_modelopt"], modelopt=mo,
-                         modelopt_note="ModelOpt's Lightning 4/6 calibration vs fp4kit quantize, same tensors")
-        except ImportError as exc:
-            quant["modelopt_note"] = f"modelopt not importable: {exc}"
-    result["quantize"] = quant
-    print(f"quantize: {json.dumps(quant['rows'])}", flush=True)
+                mo = bench_modelopt_4o6.measure()
+                quant.update(speedup_vs_modelopt=mo["speedup_vs_modelopt"], modelopt=mo,
+                             modelopt_note="ModelOpt's Lightning 4/6 calibration vs fp4kit quantize, same tensors")
+            except ImportError as exc:
+                quant["modelopt_note"] = f"modelopt not importable: {exc}"
+        result["quantize"] = quant
+        print(f"quantize: {json.dumps(quant['rows'])}", flush=True)
 
     result["host_overhead"] = w4a16_gemm.host_overhead_us()
     print(f"host overhead: {result['host_overhead']}", flush=True)
@@ -124,8 +145,21 @@ def print_gemm(rows) -> None:
 
 
 def print_table(r: dict) -> None:
-    q = r["quantize"]
     print(f"\n{r['gpu']}  copy ceiling {r['copy_ceiling_tbps']:.2f} TB/s")
+    if "quantize" in r:
+        print_quantize(r["quantize"])
+    print_gemm(r["gemm"])
+    print("\nMoE (128 experts, top-6, H=2688, I=1856)  tokens  us(w4a16)  us(bf16)  speedup  timing  [eager]  path")
+    for m in r["moe"]:
+        print(f"{'':42s}{m['tokens']:7d} {1e3 * m['ms_w4a16']:10.1f} {1e3 * m['ms_bf16']:9.1f} {m['speedup_vs_bf16']:8.2f}"
+              f"  {m['timing']}  [{1e3 * m['ms_w4a16_eager']:.1f} / {1e3 * m['ms_bf16_eager']:.1f}]  {m['path']}"
+              + (f" (sorted path {1e3 * m['ms_w4a16_sorted_graph']:.1f})" if m.get("ms_w4a16_sorted_graph") else ""))
+    if r["moe"]:
+        print(f"MoE baseline: {r['moe'][0]['baseline']}")
+    print(f"host overhead: {r['host_overhead']}")
+
+
+def print_quantize(q: dict) -> None:
     print("quantize (eager call | graph-replayed kernels)  ms(6)  TB/s(6)  ms(4o6)  TB/s(4o6)  4o6/6")
     for row in q["rows"]:
         print(f"{str(tuple(row['shape'])):20s} call    {row['ms_6']:7.3f} {row['tbps_6']:7.2f} {row['ms_4o6']:8.3f}"
@@ -137,14 +171,6 @@ def print_table(r: dict) -> None:
               f" {row['tbps_given_amax_4o6']:9.2f} {row['ms_given_amax_4o6'] / row['ms_given_amax_6']:6.2f}")
     print(f"expert stacks: {q['expert_stack_tbps']:.2f} TB/s (4o6), {q['expert_stack_tbps_plain']:.2f} TB/s (6);"
           f" vs ModelOpt: {q['speedup_vs_modelopt']} ({q['modelopt_note']})")
-    print_gemm(r["gemm"])
-    print("\nMoE (128 experts, top-6, H=2688, I=1856)  tokens  us(w4a16)  us(bf16)  speedup  timing  [eager]")
-    for m in r["moe"]:
-        print(f"{'':42s}{m['tokens']:7d} {1e3 * m['ms_w4a16']:10.1f} {1e3 * m['ms_bf16']:9.1f} {m['speedup_vs_bf16']:8.2f}"
-              f"  {m['timing']}  [{1e3 * m['ms_w4a16_eager']:.1f} / {1e3 * m['ms_bf16_eager']:.1f}]")
-    if r["moe"]:
-        print(f"MoE baseline: {r['moe'][0]['baseline']}")
-    print(f"host overhead: {r['host_overhead']}")
 
 
 if __name__ == "__main__":

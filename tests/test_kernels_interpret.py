@@ -281,6 +281,23 @@ def test_w4a16_gemv(dtype, m, nk, monkeypatch):
         assert torch.all((y.double() - ref).abs() <= _gemm_tolerance(x, wdq, dtype)(ref)), split
 
 
+def test_split_k_counters_reset_between_launches():
+    # Split-K sums its partials in the launch itself (the last program of each tile); the tile
+    # counters are left at 0, so the same buffer serves the next launch: repeated calls agree
+    # bit for bit with a launch that does not split.
+    n, k, m = 72, 320, 3
+    wq = nvfp4.quantize(_rand(n, k, seed=21), scale_rule="4o6")
+    x = _rand(m, k, seed=22).to(DEVICE)
+    cfg = w4a16_gemm.config(m, n, k, torch.device(DEVICE))
+    assert cfg["SPLIT"] > 1
+    ys = [w4a16_gemm.w4a16_matmul(x, wq.to(DEVICE), cfg=cfg).cpu() for _ in range(3)]
+    counters = w4a16_gemm.split_counters(torch.device(DEVICE), 1)
+    assert int(counters.abs().sum()) == 0
+    assert all(torch.equal(y, ys[0]) for y in ys)
+    ref = x.cpu().double() @ wq.dequantize().double().T
+    assert torch.all((ys[0].double() - ref).abs() <= _gemm_tolerance(x.cpu(), wq.dequantize(), torch.float32)(ref))
+
+
 def test_w4a16_matmul_batched_input_and_errors():
     wq = nvfp4.quantize(_rand(32, 64, seed=10))
     x = _rand(2, 3, 64, seed=11)
@@ -313,8 +330,14 @@ def _transformers_experts(n_exp, hid, inter, top_k, up_w, down_w):
 
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("tokens", [1, 13])
-def test_moe_matches_transformers_experts(dtype, rtol, tokens):
-    n_exp, hid, inter, top_k = 8, 64, 96, 3
+@pytest.mark.parametrize("path", ["small", "sorted", "small-split"])
+def test_moe_matches_transformers_experts(dtype, rtol, tokens, path, monkeypatch):
+    # small: routing in the kernels (1 token: a program per routed assignment; 13 tokens: a
+    # program per expert); small-split: the same with K split 2 ways (partials summed in the
+    # next kernel); sorted: the sort-based path.
+    n_exp, hid, inter, top_k = 8, 128, 96, 3
+    monkeypatch.setitem(moe_gemm.SMALL, "max_assignments", 0 if path == "sorted" else 512)
+    monkeypatch.setitem(moe_gemm.SMALL, "programs_per_sm", 1000 if path == "small-split" else 0)
     up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=12, scale=0.1), scale_rule="4o6")
     down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=13, scale=0.1))
     g = torch.Generator().manual_seed(14)
@@ -344,3 +367,43 @@ def test_moe_unused_experts_and_errors():
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(FormatError, match=re.escape("down_proj shape")):
         moe_gemm.moe_experts(x, ids, weights, up, up)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch-shape picks from benchmark sweeps (pure Python: the rows are what the sweeps record)
+# --------------------------------------------------------------------------------------------
+def test_pick_decode_sums_over_shapes_and_keeps_register_cap():
+    base = {"K": 1, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4}
+    rows = [dict(base, N=n, M=1, maxnreg=mr, ms=t) for n, mr, t in
+            ((1, None, 1.0), (2, None, 5.0), (1, 96, 2.0), (2, 96, 3.0), (1, 80, None), (2, 80, 0.1))]
+    # None: 6.0, 96: 5.0, 80: failed once (inf) -> 96, carried as maxnreg
+    assert w4a16_gemm.pick_decode(rows) == dict({k: v for k, v in base.items() if k != "K"}, maxnreg=96)
+    rows = [dict(r, maxnreg=None, ms=1.0) if r["maxnreg"] == 96 else r for r in rows]
+    assert "maxnreg" not in w4a16_gemm.pick_decode(rows)
+
+
+def test_pick_gemv_max_m_stops_at_first_loss():
+    tile = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "programs_per_sm": 8, "maxnreg": None}
+    rows = []
+    for n in (1, 2):
+        for m, base_ms, gemv_ms in ((1, 3.0, 2.0), (2, 3.0, 2.5), (4, 3.0, 4.0), (8, 3.0, 1.0)):
+            rows.append({"N": n, "M": m, "kernel": "matrix-unit", "ms": base_ms})
+            rows.append(dict(tile, N=n, M=m, kernel="gemv", ms=gemv_ms))
+    # a faster tile at M = 2 only does not win: the tile is picked on M = 1
+    rows.append(dict(tile, BLOCK_N=16, N=1, M=1, kernel="gemv", ms=2.1))
+    rows.append(dict(tile, BLOCK_N=16, N=2, M=1, kernel="gemv", ms=2.1))
+    got = w4a16_gemm.pick_gemv(rows)
+    assert (got["BLOCK_N"], got["max_m"]) == (8, 2)  # loses at 4, so the win at 8 does not count
+    rows = [dict(r, ms=5.0) if r["kernel"] == "gemv" and r["M"] == 1 and r["N"] == 2 else r for r in rows]
+    assert w4a16_gemm.pick_gemv(rows)["max_m"] == 0
+
+
+def test_pick_small_threshold_from_the_sorted_path():
+    rows = []
+    for t, sorted_ms, small_ms in ((1, 8.0, 4.0), (2, 9.0, 6.0), (8, 20.0, 19.0), (64, 50.0, 55.0)):
+        rows.append({"tokens": t, "path": "sorted", "ms": sorted_ms})
+        rows.append({"tokens": t, "path": "small", "programs_per_sm": 2, "max_parts": 4, "ms": small_ms})
+        rows.append({"tokens": t, "path": "small", "programs_per_sm": 4, "max_parts": 4, "ms": small_ms + 1})
+    assert moe_gemm.pick_small(rows, top_k=6) == {"max_assignments": 48, "programs_per_sm": 2, "max_parts": 4}
+    rows = [dict(r, ms=1.0) if r["path"] == "small" else r for r in rows]
+    assert moe_gemm.pick_small(rows)["max_assignments"] == 512

@@ -8,7 +8,6 @@ variable TRITON_INTERPRET=1 when the `@triton.jit` decorators run (at import of 
 from __future__ import annotations
 
 import torch
-import triton
 
 BACKENDS = ("triton", "torch")
 

@@ -5,7 +5,19 @@ is that computation, `experts_reference`): up_proj [E, I, H] and down_proj [E, H
 stacks (one global scale per expert), router output as the model produces it (top-k expert ids
 [T, k] and fp32 weights [T, k]).
 
-One launch per projection:
+Up to SMALL["max_assignments"] (token, slot) assignments (8 tokens at top-6), `_moe_small`, three
+launches and no host-side routing:
+- `_moe_small_kernel` for up_proj, grid (slots, I / BLOCK_N, K splits): each program reads the
+  routed expert ids, finds its expert (with fewer assignments than experts, a program per
+  assignment that serves its expert if no earlier assignment has it; else a program per
+  expert) and compacts that expert's assignments in order; rows are stored by assignment
+  index. One split: relu^2 of the output rounded to the activation dtype (as the reference's
+  linear and relu2); more: fp32 partial sums.
+- the same kernel for down_proj, reading the up output (summing its partials in a fixed order
+  and finishing relu^2 on the fly); fp32 partials.
+- `_moe_combine_kernel`: per token, each slot's down output rounded to the activation dtype
+  times its fp32 routing weight, summed over the k slots in fp32 (fixed order), cast.
+Beyond, `_moe_sorted`, one launch per projection:
 - routing: the T*k (token, slot) assignments are sorted by expert (`torch.sort`, stable) and
   `offsets[e]` marks where expert e's run starts; no padding, no per-expert loop on the host.
 - `_moe_up_kernel`, grid (E, I / BLOCK_N): a program takes one expert and one slice of its
@@ -19,13 +31,15 @@ One launch per projection:
 - the k slots of each token are summed in fp32 (fixed order) and cast to the activation dtype.
 
 Measured on an H200 against transformers' grouped_mm experts in bf16 (CUDA graphs, 128 experts,
-top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json): 1.45x at 1 token, 1.84x at 8,
-1.76x at 64, 1.61x at 256, 0.65x at 2048. At decode sizes the per-expert tiles are few and the
-weight tiles stream one ahead per program, so the grid is latency bound; the dequantization is
-the GEMM's (about 7 instructions per weight in the loop).
+top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json): 2.96x at 1 token, 1.97x at 8,
+1.80x at 64, 1.57x at 256, 0.65x at 2048. From 8 tokens on the per-expert tiles stream the
+weight one tile ahead per program and the kernels are latency and instruction bound; the
+dequantization is the GEMM's (about 7 instructions per weight in the loop).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import triton
@@ -35,7 +49,8 @@ from fp4kit.formats import nvfp4
 from fp4kit.formats.errors import FormatError
 
 from .backend import check_backend, launch_options
-from .w4a16_gemm import _ACT_DTYPES, _accumulate, check_weight, lut_tile, time_if_right, use_lut
+from .w4a16_gemm import (_ACT_DTYPES, _accumulate, _sm_count, check_weight, lut_tile, time_if_right,
+                         use_lut, with_maxnreg)
 
 _WHAT = "kernels.moe_experts"
 
@@ -108,6 +123,112 @@ def _moe_down_kernel(
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+# --------------------------------------------------------------------------------------------
+# Decode sizes (up to SMALL_MAX assignments): routing inside the kernels, split-K, three launches
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _slot_expert(ids_ptr, A, E, slot, A_PAD: tl.constexpr, BY_ASSIGNMENT: tl.constexpr):
+    """(expert this program serves, its assignment ids [A_PAD], whether it serves one).
+
+    BY_ASSIGNMENT (fewer assignments than experts): program `slot` takes the expert of
+    assignment `slot` if no earlier assignment has it, so each routed expert is taken once and
+    the grid is as small as the assignment count. Otherwise program `slot` is expert `slot`.
+    An id outside [0, E) is served by no program."""
+    a_idx = tl.arange(0, A_PAD)
+    ids = tl.load(ids_ptr + a_idx, mask=a_idx < A, other=-1).to(tl.int32)
+    if BY_ASSIGNMENT:
+        e = tl.load(ids_ptr + slot).to(tl.int32)
+        earlier = tl.sum(((ids == e) & (a_idx < slot)).to(tl.int32), axis=0)
+        serves = (earlier == 0) & (e >= 0) & (e < E)
+    else:
+        e = slot
+        serves = e < E
+    return e, ids, serves
+
+
+@triton.jit
+def _expert_rows(ids, e, r0, BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
+    """Rows r0 .. r0+BLOCK_M-1 of expert e's assignments in increasing order: their assignment
+    indices and which exist (a compaction of ids == e by its running count)."""
+    mine = ids == e
+    rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+    want = r0 + tl.arange(0, BLOCK_M)
+    hit = mine[None, :] & (rank[None, :] == want[:, None])  # [BLOCK_M, A_PAD]
+    assignment = tl.sum(tl.where(hit, tl.arange(0, A_PAD)[None, :], 0), axis=1)
+    return assignment, tl.sum(hit.to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _moe_small_kernel(
+    x_ptr, ids_ptr, wq_ptr, ws_ptr, gs_ptr, part_ptr,
+    A, E, N, K, TOPK, k_per_split, part_stride,
+    A_PAD: tl.constexpr, BY_ASSIGNMENT: tl.constexpr, UP: tl.constexpr, X_PARTS: tl.constexpr,
+    RELU2_OUT: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, LUT: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """One projection for one expert, one N slice and one K split (grid: slots, N / BLOCK_N,
+    splits); rows are stored by assignment index (no sort): fp32 partial sums
+    part[split, assignment, n], or with RELU2_OUT (one split) the finished activation
+    relu^2(round(acc)) in ACT. UP: rows are the tokens' hidden states x[assignment // TOPK].
+    Not UP: rows are the up projection's output at the same assignment: its ACT activation
+    (X_PARTS = 0) or relu^2 of its X_PARTS partials (`_load_x`)."""
+    slot = tl.program_id(0)
+    pid_s = tl.program_id(2)
+    e, ids, serves = _slot_expert(ids_ptr, A, E, slot, A_PAD, BY_ASSIGNMENT)
+    count = tl.sum((ids == e).to(tl.int32), axis=0)
+    if serves & (count > 0):
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        n64 = n.to(tl.int64)
+        e64 = e.to(tl.int64)
+        wq = wq_ptr + e64 * N * (K // 8)
+        ws = ws_ptr + e64 * N * (K // 16)
+        gs = tl.load(gs_ptr + e)
+        k_start = pid_s * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        for r0 in range(0, count, BLOCK_M):
+            assignment, m_ok = _expert_rows(ids, e, r0, BLOCK_M, A_PAD)
+            a64 = assignment.to(tl.int64)
+            if UP:
+                x_row = (a64 // TOPK) * K
+            else:
+                x_row = a64 * K
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc = _accumulate(acc, x_ptr, x_row, m_ok, wq, ws, gs, n64, n_ok, K, k_start, k_end,
+                              BLOCK_N, BLOCK_K, IEEE, LUT, EVEN_N, EVEN_K, X_PARTS, part_stride, ACT)
+            ok = n_ok[:, None] & m_ok[None, :]
+            if RELU2_OUT:
+                h = tl.maximum(acc.to(ACT).to(tl.float32), 0.0)
+                tl.store(part_ptr + a64[None, :] * N + n64[:, None], (h * h).to(ACT), mask=ok)
+            else:
+                tl.store(part_ptr + pid_s.to(tl.int64) * A * N + a64[None, :] * N + n64[:, None], acc, mask=ok)
+
+
+@triton.jit
+def _moe_combine_kernel(part_ptr, ids_ptr, w_ptr, out_ptr, A, E, H, PARTS: tl.constexpr,
+                        TOPK: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum over slots j = 0 .. TOPK-1 (this order, fp32) of w[t, j] times the down
+    projection of assignment t*TOPK + j (its PARTS partials summed in order, rounded to ACT as
+    the linear's output); cast to out's dtype. An assignment whose expert id is outside [0, E)
+    adds nothing."""
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = h < H
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        a = t.to(tl.int64) * TOPK + j
+        y = tl.load(part_ptr + a * H + h, mask=ok, other=0.0)
+        for s in tl.static_range(1, PARTS):
+            y += tl.load(part_ptr + s * A.to(tl.int64) * H + a * H + h, mask=ok, other=0.0)
+        e = tl.load(ids_ptr + a)
+        routed = (e >= 0) & (e < E)
+        total += tl.where(routed, y.to(ACT).to(tl.float32) * tl.load(w_ptr + a), 0.0)
+    tl.store(out_ptr + t.to(tl.int64) * H + h, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+
+
 def _check_inputs(hidden, top_k_index, top_k_weights, up, down):
     check_weight(up, _WHAT + " up_proj", batch_dims=1)
     check_weight(down, _WHAT + " down_proj", batch_dims=1)
@@ -139,8 +260,17 @@ def experts_reference(hidden, top_k_index, top_k_weights, up_w, down_w):
 
 
 # Launch shape for decode-sized runs (up to 24 rows per expert), picked on an H200 by `sweep`
-# (scripts/bench_kernels.py --sweep; benchmarks/results/kernels-h200.json).
-MOE_DECODE = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+# (scripts/bench_kernels.py --sweep-moe; benchmarks/results/kernels-h200.json). maxnreg 128: 4
+# programs per multiprocessor instead of 3 (138-144 registers uncapped), a few spills.
+MOE_DECODE = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "maxnreg": 128}
+
+# Up to SMALL["max_assignments"] (tokens * top-k) the routing is done inside the kernels and K is
+# split until there are about SMALL["programs_per_sm"] programs per multiprocessor (at most
+# SMALL["max_parts"] splits): `_moe_small`. Beyond, the sort-based path (`_moe_sorted`). Picked on
+# an H200 by `sweep_small` (scripts/bench_kernels.py --sweep-moe-small; Nano's experts, top-6):
+# faster than the sorted path at 1, 2, 4 and 8 tokens (42.1 / 65.1 / 115.6 / 194.8 us against
+# 82.9 / 94.7 / 135.6 / 206.7), slower at 64 (570.7 against 541.4).
+SMALL = {"max_assignments": 48, "programs_per_sm": 2, "max_parts": 4}
 
 
 def moe_config(assignments: int, n_experts: int, device: torch.device) -> dict:
@@ -156,8 +286,9 @@ def moe_config(assignments: int, n_experts: int, device: torch.device) -> dict:
 
 
 def sweep(tokens=(1, 8, 64), n_exp=128, top_k=6, hid=2688, inter=1856,
-          shapes=((64, 128, 4), (32, 128, 4), (32, 256, 4), (64, 256, 4), (64, 256, 8), (128, 128, 8))):
-    """CUDA-graph times of decode launch shapes (BLOCK_N, BLOCK_K, warps) on Nano's experts."""
+          shapes=((64, 128, 4), (32, 128, 4), (32, 256, 4), (64, 256, 4)), maxnreg=(None,)):
+    """CUDA-graph times of decode launch shapes (BLOCK_N, BLOCK_K, warps) x register cap on
+    Nano's experts, each checked first."""
     from .quantize import quantize
 
     up = quantize(torch.randn((n_exp, inter, hid), dtype=torch.bfloat16, device="cuda") * 0.02)
@@ -168,22 +299,74 @@ def sweep(tokens=(1, 8, 64), n_exp=128, top_k=6, hid=2688, inter=1856,
         ids = torch.rand((t, n_exp), device="cuda").topk(top_k, dim=-1).indices
         w = torch.rand((t, top_k), device="cuda")
         ref = moe_experts(h, ids, w, up, down, backend="torch").float()
-        for bn, bk, nw in shapes:
-            cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=3)
-            row = {"tokens": t, **cfg}
+        for (bn, bk, nw), mr in itertools.product(shapes, maxnreg):
+            cfg = with_maxnreg(dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=3), mr)
+            row = {"tokens": t, "maxnreg": mr, **cfg}
             row.update(time_if_right(lambda: moe_experts(h, ids, w, up, down, cfg=cfg), ref))
             out.append(row)
     return out
+
+
+def sweep_small(tokens=(1, 2, 4, 8, 64), n_exp=128, top_k=6, hid=2688, inter=1856, programs_per_sm=(2, 4),
+                max_parts=(4,)):
+    """CUDA-graph times of the in-kernel-routing path (`_moe_small`) per split-K target and
+    split cap, and of the sort-based path, on Nano's experts, each checked first."""
+    from .quantize import quantize
+
+    up = quantize(torch.randn((n_exp, inter, hid), dtype=torch.bfloat16, device="cuda") * 0.02)
+    down = quantize(torch.randn((n_exp, hid, inter), dtype=torch.bfloat16, device="cuda") * 0.02)
+    out = []
+    saved = dict(SMALL)
+    try:
+        for t in tokens:
+            h = torch.randn((t, hid), dtype=torch.bfloat16, device="cuda")
+            ids = torch.rand((t, n_exp), device="cuda").topk(top_k, dim=-1).indices
+            w = torch.rand((t, top_k), device="cuda")
+            ref = moe_experts(h, ids, w, up, down, backend="torch").float()
+            cfg = moe_config(t * top_k, n_exp, h.device)
+            row = {"tokens": t, "path": "sorted"}
+            row.update(time_if_right(lambda: moe_experts(h, ids, w, up, down, cfg=dict(cfg, small=False)), ref))
+            out.append(row)
+            for pps, parts in itertools.product(programs_per_sm, max_parts):
+                SMALL.update(programs_per_sm=pps, max_parts=parts)
+                row = {"tokens": t, "path": "small", "programs_per_sm": pps, "max_parts": parts}
+                row.update(time_if_right(lambda: moe_experts(h, ids, w, up, down, cfg=dict(cfg, small=True)), ref))
+                out.append(row)
+    finally:
+        SMALL.update(saved)
+    return out
+
+
+def pick_small(rows, top_k=6) -> dict:
+    """SMALL's split-K target and cap with the smallest summed time, and max_assignments: 512 if
+    the path beats the sorted one at every swept token count, else top_k times the largest
+    count up to which it beats it (0 if not at the first)."""
+    totals = {}
+    for r in rows:
+        if r["path"] == "small":
+            key = (r["programs_per_sm"], r["max_parts"])
+            totals[key] = totals.get(key, 0.0) + (r["ms"] if r["ms"] is not None else float("inf"))
+    pps, parts = min(totals, key=totals.get)
+    best = {r["tokens"]: r["ms"] for r in rows if r["path"] == "small" and
+            (r["programs_per_sm"], r["max_parts"]) == (pps, parts) and r["ms"] is not None}
+    sorted_ms = {r["tokens"]: r["ms"] for r in rows if r["path"] == "sorted" and r["ms"] is not None}
+    up_to = 0
+    for t in sorted(sorted_ms):
+        if not best.get(t, float("inf")) < sorted_ms[t]:
+            break
+        up_to = t
+    max_a = 512 if up_to == max(sorted_ms) else top_k * up_to
+    return {"max_assignments": max_a, "programs_per_sm": pps, "max_parts": parts}
 
 
 def pick(rows) -> dict:
     """The MOE_DECODE entry with the smallest summed sweep time."""
     totals = {}
     for r in rows:
-        key = (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"])
+        key = (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r.get("maxnreg"))
         totals[key] = totals.get(key, 0.0) + (r["ms"] if r["ms"] is not None else float("inf"))
-    bn, bk, nw = min(totals, key=totals.get)
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 3}
+    bn, bk, nw, mr = min(totals, key=totals.get)
+    return with_maxnreg({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 3}, mr)
 
 
 def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -191,8 +374,13 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
                 cfg: dict | None = None) -> torch.Tensor:
     """Nemotron-H routed experts with NVFP4 weights: [T, H] -> [T, H] in hidden_states' dtype.
 
-    backend: "triton" (two grouped launches) or "torch" (`experts_reference` on
-    `up_proj.dequantize()` / `down_proj.dequantize()` in the activation dtype).
+    top_k_index: expert ids in [0, E) (as transformers requires; other ids are never used to
+    address memory, and the output of their tokens is then unspecified).
+    backend: "triton" (three launches up to SMALL["max_assignments"] assignments, else the
+    sort and two grouped launches) or "torch" (`experts_reference` on `up_proj.dequantize()` /
+    `down_proj.dequantize()` in the activation dtype).
+    cfg: a `moe_config(...)` dict to force a launch shape; its optional "small" key forces the
+    path.
     """
     n_exp, inter, hid = _check_inputs(hidden_states, top_k_index, top_k_weights, up_proj, down_proj)
     check_backend(backend, _moe_up_kernel, hidden_states, top_k_index, top_k_weights, up_proj.packed.view(torch.int32),
@@ -202,26 +390,86 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
         return experts_reference(hidden_states, top_k_index, top_k_weights,
                                  up_proj.dequantize(dtype), down_proj.dequantize(dtype))
     t, top_k = top_k_index.shape
+    a = t * top_k
     x = hidden_states.contiguous()
-    device = x.device
+    cfg = dict(cfg or moe_config(a, n_exp, x.device))
+    small = cfg.pop("small", a <= SMALL["max_assignments"])
+    lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(dtype, _moe_up_kernel)
+    if a == 0:
+        return torch.zeros_like(x)
+    run = _moe_small if small else _moe_sorted
+    return run(x, top_k_index, top_k_weights.reshape(-1).to(torch.float32).contiguous(), up_proj, down_proj,
+               cfg, lut)
+
+
+def _split_k(programs: int, k: int, block_k: int, device: torch.device) -> tuple[int, int]:
+    """(splits, K per split): split K while there are fewer than SMALL["programs_per_sm"]
+    programs per multiprocessor, at most SMALL["max_parts"] ways, never below one K tile."""
+    k_blocks = triton.cdiv(k, block_k)
+    want = SMALL["programs_per_sm"] * _sm_count(device)
+    split = 1 if programs >= want else max(1, min(k_blocks, want // max(programs, 1), SMALL["max_parts"]))
+    k_per_split = triton.cdiv(k_blocks, split) * block_k
+    return triton.cdiv(k, k_per_split), k_per_split
+
+
+def _moe_small(x, top_k_index, weights, up, down, cfg, lut):
+    """Three launches, no host-side routing: up (fp32 split-K partials per assignment), down
+    (reading relu^2 of the up partials; fp32 partials), combine (routing weights, top-k sum)."""
+    t, top_k = top_k_index.shape
+    n_exp, inter, hid = up.shape
+    a = t * top_k
+    dtype, device = x.dtype, x.device
+    ids = top_k_index.reshape(-1).contiguous()
+    by_assignment = a < n_exp
+    slots = a if by_assignment else n_exp
+    common = dict(A_PAD=max(triton.next_power_of_2(a), 2), BY_ASSIGNMENT=by_assignment, ACT=_TL_DTYPES[dtype],
+                  IEEE=dtype == torch.float32, LUT=lut, **cfg, **launch_options())
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    s_up, kps_up = _split_k(slots * triton.cdiv(inter, bn), hid, bk, device)
+    # One split: the up kernel finishes the activation itself; more: fp32 partials, finished by
+    # the down kernel as it reads them.
+    if s_up == 1:
+        part_up = torch.empty((a, inter), dtype=dtype, device=device)
+    else:
+        part_up = torch.empty((s_up, a, inter), dtype=torch.float32, device=device)
+    _moe_small_kernel[(slots, triton.cdiv(inter, bn), s_up)](
+        x, ids, up.packed.view(torch.int32), up.block_scale.view(torch.uint8), up.global_scale, part_up,
+        a, n_exp, inter, hid, top_k, kps_up, 0, UP=True, X_PARTS=0, RELU2_OUT=s_up == 1,
+        EVEN_N=inter % bn == 0, EVEN_K=hid % bk == 0, **common)
+    s_dn, kps_dn = _split_k(slots * triton.cdiv(hid, bn), inter, bk, device)
+    part_dn = torch.empty((s_dn, a, hid), dtype=torch.float32, device=device)
+    _moe_small_kernel[(slots, triton.cdiv(hid, bn), s_dn)](
+        part_up, ids, down.packed.view(torch.int32), down.block_scale.view(torch.uint8), down.global_scale, part_dn,
+        a, n_exp, hid, inter, top_k, kps_dn, a * inter, UP=False, X_PARTS=0 if s_up == 1 else s_up,
+        RELU2_OUT=False, EVEN_N=hid % bn == 0, EVEN_K=inter % bk == 0, **common)
+    out = torch.empty((t, hid), dtype=dtype, device=device)
+    block = min(1024, triton.next_power_of_2(hid))
+    _moe_combine_kernel[(t, triton.cdiv(hid, block))](
+        part_dn, ids, weights, out, a, n_exp, hid, PARTS=s_dn, TOPK=top_k, ACT=_TL_DTYPES[dtype], BLOCK=block,
+        **launch_options())
+    return out
+
+
+def _moe_sorted(x, top_k_index, weights, up, down, cfg, lut):
+    """Two grouped launches over the assignments sorted by expert (any number of tokens)."""
+    t, top_k = top_k_index.shape
+    n_exp, inter, hid = up.shape
+    a = t * top_k
+    dtype, device = x.dtype, x.device
     # Sort the assignments (token * k + slot) by expert; offsets[e]..offsets[e+1] is expert e's run.
     sorted_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
     bounds = torch.arange(n_exp + 1, device=device, dtype=sorted_ids.dtype)
     offsets = torch.searchsorted(sorted_ids, bounds)  # int64, read as is by the kernels
-    weights = top_k_weights.reshape(-1).to(torch.float32).contiguous()
-    a = t * top_k
-    cfg = dict(cfg or moe_config(a, n_exp, device))
-    lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(dtype, _moe_up_kernel)
     ieee = dtype == torch.float32
     inter_act = torch.empty((a, inter), dtype=dtype, device=device)
     _moe_up_kernel[(n_exp, triton.cdiv(inter, cfg["BLOCK_N"]))](
-        x, order, offsets, up_proj.packed.view(torch.int32), up_proj.block_scale.view(torch.uint8), up_proj.global_scale,
+        x, order, offsets, up.packed.view(torch.int32), up.block_scale.view(torch.uint8), up.global_scale,
         inter_act, hid, inter, top_k, IEEE=ieee, LUT=lut,
         EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=hid % cfg["BLOCK_K"] == 0, **cfg, **launch_options())
     per_slot = torch.empty((a, hid), dtype=torch.float32, device=device)
     _moe_down_kernel[(n_exp, triton.cdiv(hid, cfg["BLOCK_N"]))](
-        inter_act, order, offsets, weights, down_proj.packed.view(torch.int32), down_proj.block_scale.view(torch.uint8),
-        down_proj.global_scale, per_slot, hid, inter, IEEE=ieee, LUT=lut,
+        inter_act, order, offsets, weights, down.packed.view(torch.int32), down.block_scale.view(torch.uint8),
+        down.global_scale, per_slot, hid, inter, IEEE=ieee, LUT=lut,
         EVEN_N=hid % cfg["BLOCK_N"] == 0, EVEN_K=inter % cfg["BLOCK_K"] == 0, ACT_DTYPE=_TL_DTYPES[dtype],
         **cfg, **launch_options())
     return per_slot.view(t, top_k, hid).sum(dim=1).to(dtype)
@@ -305,5 +553,10 @@ def bench(tokens=(1, 8, 64, 256, 2048), n_exp=128, top_k=6, hid=2688, inter=1856
             ref = baseline(h, ids, w).float()
             got = fp4().float()
             row["rel_diff_vs_bf16_weights"] = float((got - ref).norm() / ref.norm())
+            row["path"] = "small" if t * top_k <= SMALL["max_assignments"] else "sorted"
+            if row["path"] == "small":  # the sort-based path at the same size, for the record
+                cfg = dict(moe_config(t * top_k, n_exp, h.device), small=False)
+                row["ms_w4a16_sorted_graph"], _ = graph_time(
+                    lambda: moe_experts(h, ids, w, up_q, down_q, cfg=cfg))
         rows.append(row)
     return rows

@@ -17,13 +17,14 @@ One row (M = 1, `GEMV`) runs on the CUDA cores (`_gemv_kernel`): one fp32 fma pe
 the dot is computed transposed, acc[N, M] = W_tile @ x_tile^T: at decode sizes (M <= 16) the
 weight fills the matrix unit's 64-row side (wgmma) and the few tokens its narrow side, instead
 of padding M to 64. The next weight tile is loaded while the current one is dequantized.
-Split-K (partials in fp32, summed in a fixed order by a second kernel) keeps the GPU full when
-N / BLOCK_N alone is too few programs. Above LARGE_M rows the weight is dequantized once by the
+Split-K keeps the GPU full when N / BLOCK_N alone is too few programs: the partials are fp32,
+and the last program of each tile to finish sums them in a fixed order in the same launch
+(`_store_split`). Above LARGE_M rows the weight is dequantized once by the
 same helper and multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1: 1.26x on 8192 x 8192, 1.40x on 28672 x 8192, 1.13-1.27x on the Nano
-shapes; M = 4-16: 0.83-1.26x; M = 64: 0.52-0.87x. The weight bytes are 3.5x fewer than bf16's,
+the bf16 weight): M = 1: 1.27x on 8192 x 8192, 1.28x on 28672 x 8192, 1.02-1.08x on the Nano
+shapes; M = 4-16: 0.89-1.26x; M = 64: 0.52-0.97x. The weight bytes are 3.5x fewer than bf16's,
 but neither path reaches the memory bound: 8192 x 8192 at M = 1 takes 26.7 us for 37.7 MB
 (1.4 TB/s). The matrix-unit path spends ~7 SASS instructions per weight in its main loop
 (table dequantization, the register-to-shared-memory staging of the tile, address and mask
@@ -40,7 +41,6 @@ import triton
 import triton.language as tl
 
 from fp4kit.formats import nvfp4
-from fp4kit.formats.constants import NVFP4_BLOCK_SIZE
 from fp4kit.formats.errors import FormatError
 
 from .backend import check_backend, interpreted, launch_options
@@ -227,45 +227,93 @@ def _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k0, K, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _load_x(x_ptr, x_row, m_ok, k0, kk, K, EVEN_K: tl.constexpr, X_PARTS: tl.constexpr, part_stride,
+            ACT: tl.constexpr):
+    """The activation tile x[rows, k0:k0+BLOCK_K]^T ([BLOCK_K, BLOCK_M]), zeros past K and for
+    rows not in m_ok.
+
+    X_PARTS = 0: x_ptr is the activation itself. X_PARTS > 0: x_ptr holds X_PARTS fp32 split-K
+    partial sums of a linear's output, part_stride elements apart; the tile is their sum in the
+    order s = 0, 1, ..., rounded to ACT (the linear's output dtype), then relu^2 rounded to ACT
+    again (Nemotron-H's expert activation, as torch computes it on ACT tensors)."""
+    at = x_ptr + x_row[None, :] + (k0 + kk)[:, None]
+    if EVEN_K:
+        ok = m_ok[None, :]
+    else:
+        ok = m_ok[None, :] & ((k0 + kk) < K)[:, None]
+    if X_PARTS == 0:
+        x = tl.load(at, mask=ok, other=0.0)
+    else:
+        h = tl.load(at, mask=ok, other=0.0)
+        for s in tl.static_range(1, X_PARTS):
+            h += tl.load(at + s * part_stride, mask=ok, other=0.0)
+        h = tl.maximum(h.to(ACT).to(tl.float32), 0.0)
+        x = (h * h).to(ACT)
+    return x
+
+
+@triton.jit
+def _ahead(k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """K offset of the tile after k0 (the prefetch); with EVEN_K held at the last tile before
+    k_end (the prefetch past the end re-reads it, in bounds), else left to the load's mask."""
+    k = k0 + BLOCK_K
+    if EVEN_K:
+        k = tl.minimum(k, k_end - BLOCK_K)
+    return k
+
+
+@triton.jit
 def _accumulate(acc, x_ptr, x_row, m_ok, wq_ptr, ws_ptr, gs, n64, n_ok, K, k_start, k_end,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, LUT: tl.constexpr,
-                EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+                EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, X_PARTS: tl.constexpr = 0, part_stride=0,
+                ACT: tl.constexpr = None):
     """acc[BLOCK_N, BLOCK_M] += W[n, k_start:k_end] @ x[rows, k_start:k_end]^T.
 
     x_row: [BLOCK_M] int64 element offsets of the activation rows (gathered rows for MoE);
+    X_PARTS, part_stride, ACT: how the activation tile is read (`_load_x`);
     wq_ptr / ws_ptr: packed words [*, K/8] (int32 view of the packed bytes) and scale bytes
     [*, K/16] of the weight matrix.
     The next weight tile is loaded before the current one is dequantized (register double
     buffering: the weight stream is what decode sizes wait on). k_end - k_start is a multiple
-    of BLOCK_K or ends at K; with EVEN_K the last prefetch re-reads the last tile (in bounds,
-    unmasked), else it is masked off past K.
+    of BLOCK_K or ends at K (`_ahead`).
     """
     kk = tl.arange(0, BLOCK_K)
     packed, sc = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k_start, K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        k_next = k0 + BLOCK_K
-        if EVEN_K:
-            k_next = tl.minimum(k_next, k_end - BLOCK_K)
-        packed_next, sc_next = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k_next, K,
-                                                 BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
-        if EVEN_K:
-            x = tl.load(x_ptr + x_row[None, :] + (k0 + kk)[:, None], mask=m_ok[None, :], other=0.0)
-        else:
-            x = tl.load(x_ptr + x_row[None, :] + (k0 + kk)[:, None],
-                        mask=m_ok[None, :] & ((k0 + kk) < K)[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
+        packed_next, sc_next = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, _ahead(k0, k_end, BLOCK_K, EVEN_K),
+                                                 K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
+        x = _load_x(x_ptr, x_row, m_ok, k0, kk, K, EVEN_K, X_PARTS, part_stride, ACT)  # [BLOCK_K, BLOCK_M]
         w = _dequant_tile(packed, sc, gs, x.dtype, LUT, BLOCK_N, BLOCK_K)
         if IEEE:
             acc = tl.dot(w, x, acc, input_precision="ieee")
         else:
             acc = tl.dot(w, x, acc)
-        packed = packed_next
-        sc = sc_next
+        packed, sc = packed_next, sc_next
     return acc
 
 
 @triton.jit
+def _store_split(acc, part_ptr, out_ptr, cnt_ptr, tile, off, ok, MN, pid_s, SPLIT: tl.constexpr):
+    """Split-K epilogue in the same launch: every program stores its fp32 partial and counts
+    itself in at its tile's counter (one atomic); the last of the tile's SPLIT programs to arrive
+    sums the SPLIT partials in the fixed order s = 0, 1, ... (the result does not depend on which
+    program was last), writes the output in its dtype and puts the counter back to 0 for the
+    next launch. The barrier orders the program's partial stores before its release; the partials
+    are read through L2 (.cg), where the other programs' stores are."""
+    tl.store(part_ptr + pid_s.to(tl.int64) * MN + off, acc, mask=ok)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT - 1:
+        total = tl.load(part_ptr + off, mask=ok, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT):
+            total += tl.load(part_ptr + s * MN.to(tl.int64) + off, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + off, total.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(cnt_ptr + tile, 0)
+
+
+@triton.jit
 def _w4a16_kernel(
-    x_ptr, wq_ptr, ws_ptr, gs_ptr, out_ptr,
+    x_ptr, wq_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, stride_xm, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, LUT: tl.constexpr, EVEN_N: tl.constexpr,
@@ -289,12 +337,13 @@ def _w4a16_kernel(
     if SPLIT == 1:
         tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=ok)
     else:
-        tl.store(out_ptr + pid_s.to(tl.int64) * M * N + out_off, acc, mask=ok)
+        _store_split(acc, part_ptr, out_ptr, cnt_ptr, pid_m * tl.num_programs(0) + pid_n, out_off, ok,
+                     M * N, pid_s, SPLIT)
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, wq_ptr, ws_ptr, gs_ptr, out_ptr,
+    x_ptr, wq_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, stride_xm, k_per_split,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, LUT: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
@@ -318,36 +367,22 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     packed, sc = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k_start, K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        k_next = k0 + BLOCK_K
-        if EVEN_K:
-            k_next = tl.minimum(k_next, k_end - BLOCK_K)
-        packed_next, sc_next = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k_next, K,
-                                                 BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
+        packed_next, sc_next = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, _ahead(k0, k_end, BLOCK_K, EVEN_K),
+                                                 K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
         if EVEN_K:
             x = tl.load(x_row + k0 + kk)
         else:
             x = tl.load(x_row + k0 + kk, mask=(k0 + kk) < K, other=0.0)
         w = _dequant_tile(packed, sc, gs, x.dtype, LUT, BLOCK_N, BLOCK_K)
         acc = tl.fma(w.to(tl.float32), x.to(tl.float32)[None, :], acc)
-        packed = packed_next
-        sc = sc_next
+        packed, sc = packed_next, sc_next
     y = tl.sum(acc, axis=1)
     out_off = row.to(tl.int64) * N + n64
     if SPLIT == 1:
         tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=n_ok)
     else:
-        tl.store(out_ptr + pid_s.to(tl.int64) * M * N + out_off, y, mask=n_ok)
-
-
-@triton.jit
-def _splitk_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """out = sum over s = 0, 1, ... of part[s] (fp32, this fixed order), cast to out's dtype."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < MN
-    acc = tl.load(part_ptr + i, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part_ptr + s * MN + i, mask=ok, other=0.0)
-    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        _store_split(y, part_ptr, out_ptr, cnt_ptr, row * tl.num_programs(0) + pid_n, out_off, n_ok,
+                     M * N, pid_s, SPLIT)
 
 
 @triton.jit
@@ -427,10 +462,17 @@ def _split(m: int, n: int, k: int, cfg: dict, device: torch.device, programs_per
 DECODE = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4}
 
 
+# Launch shape for 17 to 64 rows, picked on an H200 by `sweep_mid` (scripts/bench_kernels.py
+# --sweep-mid: 8192x8192 and 3712x2688 at M = 64; benchmarks/results/kernels-h200.json).
+MID = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
+
+
 # The CUDA-core kernel (`_gemv_kernel`) for up to GEMV["max_m"] rows (0: never), its tile and
 # split-K target; picked on an H200 by `scripts/bench_kernels.py --sweep-gemv` (sweep_gemv in
-# benchmarks/results/kernels-h200.json: faster than the matrix-unit kernel at M = 1, slower at 2).
-GEMV = {"max_m": 1, "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1, "programs_per_sm": 8}
+# benchmarks/results/kernels-h200.json: faster than the matrix-unit kernel at M = 1, about half
+# as fast at M = 2). maxnreg 80: 6 programs per multiprocessor instead of 5 (93 registers).
+GEMV = {"max_m": 1, "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1, "programs_per_sm": 8,
+        "maxnreg": 80}
 
 
 def config(m: int, n: int, k: int, device: torch.device) -> dict:
@@ -446,7 +488,11 @@ def config(m: int, n: int, k: int, device: torch.device) -> dict:
     if m <= 16:
         cfg = dict(BLOCK_M=16, **{key: v for key, v in DECODE.items() if key != "programs_per_sm"})
     elif m <= 64:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+        cfg = dict(BLOCK_M=64, **{key: v for key, v in MID.items() if key != "programs_per_sm"})
+        if device.type != "cuda":
+            cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 64)
+        cfg.update(_split(m, n, k, cfg, device, MID["programs_per_sm"]))
+        return cfg
     else:
         # BLOCK_K = 64 here gave wrong products on an H200 (Triton 3.6) with int32 weight words.
         cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
@@ -490,22 +536,42 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     split, k_per_split = cfg.pop("SPLIT"), cfg.pop("k_per_split")
     lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(x.dtype, _w4a16_kernel)
     gemv = cfg.pop("gemv", False)
-    dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), m if gemv else triton.cdiv(m, cfg["BLOCK_M"]), split)
+    part, counters = out, out  # unused unless split > 1
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device, grid[0] * grid[1])
     even = dict(EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0)
-    args = (x2, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.global_scale, dst,
-            m, n, k, x2.stride(0), k_per_split)
+    args = (x2, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.global_scale, out, part,
+            counters, m, n, k, x2.stride(0), k_per_split)
     if gemv:
         cfg.pop("BLOCK_M", None)
-        _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), m, split)](
-            *args, SPLIT=split, LUT=lut, **even, **cfg, **launch_options())
+        _gemv_kernel[grid](*args, SPLIT=split, LUT=lut, **even, **cfg, **launch_options())
     else:
-        _w4a16_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)](
-            *args, SPLIT=split, IEEE=x.dtype == torch.float32, LUT=lut, **even, **cfg, **launch_options())
-    if split > 1:
-        block = 1024
-        _splitk_sum_kernel[(triton.cdiv(m * n, block),)](dst, out, m * n, SPLIT=split, BLOCK=block,
-                                                          **launch_options())
+        _w4a16_kernel[grid](*args, SPLIT=split, IEEE=x.dtype == torch.float32, LUT=lut, **even, **cfg,
+                            **launch_options())
     return out.reshape(*lead, n)
+
+
+_COUNTERS: dict = {}
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 tile counters for the split-K epilogue (`_store_split`), at least `tiles`.
+
+    Kept per device and stream: launches on one stream run one after another, and each leaves
+    the counters it used at 0, so the buffer is reused without clearing. While a CUDA graph is
+    being captured a buffer cannot be created for later use, so a fresh zeroed one is made for
+    that launch (the clearing is then part of the graph)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(tiles, dtype=torch.int32, device=device)
+        buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 def dequantize(w: nvfp4.NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, backend: str = "triton"):
@@ -541,95 +607,108 @@ def time_if_right(fn, ref: torch.Tensor) -> dict:
         return {"ms": None, "error": f"{type(exc).__name__}: {exc}"[:160]}
 
 
+def with_maxnreg(cfg: dict, maxnreg) -> dict:
+    """cfg with Triton's register cap per thread (more programs per multiprocessor, at the cost
+    of spills) when maxnreg is set; unchanged for None (the compiler's choice)."""
+    return dict(cfg, maxnreg=maxnreg) if maxnreg else cfg
+
+
 def sweep(shapes=((8192, 8192), (3712, 2688)), ms=(1, 16),
           tiles=((32, 256), (64, 128), (64, 256), (128, 256)), warps=(4, 8), stages=(3,),
-          programs_per_sm=(4, 8)):
+          programs_per_sm=(4, 8), block_m=16, maxnreg=(None,)):
     """CUDA-graph times of decode launch shapes: tile (BLOCK_N, BLOCK_K) x warps x stages x the
-    split-K target (programs per multiprocessor)."""
-    from .quantize import quantize
-
-    out = []
-    saved = dict(DECODE)
-    try:
-        for n, k in shapes:
-            wq = quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02)
-            for m in ms:
-                x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
-                ref = torch.nn.functional.linear(x.float(), wq.dequantize(torch.bfloat16).float())
-                for (bn, bk), nw, st, pps in itertools.product(tiles, warps, stages, programs_per_sm):
-                    DECODE["programs_per_sm"] = pps
-                    cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st)
-                    cfg.update(_split(m, n, k, cfg, x.device))
-                    row = {"N": n, "K": k, "M": m, **cfg, "programs_per_sm": pps}
-                    row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=cfg), ref))
-                    out.append(row)
-    finally:
-        DECODE.update(saved)
-    return out
-
-
-def pick_decode(rows) -> dict:
-    """The DECODE entry with the smallest summed sweep time over its shapes and M."""
-    totals = {}
-    for r in rows:
-        key = (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["num_stages"], r["programs_per_sm"])
-        t = r["ms"] if r["ms"] is not None else float("inf")
-        totals[key] = totals.get(key, 0.0) + t
-    bn, bk, nw, st, pps = min(totals, key=totals.get)
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": st, "programs_per_sm": pps}
-
-
-def sweep_gemv(shapes=((8192, 8192), (3712, 2688)), ms=(1, 2, 4),
-               tiles=((16, 256, 4), (32, 128, 4), (8, 512, 4)), programs_per_sm=(8, 16)):
-    """CUDA-graph times of the CUDA-core kernel's launch shapes (BLOCK_N, BLOCK_K, warps) x
-    split-K target, and of the matrix-unit kernel's default at the same M, side by side; each
-    launch shape is checked against an fp32 reference first (a wrong one is not timed)."""
-    from triton.testing import do_bench_cudagraph
-
+    split-K target (programs per multiprocessor) x register cap; each checked against an fp32
+    reference first."""
     from .quantize import quantize
 
     out = []
     for n, k in shapes:
         wq = quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02)
-        wdq = wq.dequantize(torch.bfloat16).float()
         for m in ms:
             x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
-            ref = torch.nn.functional.linear(x.float(), wdq)
-            base = config(m, n, k, x.device) if m > GEMV["max_m"] else None
-            if base is not None:
-                out.append({"N": n, "K": k, "M": m, "kernel": "matrix-unit default",
-                            "ms": do_bench_cudagraph(lambda: w4a16_matmul(x, wq, cfg=base), rep=30,
-                                                     return_mode="median")})
-            for (bn, bk, nw), pps in itertools.product(tiles, programs_per_sm):
-                cfg = dict(BLOCK_M=1, gemv=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1)
-                cfg.update(_split(1, n, k, cfg, x.device, pps))
-                row = {"N": n, "K": k, "M": m, "kernel": "gemv", **cfg, "programs_per_sm": pps}
+            ref = torch.nn.functional.linear(x.float(), wq.dequantize(torch.bfloat16).float())
+            for (bn, bk), nw, st, pps, mr in itertools.product(tiles, warps, stages, programs_per_sm, maxnreg):
+                cfg = with_maxnreg(dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st), mr)
+                cfg.update(_split(m, n, k, cfg, x.device, pps))
+                row = {"N": n, "K": k, "M": m, "maxnreg": mr, **cfg, "programs_per_sm": pps}
                 row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=cfg), ref))
                 out.append(row)
     return out
 
 
-def pick_gemv(rows) -> dict:
-    """GEMV's launch shape with the smallest summed time, and max_m: the largest M at which it
-    beats the matrix-unit kernel on every swept shape (0 if at none)."""
+def sweep_mid(shapes=((8192, 8192), (3712, 2688)), ms=(64,)):
+    """`sweep` of the 17-64-row launch shapes (BLOCK_M = 64)."""
+    return sweep(shapes, ms, tiles=((64, 128), (64, 256)), warps=(4,), stages=(3,), programs_per_sm=(2,),
+                 block_m=64, maxnreg=(None, 128))
+
+
+def pick_decode(rows) -> dict:
+    """The launch shape (a DECODE or MID entry) with the smallest summed sweep time over its
+    shapes and M."""
     totals = {}
     for r in rows:
-        if r["kernel"] == "gemv":
-            key = (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["programs_per_sm"])
-            totals[key] = totals.get(key, 0.0) + (r["ms"] if r["ms"] is not None else float("inf"))
-    bn, bk, nw, pps = min(totals, key=totals.get)
-    best = {(r["N"], r["M"]): r["ms"] for r in rows if r["kernel"] == "gemv" and r["ms"] is not None
-            and (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["programs_per_sm"]) == (bn, bk, nw, pps)}
-    base = {(r["N"], r["M"]): r["ms"] for r in rows if r["kernel"] != "gemv"}
+        key = (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["num_stages"], r["programs_per_sm"], r.get("maxnreg"))
+        t = r["ms"] if r["ms"] is not None else float("inf")
+        totals[key] = totals.get(key, 0.0) + t
+    bn, bk, nw, st, pps, mr = min(totals, key=totals.get)
+    return with_maxnreg({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": st, "programs_per_sm": pps}, mr)
+
+
+def sweep_gemv(shapes=((8192, 8192), (3712, 2688)), ms=(1, 2),
+               tiles=((16, 256, 4), (32, 128, 4), (8, 512, 4)), programs_per_sm=(8, 16), maxnreg=(None,)):
+    """CUDA-graph times of the CUDA-core kernel's launch shapes (BLOCK_N, BLOCK_K, warps) x
+    split-K target, and of the matrix-unit kernel's launch shape at the same M, side by side;
+    each launch shape is checked against an fp32 reference first (a wrong one is not timed)."""
+    from .quantize import quantize
+
+    out = []
+    saved = GEMV["max_m"]
+    try:
+        GEMV["max_m"] = 0  # config() then gives the matrix-unit kernel's launch shape at every M
+        for n, k in shapes:
+            wq = quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02)
+            wdq = wq.dequantize(torch.bfloat16).float()
+            for m in ms:
+                x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+                ref = torch.nn.functional.linear(x.float(), wdq)
+                base = config(m, n, k, x.device)
+                row = {"N": n, "K": k, "M": m, "kernel": "matrix-unit", **base}
+                row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=base), ref))
+                out.append(row)
+                for (bn, bk, nw), pps, mr in itertools.product(tiles, programs_per_sm, maxnreg):
+                    cfg = with_maxnreg(dict(BLOCK_M=1, gemv=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1), mr)
+                    cfg.update(_split(1, n, k, cfg, x.device, pps))
+                    row = {"N": n, "K": k, "M": m, "kernel": "gemv", "maxnreg": mr, **cfg, "programs_per_sm": pps}
+                    row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=cfg), ref))
+                    out.append(row)
+    finally:
+        GEMV["max_m"] = saved
+    return out
+
+
+def pick_gemv(rows) -> dict:
+    """GEMV's launch shape with the smallest summed time at M = 1, and max_m: the largest M up
+    to which it beats the matrix-unit kernel on every swept shape (0 if not at M = 1)."""
+    def ms(r):
+        return r["ms"] if r["ms"] is not None else float("inf")
+
+    totals = {}
+    for r in rows:
+        if r["kernel"] == "gemv" and r["M"] == 1:
+            key = (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["programs_per_sm"], r.get("maxnreg"))
+            totals[key] = totals.get(key, 0.0) + ms(r)
+    bn, bk, nw, pps, mr = min(totals, key=totals.get)
+    gemv = {(r["N"], r["M"]): ms(r) for r in rows if r["kernel"] == "gemv"
+            and (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["programs_per_sm"], r.get("maxnreg")) == (bn, bk, nw, pps, mr)}
+    base = {(r["N"], r["M"]): ms(r) for r in rows if r["kernel"] == "matrix-unit"}
     max_m = 0
     for m in sorted({mm for _, mm in base}):
         keys = [key for key in base if key[1] == m]
-        if keys and all(key in best and best[key] < base[key] for key in keys):
-            max_m = m
-        else:
+        if not all(gemv.get(key, float("inf")) < base[key] for key in keys):
             break
-    return {"max_m": max_m, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 1,
-            "programs_per_sm": pps}
+        max_m = m
+    return with_maxnreg({"max_m": max_m, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 1,
+                         "programs_per_sm": pps}, mr)
 
 
 def bench(nk=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688)),

@@ -246,8 +246,11 @@ def test_w4a16_gemv_bf16(nk, m, monkeypatch):
 # --------------------------------------------------------------------------------------------
 # Grouped MoE
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tokens", [1, 8, 64, 300, 2048])  # 2048: the large-M launch shape
-def test_moe_bf16_nano_shapes(tokens):
+@pytest.mark.parametrize("tokens,path", [
+    (1, None), (4, None), (8, None), (64, None), (300, None), (2048, None),  # 2048: the large-M launch shape
+    (1, "sorted"), (64, "small"),  # each path where the other is the default (64: one program per expert)
+])
+def test_moe_bf16_nano_shapes(tokens, path):
     n_exp, hid, inter, top_k = 128, 2688, 1856, 6
     up = kquant.quantize(_randn(n_exp, inter, hid, seed=8), scale_rule="4o6")
     down = kquant.quantize(_randn(n_exp, hid, inter, seed=9), scale_rule="4o6")
@@ -255,7 +258,10 @@ def test_moe_bf16_nano_shapes(tokens):
     g = torch.Generator(device=DEV).manual_seed(11)
     ids = torch.stack([torch.randperm(n_exp, device=DEV, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.rand((tokens, top_k), device=DEV, generator=g)
-    got = moe_gemm.moe_experts(x, ids, weights, up, down)
+    cfg = None
+    if path is not None:
+        cfg = dict(moe_gemm.moe_config(tokens * top_k, n_exp, x.device), small=path == "small")
+    got = moe_gemm.moe_experts(x, ids, weights, up, down, cfg=cfg)
     # fp32 reference on the bf16-dequantized weights; the kernel rounds its intermediates to
     # bf16 as transformers does, so they differ by bf16 roundings: 1e-2 in relative norm.
     ref = moe_gemm.experts_reference(x.float(), ids, weights, up.dequantize(torch.bfloat16).float(),
@@ -263,3 +269,29 @@ def test_moe_bf16_nano_shapes(tokens):
     assert float((got.float() - ref).norm() / ref.norm()) < 1e-2
     torch_bf16 = moe_gemm.moe_experts(x, ids, weights, up, down, backend="torch")
     assert float((got.float() - torch_bf16.float()).norm() / torch_bf16.float().norm()) < 1e-2
+
+
+# --------------------------------------------------------------------------------------------
+# Split-K summed in the launch: deterministic, counters reset, CUDA-graph capture
+# --------------------------------------------------------------------------------------------
+def test_split_k_repeatable_and_graph_captured(monkeypatch):
+    n, k, m = 3712, 2688, 4
+    wq = kquant.quantize(_randn(n, k, seed=30), scale_rule="4o6")
+    x = _randn(m, k, seed=31, scale=1.0)
+    cfg = w4a16_gemm.config(m, n, k, x.device)
+    assert cfg["SPLIT"] > 1
+    eager = [w4a16_gemm.w4a16_matmul(x, wq) for _ in range(3)]
+    assert all(torch.equal(y, eager[0]) for y in eager)  # fixed summation order
+    assert int(w4a16_gemm.split_counters(x.device, 1).abs().sum()) == 0
+    _assert_within_gemm_bound(eager[0], x, wq)
+    # Captured with no counter buffer yet: the launch gets its own zeroed one inside the graph.
+    monkeypatch.setattr(w4a16_gemm, "_COUNTERS", {})
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            y = w4a16_gemm.w4a16_matmul(x, wq)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, eager[0])
