@@ -56,6 +56,17 @@ _WHAT = "kernels.moe_experts"
 
 
 @triton.jit
+def _expert_slice(wq_ptr, ws_ptr, gs_ptr, e, N, K, BLOCK_N: tl.constexpr):
+    """Expert e's [N, K] weight in a 3-D NVFP4 stack, at this program's N slice: the slice's
+    int64 rows and which exist, the expert's packed words and scale bytes, its global scale."""
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    e64 = e.to(tl.int64)
+    wq = wq_ptr + e64 * N * (K // 8)
+    ws = ws_ptr + e64 * N * (K // 16)
+    return n.to(tl.int64), n < N, wq, ws, tl.load(gs_ptr + e)
+
+
+@triton.jit
 def _moe_up_kernel(
     x_ptr, order_ptr, offsets_ptr, wq_ptr, ws_ptr, gs_ptr, inter_ptr,
     H, I, TOPK,
@@ -66,13 +77,7 @@ def _moe_up_kernel(
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
     if end > start:
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < I
-        n64 = n.to(tl.int64)
-        e64 = e.to(tl.int64)
-        wq = wq_ptr + e64 * I * (H // 8)
-        ws = ws_ptr + e64 * I * (H // 16)
-        gs = tl.load(gs_ptr + e)
+        n64, n_ok, wq, ws, gs = _expert_slice(wq_ptr, ws_ptr, gs_ptr, e, I, H, BLOCK_N)
         for m0 in range(start, end, BLOCK_M):
             pos = m0 + tl.arange(0, BLOCK_M)
             m_ok = pos < end
@@ -100,13 +105,7 @@ def _moe_down_kernel(
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
     if end > start:
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < H
-        n64 = n.to(tl.int64)
-        e64 = e.to(tl.int64)
-        wq = wq_ptr + e64 * H * (I // 8)
-        ws = ws_ptr + e64 * H * (I // 16)
-        gs = tl.load(gs_ptr + e)
+        n64, n_ok, wq, ws, gs = _expert_slice(wq_ptr, ws_ptr, gs_ptr, e, H, I, BLOCK_N)
         for m0 in range(start, end, BLOCK_M):
             pos = m0 + tl.arange(0, BLOCK_M)
             m_ok = pos < end
@@ -178,13 +177,7 @@ def _moe_small_kernel(
     e, ids, serves = _slot_expert(ids_ptr, A, E, slot, A_PAD, BY_ASSIGNMENT)
     count = tl.sum((ids == e).to(tl.int32), axis=0)
     if serves & (count > 0):
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
-        n64 = n.to(tl.int64)
-        e64 = e.to(tl.int64)
-        wq = wq_ptr + e64 * N * (K // 8)
-        ws = ws_ptr + e64 * N * (K // 16)
-        gs = tl.load(gs_ptr + e)
+        n64, n_ok, wq, ws, gs = _expert_slice(wq_ptr, ws_ptr, gs_ptr, e, N, K, BLOCK_N)
         k_start = pid_s * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
         for r0 in range(0, count, BLOCK_M):
