@@ -42,6 +42,17 @@ def check_backend(backend: str, kernel, *tensors: torch.Tensor, what: str) -> No
         )
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host-side grid and split arithmetic (plain Python: `triton.cdiv` is a
+    jit function, whose call from Python costs microseconds per launch)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), in plain Python for the same reason as `cdiv`."""
+    return 1 << (n - 1).bit_length()
+
+
 def launch_options() -> dict:
     """Compile options every fp4kit kernel is launched with.
 

@@ -48,7 +48,7 @@ import triton.language as tl
 from fp4kit.formats import nvfp4
 from fp4kit.formats.errors import FormatError
 
-from .backend import check_backend, launch_options
+from .backend import cdiv, check_backend, launch_options, next_power_of_2
 from .w4a16_gemm import (_ACT_DTYPES, _accumulate, _sm_count, check_weight, lut_tile, time_if_right,
                          use_lut, with_maxnreg)
 
@@ -398,11 +398,11 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
 def _split_k(programs: int, k: int, block_k: int, device: torch.device) -> tuple[int, int]:
     """(splits, K per split): split K while there are fewer than SMALL["programs_per_sm"]
     programs per multiprocessor, at most SMALL["max_parts"] ways, never below one K tile."""
-    k_blocks = triton.cdiv(k, block_k)
+    k_blocks = cdiv(k, block_k)
     want = SMALL["programs_per_sm"] * _sm_count(device)
     split = 1 if programs >= want else max(1, min(k_blocks, want // max(programs, 1), SMALL["max_parts"]))
-    k_per_split = triton.cdiv(k_blocks, split) * block_k
-    return triton.cdiv(k, k_per_split), k_per_split
+    k_per_split = cdiv(k_blocks, split) * block_k
+    return cdiv(k, k_per_split), k_per_split
 
 
 def _moe_small(x, top_k_index, weights, up, down, cfg, lut):
@@ -415,29 +415,29 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut):
     ids = top_k_index.reshape(-1).contiguous()
     by_assignment = a < n_exp
     slots = a if by_assignment else n_exp
-    common = dict(A_PAD=max(triton.next_power_of_2(a), 2), BY_ASSIGNMENT=by_assignment, ACT=_TL_DTYPES[dtype],
+    common = dict(A_PAD=max(next_power_of_2(a), 2), BY_ASSIGNMENT=by_assignment, ACT=_TL_DTYPES[dtype],
                   IEEE=dtype == torch.float32, LUT=lut, **cfg, **launch_options())
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    s_up, kps_up = _split_k(slots * triton.cdiv(inter, bn), hid, bk, device)
+    s_up, kps_up = _split_k(slots * cdiv(inter, bn), hid, bk, device)
     # One split: the up kernel finishes the activation itself; more: fp32 partials, finished by
     # the down kernel as it reads them.
     if s_up == 1:
         part_up = torch.empty((a, inter), dtype=dtype, device=device)
     else:
         part_up = torch.empty((s_up, a, inter), dtype=torch.float32, device=device)
-    _moe_small_kernel[(slots, triton.cdiv(inter, bn), s_up)](
+    _moe_small_kernel[(slots, cdiv(inter, bn), s_up)](
         x, ids, up.packed.view(torch.int32), up.block_scale.view(torch.uint8), up.global_scale, part_up,
         a, n_exp, inter, hid, top_k, kps_up, 0, UP=True, X_PARTS=0, RELU2_OUT=s_up == 1,
         EVEN_N=inter % bn == 0, EVEN_K=hid % bk == 0, **common)
-    s_dn, kps_dn = _split_k(slots * triton.cdiv(hid, bn), inter, bk, device)
+    s_dn, kps_dn = _split_k(slots * cdiv(hid, bn), inter, bk, device)
     part_dn = torch.empty((s_dn, a, hid), dtype=torch.float32, device=device)
-    _moe_small_kernel[(slots, triton.cdiv(hid, bn), s_dn)](
+    _moe_small_kernel[(slots, cdiv(hid, bn), s_dn)](
         part_up, ids, down.packed.view(torch.int32), down.block_scale.view(torch.uint8), down.global_scale, part_dn,
         a, n_exp, hid, inter, top_k, kps_dn, a * inter, UP=False, X_PARTS=0 if s_up == 1 else s_up,
         RELU2_OUT=False, EVEN_N=hid % bn == 0, EVEN_K=inter % bk == 0, **common)
     out = torch.empty((t, hid), dtype=dtype, device=device)
-    block = min(1024, triton.next_power_of_2(hid))
-    _moe_combine_kernel[(t, triton.cdiv(hid, block))](
+    block = min(1024, next_power_of_2(hid))
+    _moe_combine_kernel[(t, cdiv(hid, block))](
         part_dn, ids, weights, out, a, n_exp, hid, PARTS=s_dn, TOPK=top_k, ACT=_TL_DTYPES[dtype], BLOCK=block,
         **launch_options())
     return out
@@ -455,12 +455,12 @@ def _moe_sorted(x, top_k_index, weights, up, down, cfg, lut):
     offsets = torch.searchsorted(sorted_ids, bounds)  # int64, read as is by the kernels
     ieee = dtype == torch.float32
     inter_act = torch.empty((a, inter), dtype=dtype, device=device)
-    _moe_up_kernel[(n_exp, triton.cdiv(inter, cfg["BLOCK_N"]))](
+    _moe_up_kernel[(n_exp, cdiv(inter, cfg["BLOCK_N"]))](
         x, order, offsets, up.packed.view(torch.int32), up.block_scale.view(torch.uint8), up.global_scale,
         inter_act, hid, inter, top_k, IEEE=ieee, LUT=lut,
         EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=hid % cfg["BLOCK_K"] == 0, **cfg, **launch_options())
     per_slot = torch.empty((a, hid), dtype=torch.float32, device=device)
-    _moe_down_kernel[(n_exp, triton.cdiv(hid, cfg["BLOCK_N"]))](
+    _moe_down_kernel[(n_exp, cdiv(hid, cfg["BLOCK_N"]))](
         inter_act, order, offsets, weights, down.packed.view(torch.int32), down.block_scale.view(torch.uint8),
         down.global_scale, per_slot, hid, inter, IEEE=ieee, LUT=lut,
         EVEN_N=hid % cfg["BLOCK_N"] == 0, EVEN_K=inter % cfg["BLOCK_K"] == 0, ACT_DTYPE=_TL_DTYPES[dtype],

@@ -67,7 +67,7 @@ from fp4kit.formats.constants import (
 from fp4kit.formats.arith import DEFAULT_ARITH, check_mode, fp32_reciprocal
 from fp4kit.formats.errors import FormatError, check_finite, check_float_tensor
 
-from .backend import check_backend, launch_options
+from .backend import cdiv, check_backend, launch_options
 
 _WHAT = "kernels.quantize"
 
@@ -499,7 +499,7 @@ def member_amax(w: torch.Tensor) -> torch.Tensor:
     batch = tuple(w.shape[:-2])
     b = w.numel() // (n * k)
     per_batch = n * k
-    n_chunks = triton.cdiv(per_batch, _AMAX_CHUNK)
+    n_chunks = cdiv(per_batch, _AMAX_CHUNK)
     part = torch.empty((b, n_chunks), dtype=torch.float32, device=w.device)
     _amax_kernel[(b, n_chunks)](w, part, per_batch, _AMAX_CHUNK, n_chunks, BLOCK=_AMAX_BLOCK,
                                 num_warps=8, **launch_options())
@@ -550,7 +550,7 @@ def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = 
     else:
         own = torch.zeros(n_members, dtype=torch.float32, device=w.device)
         g, own_max = global_amax.reshape(-1), True
-    _quantize_kernel[(triton.cdiv(n_blocks, consts["BLOCKS"]),)](
+    _quantize_kernel[(cdiv(n_blocks, consts["BLOCKS"]),)](
         w, g, own, imp, packed, scale, gs, choice, n_blocks, blocks_per_member, blocks_per_row,
         imp_stride, *recips, OWN_MAX=own_max,
         MEMBERS=0 if n_members == 1 else (1 if blocks_per_member % consts["BLOCKS"] == 0 else 2),

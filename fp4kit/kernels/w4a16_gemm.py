@@ -43,7 +43,7 @@ import triton.language as tl
 from fp4kit.formats import nvfp4
 from fp4kit.formats.errors import FormatError
 
-from .backend import check_backend, interpreted, launch_options
+from .backend import cdiv, check_backend, interpreted, launch_options
 
 _WHAT = "kernels.w4a16_matmul"
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -449,12 +449,12 @@ def _sm_count(device: torch.device) -> int:
 def _split(m: int, n: int, k: int, cfg: dict, device: torch.device, programs_per_sm: int | None = None) -> dict:
     """Split K until there are about `programs_per_sm` (default DECODE's) programs per
     multiprocessor (never below one K tile)."""
-    tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
-    k_blocks = triton.cdiv(k, cfg["BLOCK_K"])
+    tiles = cdiv(n, cfg["BLOCK_N"]) * cdiv(m, cfg["BLOCK_M"])
+    k_blocks = cdiv(k, cfg["BLOCK_K"])
     want = (programs_per_sm or DECODE["programs_per_sm"]) * _sm_count(device)
     split = max(1, min(k_blocks, want // tiles)) if tiles < want else 1
-    k_per_split = triton.cdiv(k_blocks, split) * cfg["BLOCK_K"]
-    return {"SPLIT": triton.cdiv(k, k_per_split), "k_per_split": k_per_split}
+    k_per_split = cdiv(k_blocks, split) * cfg["BLOCK_K"]
+    return {"SPLIT": cdiv(k, k_per_split), "k_per_split": k_per_split}
 
 
 # Decode launch shape (M <= 16), picked on an H200 by `sweep` (scripts/bench_kernels.py --sweep:
@@ -536,7 +536,7 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     split, k_per_split = cfg.pop("SPLIT"), cfg.pop("k_per_split")
     lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(x.dtype, _w4a16_kernel)
     gemv = cfg.pop("gemv", False)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), m if gemv else triton.cdiv(m, cfg["BLOCK_M"]), split)
+    grid = (cdiv(n, cfg["BLOCK_N"]), m if gemv else cdiv(m, cfg["BLOCK_M"]), split)
     part, counters = out, out  # unused unless split > 1
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
@@ -584,7 +584,7 @@ def dequantize(w: nvfp4.NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, bac
     n, k = w.shape
     out = torch.empty((n, k), dtype=dtype, device=w.packed.device)
     bn, bk = (32, 64) if w.packed.device.type != "cuda" else (64, 256)
-    _dequantize_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+    _dequantize_kernel[(cdiv(n, bn), cdiv(k, bk))](
         w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.global_scale, out, n, k,
         LUT=use_lut(dtype, _dequantize_kernel), BLOCK_N=bn, BLOCK_K=bk, **launch_options())
     return out
