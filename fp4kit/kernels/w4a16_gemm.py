@@ -26,9 +26,14 @@ Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against 
 the bf16 weight): M = 1: 1.27x on 8192 x 8192, 1.28x on 28672 x 8192, 1.02-1.08x on the Nano
 shapes; M = 4-16: 0.89-1.26x; M = 64: 0.52-0.97x. The weight bytes are 3.5x fewer than bf16's,
 but neither path reaches the memory bound: 8192 x 8192 at M = 1 takes 26.7 us for 37.7 MB
-(1.4 TB/s). The matrix-unit path spends ~7 SASS instructions per weight in its main loop
+(1.4 TB/s). The matrix-unit path spends ~6.5 SASS instructions per weight in its main loop
 (table dequantization, the register-to-shared-memory staging of the tile, address and mask
-arithmetic); the CUDA-core path ~7.5 per weight for one row and its time doubles per extra row.
+arithmetic); the CUDA-core path ~7.9 per weight for one row and its time doubles per extra row.
+Both move data between register layouts through shared memory every K step (read from the
+sm_90 PTX): the matrix-unit loop writes the dequantized tile and reads it back in the wgmma
+operand layout (8 STS.128, 8 LDSM, 5 barriers per step), the CUDA-core loop converts the
+activation tile's layout (4 stmatrix / ld.shared pairs, 8 barriers per step). Producing both in
+their consumer's layout directly is the next step.
 """
 
 from __future__ import annotations
