@@ -567,7 +567,9 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     Kept per device and stream: launches on one stream run one after another, and each leaves
     the counters it used at 0, so the buffer is reused without clearing. While a CUDA graph is
     being captured a buffer cannot be created for later use, so a fresh zeroed one is made for
-    that launch (the clearing is then part of the graph)."""
+    that launch (the clearing is then part of the graph). Graphs captured on one stream once its
+    buffer exists share that buffer: replay them one after another (as on one stream), not
+    concurrently on several streams."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
     buf = _COUNTERS.get(key)
