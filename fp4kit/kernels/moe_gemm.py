@@ -49,8 +49,8 @@ from fp4kit.formats import nvfp4
 from fp4kit.formats.errors import FormatError
 
 from .backend import cdiv, check_backend, launch_options, next_power_of_2
-from .w4a16_gemm import (_ACT_DTYPES, _accumulate, _sm_count, check_weight, lut_tile, time_if_right,
-                         use_lut, with_maxnreg)
+from .w4a16_gemm import (_ACT_DTYPES, _accumulate, _relu2, _sm_count, check_weight, lut_tile,
+                         time_if_right, use_lut, with_maxnreg)
 
 _WHAT = "kernels.moe_experts"
 
@@ -86,11 +86,8 @@ def _moe_up_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             acc = _accumulate(acc, x_ptr, token * H, m_ok, wq, ws, gs, n64, n_ok, H, 0, H,
                               BLOCK_N, BLOCK_K, IEEE, LUT, EVEN_N, EVEN_K)
-            h = acc.to(inter_ptr.dtype.element_ty).to(tl.float32)  # the linear's output dtype
-            h = tl.maximum(h, 0.0)
-            h = (h * h).to(inter_ptr.dtype.element_ty)  # relu2, rounded like torch's square
-            tl.store(inter_ptr + pos[None, :].to(tl.int64) * I + n64[:, None], h,
-                     mask=n_ok[:, None] & m_ok[None, :])
+            tl.store(inter_ptr + pos[None, :].to(tl.int64) * I + n64[:, None],
+                     _relu2(acc, inter_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
@@ -192,8 +189,7 @@ def _moe_small_kernel(
                               BLOCK_N, BLOCK_K, IEEE, LUT, EVEN_N, EVEN_K, X_PARTS, part_stride, ACT)
             ok = n_ok[:, None] & m_ok[None, :]
             if RELU2_OUT:
-                h = tl.maximum(acc.to(ACT).to(tl.float32), 0.0)
-                tl.store(part_ptr + a64[None, :] * N + n64[:, None], (h * h).to(ACT), mask=ok)
+                tl.store(part_ptr + a64[None, :] * N + n64[:, None], _relu2(acc, ACT), mask=ok)
             else:
                 tl.store(part_ptr + pid_s.to(tl.int64) * A * N + a64[None, :] * N + n64[:, None], acc, mask=ok)
 

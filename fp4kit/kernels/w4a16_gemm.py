@@ -232,6 +232,14 @@ def _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k0, K, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _relu2(acc, ACT: tl.constexpr):
+    """Nemotron-H's expert activation on a linear's fp32 accumulator, as torch computes it on ACT
+    tensors: the output rounded to ACT, relu, square, rounded to ACT again."""
+    h = tl.maximum(acc.to(ACT).to(tl.float32), 0.0)
+    return (h * h).to(ACT)
+
+
+@triton.jit
 def _load_x(x_ptr, x_row, m_ok, k0, kk, K, EVEN_K: tl.constexpr, X_PARTS: tl.constexpr, part_stride,
             ACT: tl.constexpr):
     """The activation tile x[rows, k0:k0+BLOCK_K]^T ([BLOCK_K, BLOCK_M]), zeros past K and for
@@ -252,8 +260,7 @@ def _load_x(x_ptr, x_row, m_ok, k0, kk, K, EVEN_K: tl.constexpr, X_PARTS: tl.con
         h = tl.load(at, mask=ok, other=0.0)
         for s in tl.static_range(1, X_PARTS):
             h += tl.load(at + s * part_stride, mask=ok, other=0.0)
-        h = tl.maximum(h.to(ACT).to(tl.float32), 0.0)
-        x = (h * h).to(ACT)
+        x = _relu2(h, ACT)
     return x
 
 
