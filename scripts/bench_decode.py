@@ -168,7 +168,7 @@ def main() -> None:
         launch_shapes = json.loads(Path(args.launch_shapes).read_text())["launch_shapes"]
         for key, table in (("gemm_decode", w4a16_gemm.DECODE), ("gemv", w4a16_gemm.GEMV),
                            ("gemm_mid", w4a16_gemm.MID), ("moe_decode", moe_gemm.MOE_DECODE),
-                           ("moe_small", moe_gemm.SMALL)):
+                           ("moe_small", moe_gemm.SMALL), ("moe_gemv", moe_gemm.MOE_GEMV)):
             table.update(launch_shapes.get(key, {}))
     for key, value in DEFAULTS["tiny" if args.tiny else "slice"].items():
         if getattr(args, key) is None:

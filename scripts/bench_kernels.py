@@ -42,6 +42,9 @@ def main() -> None:
                         help="time the CUDA-core GEMV's launch shapes against the matrix-unit kernel "
                              "and use it up to the M where it is faster")
     parser.add_argument("--sweep-gemm", action="store_true", help="time the 2-16-row GEMM launch shapes")
+    parser.add_argument("--sweep-moe-gemv", action="store_true",
+                        help="time the MoE's CUDA-core tiles against its matrix-unit path and use them up to "
+                             "the token count where they are faster")
     parser.add_argument("--sweep-moe", action="store_true", help="time the MoE decode launch shapes")
     parser.add_argument("--sweep-mid", action="store_true", help="time the 17-64-row GEMM launch shapes")
     parser.add_argument("--sweep-moe-small", action="store_true",
@@ -82,14 +85,18 @@ def main() -> None:
         result["sweep_moe_small"] = moe_gemm.sweep_small()
         moe_gemm.SMALL.update(moe_gemm.pick_small(result["sweep_moe_small"]))
         print(f"sweep moe small: {json.dumps(result['sweep_moe_small'])}", flush=True)
+    if args.sweep_moe_gemv:
+        result["sweep_moe_gemv"] = moe_gemm.sweep_gemv()
+        moe_gemm.MOE_GEMV.update(moe_gemm.pick_gemv(result["sweep_moe_gemv"]))
+        print(f"sweep moe gemv: {json.dumps(result['sweep_moe_gemv'])}", flush=True)
     if args.sweep_gemv:
-        result["sweep_gemv"] = w4a16_gemm.sweep_gemv(tiles=((16, 256, 4), (8, 512, 4)), programs_per_sm=(8,),
-                                                     maxnreg=(None, 80, 64))
+        result["sweep_gemv"] = w4a16_gemm.sweep_gemv()
         w4a16_gemm.GEMV.update(w4a16_gemm.pick_gemv(result["sweep_gemv"]))
         print(f"sweep gemv: {json.dumps(result['sweep_gemv'])}", flush=True)
     result["launch_shapes"] = {"quantize": dict(kquant.TUNING), "gemm_decode": dict(w4a16_gemm.DECODE),
                                "gemv": dict(w4a16_gemm.GEMV), "gemm_mid": dict(w4a16_gemm.MID),
-                               "moe_decode": dict(moe_gemm.MOE_DECODE), "moe_small": dict(moe_gemm.SMALL)}
+                               "moe_decode": dict(moe_gemm.MOE_DECODE), "moe_small": dict(moe_gemm.SMALL),
+                               "moe_gemv": dict(moe_gemm.MOE_GEMV)}
     print(f"launch shapes: {result['launch_shapes']}", flush=True)
 
     if not args.skip_quantize:
@@ -153,7 +160,9 @@ def print_table(r: dict) -> None:
     for m in r["moe"]:
         print(f"{'':42s}{m['tokens']:7d} {1e3 * m['ms_w4a16']:10.1f} {1e3 * m['ms_bf16']:9.1f} {m['speedup_vs_bf16']:8.2f}"
               f"  {m['timing']}  [{1e3 * m['ms_w4a16_eager']:.1f} / {1e3 * m['ms_bf16_eager']:.1f}]  {m['path']}"
-              + (f" (sorted path {1e3 * m['ms_w4a16_sorted_graph']:.1f})" if m.get("ms_w4a16_sorted_graph") else ""))
+              + (f" (sorted path {1e3 * m['ms_w4a16_sorted_graph']:.1f})" if m.get("ms_w4a16_sorted_graph") else "")
+              + (f" (small on the matrix units {1e3 * m['ms_w4a16_small_matrix_unit_graph']:.1f})"
+                 if m.get("ms_w4a16_small_matrix_unit_graph") else ""))
     if r["moe"]:
         print(f"MoE baseline: {r['moe'][0]['baseline']}")
     print(f"host overhead: {r['host_overhead']}")

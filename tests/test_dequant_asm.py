@@ -1,13 +1,14 @@
-"""The W4A16 kernels' table dequantization (inline PTX) run by a small PTX emulator on the CPU.
+"""The W4A16 kernels' inline PTX run by a small PTX emulator on the CPU.
 
 The PTX in fp4kit.kernels.w4a16_gemm only runs on a GPU (tests/gpu checks it there, bit for
 bit). Here the very strings the kernels compile are executed instruction by instruction with
-the PTX ISA's semantics for the few instructions they use (mov, and, or, shr, prmt, mul.rn.f32,
-cvt.rn.{bf16x2,f16x2}.f32), for every byte value in every position of a word and many block
-steps, and compared with NVFP4Tensor.dequantize: the table layout, the selectors, the sign
-trick and the interleave are checked without a GPU.
+the PTX ISA's semantics for the few instructions they use (mov, and, or, shl, shr, prmt,
+mul.rn.f32, cvt.rn.{bf16x2,f16x2}.f32, cvt.rn.f16x2.e4m3x2, cvt.f32.f16) and compared with
+fp4kit.formats: the matrix-unit kernels' table dequantization (every byte value in every
+position of a word, many block steps, against NVFP4Tensor.dequantize: table layout, selectors,
+sign trick, interleave) and the CUDA-core kernels' block decode (every byte value in every
+position of a 16-code block, against the E2M1 value table).
 """
-
 from __future__ import annotations
 
 import re
@@ -49,9 +50,15 @@ def _prmt(a: int, b: int, c: int) -> int:
     return out
 
 
+def _e4m3_to_half_bits(byte: int) -> int:
+    """An E4M3 byte as fp16 bits (exact: every E4M3 value is an fp16 value)."""
+    e4m3 = torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return int(e4m3.to(torch.float16).view(torch.int16).item()) & 0xFFFF
+
+
 def run_ptx(asm: str, operands: dict[int, int]) -> dict[int, int]:
     """Executes `asm` with $n operands given as 32-bit integers; returns all $n afterwards."""
-    regs: dict[str, int] = {f"${k}": v & MASK32 for k, v in operands.items()}
+    regs: dict[str, int] = {f"${k}": v for k, v in operands.items()}  # 64-bit operands too
 
     def val(tok: str) -> int:
         tok = tok.strip()
@@ -65,11 +72,28 @@ def run_ptx(asm: str, operands: dict[int, int]) -> dict[int, int]:
         line = line.strip().rstrip(";")
         if not line or line in "{}" or line.startswith(".reg"):
             continue
+        if (m := re.fullmatch(r"mov\.b(64|32) \{(\w+), (\w+)\}, (\$?\w+)", line)):
+            # unpack a 64-bit (32-bit) register into its low and high 32-bit (16-bit) halves
+            bits = int(m.group(1)) // 2
+            src = regs[m.group(4)] if m.group(4) in regs else val(m.group(4))
+            regs[m.group(2)] = src & ((1 << bits) - 1)
+            regs[m.group(3)] = (src >> bits) & ((1 << bits) - 1)
+            continue
         op, args = line.split(None, 1)
         args = [a.strip() for a in args.split(",")]
         dst = args[0]
         if op == "mov.b32":
             regs[dst] = val(args[1])
+        elif op == "shl.b32":
+            regs[dst] = (val(args[1]) << val(args[2])) & MASK32
+        elif op == "cvt.rn.f16x2.e4m3x2":
+            pair = regs[args[1]]
+            lo, hi = (_e4m3_to_half_bits(pair & 0xFF), _e4m3_to_half_bits(pair >> 8))
+            regs[dst] = (hi << 16) | lo
+        elif op == "cvt.f32.f16":
+            half = torch.tensor([regs[args[1]]], dtype=torch.int32).to(torch.int16).view(torch.float16)
+            regs[dst] = _f32_bits(np.float32(half.float().item()))
+
         elif op == "and.b32":
             regs[dst] = val(args[1]) & val(args[2])
         elif op == "or.b32":
@@ -152,3 +176,26 @@ def test_table_layout_and_sign():
     assert got == expect
     neg = _dequant_word(0xFEDCBA98, step, torch.bfloat16)
     assert neg[0] == 0x8000 and all(v & 0x8000 for v in neg)
+
+
+
+def _codes16(codes: int) -> list[np.float32]:
+    """The CUDA-core kernels' block decode PTX on one 16-code block (an int64): its 16 outputs."""
+    out = run_ptx(g._CODES16_ASM.value, {16: codes})
+    return [_bits_f32(out[i]) for i in range(16)]
+
+
+def test_codes16_every_byte_in_every_position():
+    # Blocks with each byte value 0..255 in each of the 8 byte positions (2048 blocks, random
+    # fillers): output i is E2M1(code i) * 2^-6 (fp4kit.formats' value table), bit for bit
+    # (sign of zero included: code 8 is -0.0).
+    from fp4kit.formats.constants import E2M1_VALUES
+
+    rng = np.random.default_rng(1)
+    for pos in range(8):
+        for b in range(256):
+            filler = int(rng.integers(0, 1 << 63, dtype=np.int64)) | (int(rng.integers(0, 2)) << 63)
+            codes = (filler & ~(0xFF << (8 * pos))) | (b << (8 * pos))
+            got = _codes16(codes)
+            want = [np.float32(E2M1_VALUES[(codes >> (4 * i)) & 0xF] / 64) for i in range(16)]
+            assert [_f32_bits(v) for v in got] == [_f32_bits(v) for v in want], (hex(codes), pos, b)

@@ -254,7 +254,9 @@ def test_w4a16_matmul(dtype, m, split):
         cfg.update(SPLIT=1, k_per_split=k)
     y = w4a16_gemm.w4a16_matmul(x.to(DEVICE), wq.to(DEVICE), cfg=cfg).cpu()
     assert y.dtype == dtype and y.shape == (m, n)
-    wdq = wq.dequantize(dtype)
+    # the CUDA-core GEMV multiplies by the fp32 weights, the matrix-unit kernel by them in x's dtype
+    gemv = (cfg or w4a16_gemm.config(m, n, k, torch.device(DEVICE))).get("gemv", False)
+    wdq = wq.dequantize(torch.float32 if gemv else dtype)
     ref = x.double() @ wdq.double().T
     assert torch.all((y.double() - ref).abs() <= _gemm_tolerance(x, wdq, dtype)(ref))
     torch_y = w4a16_gemm.w4a16_matmul(x, wq, backend="torch")
@@ -265,12 +267,13 @@ def test_w4a16_matmul(dtype, m, split):
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("nk", [(72, 160), (64, 256)])  # ragged (masked) and even tiles
 def test_w4a16_gemv(dtype, m, nk, monkeypatch):
-    # The CUDA-core kernel for a few rows (w4a16_gemm.GEMV), with and without split-K.
+    # The CUDA-core kernel for a few rows (w4a16_gemm.GEMV), with and without split-K. Its
+    # weights are W.dequantize()'s fp32 values (not rounded to the activation dtype).
     monkeypatch.setitem(w4a16_gemm.GEMV, "max_m", 4)
     n, k = nk
     wq = nvfp4.quantize(_rand(n, k, seed=12), scale_rule="4o6")
     x = _rand(m, k, seed=13, dtype=dtype)
-    wdq = wq.dequantize(dtype)
+    wdq = wq.dequantize(torch.float32)
     ref = x.double() @ wdq.double().T
     cfg = w4a16_gemm.config(m, n, k, torch.device(DEVICE))
     assert cfg["gemv"]
@@ -330,14 +333,16 @@ def _transformers_experts(n_exp, hid, inter, top_k, up_w, down_w):
 
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("tokens", [1, 13])
-@pytest.mark.parametrize("path", ["small", "sorted", "small-split"])
+@pytest.mark.parametrize("path", ["small", "sorted", "small-split", "gemv", "gemv-split"])
 def test_moe_matches_transformers_experts(dtype, rtol, tokens, path, monkeypatch):
     # small: routing in the kernels (1 token: a program per routed assignment; 13 tokens: a
     # program per expert); small-split: the same with K split 2 ways (partials summed in the
-    # next kernel); sorted: the sort-based path.
+    # next kernel); gemv(-split): the same on the CUDA-core tiles (two rows of an expert per
+    # program; fp32 weights); sorted: the sort-based path.
     n_exp, hid, inter, top_k = 8, 128, 96, 3
     monkeypatch.setitem(moe_gemm.SMALL, "max_assignments", 0 if path == "sorted" else 512)
-    monkeypatch.setitem(moe_gemm.SMALL, "programs_per_sm", 1000 if path == "small-split" else 0)
+    monkeypatch.setitem(moe_gemm.SMALL, "programs_per_sm", 1000 if path.endswith("-split") else 0)
+    monkeypatch.setitem(moe_gemm.MOE_GEMV, "max_assignments", 512 if path.startswith("gemv") else 0)
     up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=12, scale=0.1), scale_rule="4o6")
     down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=13, scale=0.1))
     g = torch.Generator().manual_seed(14)
@@ -383,19 +388,34 @@ def test_pick_decode_sums_over_shapes_and_keeps_register_cap():
 
 
 def test_pick_gemv_max_m_stops_at_first_loss():
-    tile = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "programs_per_sm": 8, "maxnreg": None}
+    def gemv(n, m, bn, t, pps=8):
+        return {"N": n, "M": m, "kernel": "gemv", "tile": [m, bn, 2048, 4], "programs_per_sm": pps, "maxnreg": None,
+                "ms": t}
+
     rows = []
     for n in (1, 2):
-        for m, base_ms, gemv_ms in ((1, 3.0, 2.0), (2, 3.0, 2.5), (4, 3.0, 4.0), (8, 3.0, 1.0)):
+        for m, base_ms, gemv_ms in ((1, 3.0, 2.0), (2, 3.0, 2.5), (4, 3.0, 4.0)):
             rows.append({"N": n, "M": m, "kernel": "matrix-unit", "ms": base_ms})
-            rows.append(dict(tile, N=n, M=m, kernel="gemv", ms=gemv_ms))
-    # a faster tile at M = 2 only does not win: the tile is picked on M = 1
-    rows.append(dict(tile, BLOCK_N=16, N=1, M=1, kernel="gemv", ms=2.1))
-    rows.append(dict(tile, BLOCK_N=16, N=2, M=1, kernel="gemv", ms=2.1))
+            rows.append(gemv(n, m, 8, gemv_ms))
+            rows.append(gemv(n, m, 16, gemv_ms + (0.1 if n == 1 else -0.3)))  # 16 wins the sum over shapes
+    rows.append(gemv(1, 1, 8, None, pps=4))  # a failed launch shape is never picked
+    rows.append(gemv(2, 1, 8, 0.1, pps=4))
     got = w4a16_gemm.pick_gemv(rows)
-    assert (got["BLOCK_N"], got["max_m"]) == (8, 2)  # loses at 4, so the win at 8 does not count
+    assert got["1"] == {"BLOCK_N": 16, "BLOCK_K": 2048, "num_warps": 4, "programs_per_sm": 8}
+    assert got["max_m"] == 2  # loses at M = 4
     rows = [dict(r, ms=5.0) if r["kernel"] == "gemv" and r["M"] == 1 and r["N"] == 2 else r for r in rows]
     assert w4a16_gemm.pick_gemv(rows)["max_m"] == 0
+
+
+def test_pick_moe_gemv_tile_and_threshold():
+    rows = []
+    for t, base, a, b in ((1, 40.0, 20.0, 25.0), (8, 190.0, 100.0, 90.0), (16, 300.0, 280.0, 320.0), (64, 500.0, 600.0, 400.0)):
+        rows.append({"tokens": t, "path": "matrix-unit", "ms": base})
+        rows.append({"tokens": t, "path": "gemv", "tile": [1, 8, 2048, 4], "ms": a})
+        rows.append({"tokens": t, "path": "gemv", "tile": [2, 8, 2048, 4], "ms": b})
+    got = moe_gemm.pick_gemv(rows, top_k=6, decode_tokens=8)
+    # summed up to 8 tokens: 120 against 115 -> the second tile; it loses at 16 tokens
+    assert got == {"max_assignments": 48, "BLOCK_M": 2, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1}
 
 
 def test_pick_small_threshold_from_the_sorted_path():

@@ -5,14 +5,18 @@ is that computation, `experts_reference`): up_proj [E, I, H] and down_proj [E, H
 stacks (one global scale per expert), router output as the model produces it (top-k expert ids
 [T, k] and fp32 weights [T, k]).
 
-Up to SMALL["max_assignments"] (token, slot) assignments (8 tokens at top-6), `_moe_small`, three
-launches and no host-side routing:
+Up to SMALL["max_assignments"] (token, slot) assignments (8 tokens at top-6; up to
+MOE_GEMV["max_assignments"], 16 tokens, on the CUDA cores), `_moe_small`, three launches and no
+host-side routing:
 - `_moe_small_kernel` for up_proj, grid (slots, I / BLOCK_N, K splits): each program reads the
   routed expert ids, finds its expert (with fewer assignments than experts, a program per
   assignment that serves its expert if no earlier assignment has it; else a program per
   expert) and compacts that expert's assignments in order; rows are stored by assignment
   index. One split: relu^2 of the output rounded to the activation dtype (as the reference's
-  linear and relu2); more: fp32 partial sums.
+  linear and relu2); more: fp32 partial sums. The projection runs on the CUDA cores
+  (`w4a16_gemm._gemv_accumulate`: fp32 weights, the block scale applied once per block, no
+  shared memory; BLOCK_M of the expert's rows at a time) or on the matrix units (the GEMM's
+  `_accumulate`, 16 rows at a time).
 - the same kernel for down_proj, reading the up output (summing its partials in a fixed order
   and finishing relu^2 on the fly); fp32 partials.
 - `_moe_combine_kernel`: per token, each slot's down output rounded to the activation dtype
@@ -31,10 +35,12 @@ Beyond, `_moe_sorted`, one launch per projection:
 - the k slots of each token are summed in fp32 (fixed order) and cast to the activation dtype.
 
 Measured on an H200 against transformers' grouped_mm experts in bf16 (CUDA graphs, 128 experts,
-top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json): 2.96x at 1 token, 1.97x at 8,
-1.80x at 64, 1.57x at 256, 0.65x at 2048. From 8 tokens on the per-expert tiles stream the
-weight one tile ahead per program and the kernels are latency and instruction bound; the
-dequantization is the GEMM's (about 7 instructions per weight in the loop).
+top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json): 5.24x at 1 token (23.9 us; the
+matrix-unit tiles of the same path took 41.0), 2.54x at 8 (146.8 us; 183.5), 1.82x at 64 (the
+sorted path), 1.56x at 256, 0.66x at 2048. On the CUDA cores the experts' weights stream at about
+1.5 TB/s at 8 tokens (about 41 experts of 5.6 MB); the matrix-unit tiles are instruction bound (about 6.5
+instructions per weight, `w4a16_gemm`), and from 32 tokens on they beat the CUDA cores, whose
+cost grows with every row of an expert.
 """
 
 from __future__ import annotations
@@ -48,9 +54,9 @@ import triton.language as tl
 from fp4kit.formats import nvfp4
 from fp4kit.formats.errors import FormatError
 
-from .backend import cdiv, check_backend, launch_options, next_power_of_2
-from .w4a16_gemm import (_ACT_DTYPES, _accumulate, _relu2, _sm_count, check_weight, lut_tile,
-                         time_if_right, use_lut, with_maxnreg)
+from .backend import cdiv, check_backend, interpreted, launch_options, next_power_of_2
+from .w4a16_gemm import (_ACT_DTYPES, DEQUANT, _accumulate, _gemv_accumulate, _gemv_k_tile, _relu2, _sm_count,
+                         check_weight, lut_tile, time_if_right, use_lut, with_maxnreg)
 
 _WHAT = "kernels.moe_experts"
 
@@ -156,19 +162,22 @@ def _expert_rows(ids, e, r0, BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
 
 @triton.jit
 def _moe_small_kernel(
-    x_ptr, ids_ptr, wq_ptr, ws_ptr, gs_ptr, part_ptr,
+    x_ptr, x4_ptr, ids_ptr, wq_ptr, ws_ptr, gs_ptr, part_ptr,
     A, E, N, K, TOPK, k_per_split, part_stride,
     A_PAD: tl.constexpr, BY_ASSIGNMENT: tl.constexpr, UP: tl.constexpr, X_PARTS: tl.constexpr,
     RELU2_OUT: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, LUT: tl.constexpr, EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, GEMV: tl.constexpr,
 ):
     """One projection for one expert, one N slice and one K split (grid: slots, N / BLOCK_N,
     splits); rows are stored by assignment index (no sort): fp32 partial sums
     part[split, assignment, n], or with RELU2_OUT (one split) the finished activation
     relu^2(round(acc)) in ACT. UP: rows are the tokens' hidden states x[assignment // TOPK].
     Not UP: rows are the up projection's output at the same assignment: its ACT activation
-    (X_PARTS = 0) or relu^2 of its X_PARTS partials (`_load_x`)."""
+    (X_PARTS = 0) or relu^2 of its X_PARTS partials (`_load_x`).
+    GEMV: the expert's rows BLOCK_M at a time on the CUDA cores (`w4a16_gemm._gemv_accumulate`;
+    wq_ptr is then the packed bytes' int64 view, x4_ptr the 16-bit activations' one); else on the
+    matrix units (`w4a16_gemm._accumulate`; wq_ptr the int32 view)."""
     slot = tl.program_id(0)
     pid_s = tl.program_id(2)
     e, ids, serves = _slot_expert(ids_ptr, A, E, slot, A_PAD, BY_ASSIGNMENT)
@@ -184,9 +193,16 @@ def _moe_small_kernel(
                 x_row = (a64 // TOPK) * K
             else:
                 x_row = a64 * K
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            acc = _accumulate(acc, x_ptr, x_row, m_ok, wq, ws, gs, n64, n_ok, K, k_start, k_end,
-                              BLOCK_N, BLOCK_K, IEEE, LUT, EVEN_N, EVEN_K, X_PARTS, part_stride, ACT)
+            if GEMV:
+                wb = wq_ptr + e.to(tl.int64) * N * (K // 16)
+                acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
+                acc3 = _gemv_accumulate(acc3, x_ptr, x4_ptr, x_row[:, None], m_ok, wb, ws, gs, n64, n_ok, K, k_start,
+                                        k_end, BLOCK_N, BLOCK_K, LUT, EVEN_N, EVEN_K, X_PARTS, part_stride, ACT)
+                acc = tl.trans(tl.sum(acc3, axis=2) * 64.0)  # [BLOCK_N, BLOCK_M]; 64: E2M1 * 2^-6 values
+            else:
+                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                acc = _accumulate(acc, x_ptr, x_row, m_ok, wq, ws, gs, n64, n_ok, K, k_start, k_end,
+                                  BLOCK_N, BLOCK_K, IEEE, LUT, EVEN_N, EVEN_K, X_PARTS, part_stride, ACT)
             ok = n_ok[:, None] & m_ok[None, :]
             if RELU2_OUT:
                 tl.store(part_ptr + a64[None, :] * N + n64[:, None], _relu2(acc, ACT), mask=ok)
@@ -249,21 +265,42 @@ def experts_reference(hidden, top_k_index, top_k_weights, up_w, down_w):
 
 
 # Launch shape for decode-sized runs (up to 24 rows per expert), picked on an H200 by `sweep`
-# (scripts/bench_kernels.py --sweep-moe; benchmarks/results/kernels-h200.json). maxnreg 128: 4
+# (scripts/bench_kernels.py --sweep-moe; benchmarks/results/kernels-sweeps-matrix-unit-h200.json). maxnreg 128: 4
 # programs per multiprocessor instead of 3 (138-144 registers uncapped), a few spills.
 MOE_DECODE = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "maxnreg": 128}
 
 # Up to SMALL["max_assignments"] (tokens * top-k) the routing is done inside the kernels and K is
 # split until there are about SMALL["programs_per_sm"] programs per multiprocessor (at most
 # SMALL["max_parts"] splits): `_moe_small`. Beyond, the sort-based path (`_moe_sorted`). Picked on
-# an H200 by `sweep_small` (scripts/bench_kernels.py --sweep-moe-small; Nano's experts, top-6):
-# faster than the sorted path at 1, 2, 4 and 8 tokens (42.1 / 65.1 / 115.6 / 194.8 us against
+# an H200 by `sweep_small` (scripts/bench_kernels.py --sweep-moe-small; Nano's experts, top-6;
+# benchmarks/results/kernels-sweeps-matrix-unit-h200.json), on the matrix-unit tiles: faster
+# than the sorted path at 1, 2, 4 and 8 tokens (42.1 / 65.1 / 115.6 / 194.8 us against
 # 82.9 / 94.7 / 135.6 / 206.7), slower at 64 (570.7 against 541.4).
 SMALL = {"max_assignments": 48, "programs_per_sm": 2, "max_parts": 4}
 
 
+# Up to MOE_GEMV["max_assignments"] assignments the in-kernel-routing path runs its projections
+# on the CUDA cores (`w4a16_gemm._gemv_accumulate`), BLOCK_M of an expert's rows at a time.
+# Picked on an H200 by `sweep_gemv` (scripts/bench_kernels.py --sweep-moe-gemv; sweep_moe_gemv in
+# benchmarks/results/kernels-h200.json): one row, 4 output features and 512 of K per one-warp
+# program; faster than the matrix-unit tiles up to 16 tokens (287.5 against 307.7 us), slower
+# from 32 (588.2 against 431.6).
+MOE_GEMV = {"max_assignments": 96, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 1, "num_stages": 1}
+
+
 def moe_config(assignments: int, n_experts: int, device: torch.device) -> dict:
-    """BLOCK_M follows the mean number of rows per expert; decode sizes get 16."""
+    """Decode sizes: the CUDA-core tiles (MOE_GEMV) up to their assignment count, else BLOCK_M =
+    16 on the matrix units; BLOCK_M follows the mean number of rows per expert beyond."""
+    if assignments <= MOE_GEMV["max_assignments"]:
+        cfg = dict(gemv=True, **{k: v for k, v in MOE_GEMV.items() if k != "max_assignments"})
+        if device.type != "cuda":  # the interpreter: fewer, larger programs; two rows each
+            cfg.update(BLOCK_M=2, BLOCK_N=16, BLOCK_K=64)
+        return cfg
+    return matrix_unit_config(assignments, n_experts, device)
+
+
+def matrix_unit_config(assignments: int, n_experts: int, device: torch.device) -> dict:
+    """The matrix-unit launch shape at any size (moe_config without the CUDA-core tiles)."""
     per_expert = assignments / max(n_experts, 1)
     if per_expert <= 24:
         cfg = dict(BLOCK_M=16, **MOE_DECODE)
@@ -312,7 +349,7 @@ def sweep_small(tokens=(1, 2, 4, 8, 64), n_exp=128, top_k=6, hid=2688, inter=185
             ids = torch.rand((t, n_exp), device="cuda").topk(top_k, dim=-1).indices
             w = torch.rand((t, top_k), device="cuda")
             ref = moe_experts(h, ids, w, up, down, backend="torch").float()
-            cfg = moe_config(t * top_k, n_exp, h.device)
+            cfg = matrix_unit_config(t * top_k, n_exp, h.device)
             row = {"tokens": t, "path": "sorted"}
             row.update(time_if_right(lambda: moe_experts(h, ids, w, up, down, cfg=dict(cfg, small=False)), ref))
             out.append(row)
@@ -324,6 +361,57 @@ def sweep_small(tokens=(1, 2, 4, 8, 64), n_exp=128, top_k=6, hid=2688, inter=185
     finally:
         SMALL.update(saved)
     return out
+
+
+def sweep_gemv(tokens=(1, 2, 4, 8, 16, 32, 64), n_exp=128, top_k=6, hid=2688, inter=1856,
+               tiles=((1, 4, 512, 1), (1, 8, 512, 1), (1, 4, 2048, 4), (1, 8, 2048, 4), (2, 8, 512, 1))):
+    """CUDA-graph times of the CUDA-core tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps) on the
+    in-kernel-routing path, and of the matrix-unit default at the same token count, side by
+    side, on Nano's experts; each checked first."""
+    from .quantize import quantize
+
+    up = quantize(torch.randn((n_exp, inter, hid), dtype=torch.bfloat16, device="cuda") * 0.02)
+    down = quantize(torch.randn((n_exp, hid, inter), dtype=torch.bfloat16, device="cuda") * 0.02)
+    out = []
+    for t in tokens:
+        h = torch.randn((t, hid), dtype=torch.bfloat16, device="cuda")
+        ids = torch.rand((t, n_exp), device="cuda").topk(top_k, dim=-1).indices
+        w = torch.rand((t, top_k), device="cuda")
+        ref = moe_experts(h, ids, w, up, down, backend="torch").float()
+        base = matrix_unit_config(t * top_k, n_exp, h.device)
+        row = {"tokens": t, "path": "matrix-unit"}
+        row.update(time_if_right(lambda: moe_experts(h, ids, w, up, down, cfg=dict(base)), ref))
+        out.append(row)
+        for bm, bn, bk, nw in tiles:
+            cfg = dict(gemv=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1)
+            row = {"tokens": t, "path": "gemv", "tile": [bm, bn, bk, nw]}
+            row.update(time_if_right(lambda: moe_experts(h, ids, w, up, down, cfg=dict(cfg)), ref))
+            out.append(row)
+    return out
+
+
+def pick_gemv(rows, top_k=6, decode_tokens=8) -> dict:
+    """MOE_GEMV: the tile with the smallest summed time up to `decode_tokens` tokens, and
+    max_assignments: top_k times the largest token count up to which it beats the matrix-unit
+    default at every swept count (0 if not at the first)."""
+    def ms(r):
+        return r["ms"] if r["ms"] is not None else float("inf")
+
+    totals = {}
+    for r in rows:
+        if r["path"] == "gemv" and r["tokens"] <= decode_tokens:
+            totals[tuple(r["tile"])] = totals.get(tuple(r["tile"]), 0.0) + ms(r)
+    tile = min(totals, key=totals.get)
+    gemv = {r["tokens"]: ms(r) for r in rows if r["path"] == "gemv" and tuple(r["tile"]) == tile}
+    base = {r["tokens"]: ms(r) for r in rows if r["path"] == "matrix-unit"}
+    up_to = 0
+    for t in sorted(base):
+        if not gemv.get(t, float("inf")) < base[t]:
+            break
+        up_to = t
+    bm, bn, bk, nw = tile
+    return {"max_assignments": top_k * up_to, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw,
+            "num_stages": 1}
 
 
 def pick_small(rows, top_k=6) -> dict:
@@ -382,10 +470,12 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     a = t * top_k
     x = hidden_states.contiguous()
     cfg = dict(cfg or moe_config(a, n_exp, x.device))
-    small = cfg.pop("small", a <= SMALL["max_assignments"])
+    small = cfg.pop("small", a <= SMALL["max_assignments"] or cfg.get("gemv", False))
     lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(dtype, _moe_up_kernel)
     if a == 0:
         return torch.zeros_like(x)
+    if not small and cfg.pop("gemv", False):
+        raise ValueError(f"{_WHAT}: the CUDA-core tiles (gemv) run on the in-kernel-routing path only (small)")
     run = _moe_small if small else _moe_sorted
     return run(x, top_k_index, top_k_weights.reshape(-1).to(torch.float32).contiguous(), up_proj, down_proj,
                cfg, lut)
@@ -401,9 +491,20 @@ def _split_k(programs: int, k: int, block_k: int, device: torch.device) -> tuple
     return cdiv(k, k_per_split), k_per_split
 
 
+def _int64_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous 16-bit tensor as int64 (4 values each), for the CUDA-core kernels' 8-byte
+    activation loads; copied first if its start is not 8-byte aligned. fp32: itself."""
+    if t.dtype == torch.float32:
+        return t
+    if t.data_ptr() % 8:
+        t = t.clone()
+    return t.view(torch.int64)
+
+
 def _moe_small(x, top_k_index, weights, up, down, cfg, lut):
     """Three launches, no host-side routing: up (fp32 split-K partials per assignment), down
-    (reading relu^2 of the up partials; fp32 partials), combine (routing weights, top-k sum)."""
+    (reading relu^2 of the up partials; fp32 partials), combine (routing weights, top-k sum).
+    cfg["gemv"]: the projections on the CUDA cores (`_gemv_accumulate`), else the matrix units."""
     t, top_k = top_k_index.shape
     n_exp, inter, hid = up.shape
     a = t * top_k
@@ -411,10 +512,22 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut):
     ids = top_k_index.reshape(-1).contiguous()
     by_assignment = a < n_exp
     slots = a if by_assignment else n_exp
+    gemv = cfg.pop("gemv", False)
+    if gemv:
+        x = x if x.dtype == torch.float32 or x.data_ptr() % 8 == 0 else x.clone()
+        lut = DEQUANT["lut"] and not interpreted(_moe_small_kernel)  # the block-dot PTX takes any dtype
+        if device.type == "cuda":
+            cfg_up, cfg_dn = _gemv_k_tile(hid, cfg), _gemv_k_tile(inter, cfg)
+        else:
+            cfg_up = cfg_dn = dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], 64))
+        view = torch.int64
+    else:
+        cfg_up = cfg_dn = cfg
+        view = torch.int32
     common = dict(A_PAD=max(next_power_of_2(a), 2), BY_ASSIGNMENT=by_assignment, ACT=_TL_DTYPES[dtype],
-                  IEEE=dtype == torch.float32, LUT=lut, **cfg, **launch_options())
-    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    s_up, kps_up = _split_k(slots * cdiv(inter, bn), hid, bk, device)
+                  IEEE=dtype == torch.float32, LUT=lut, GEMV=gemv, **launch_options())
+    bn = cfg["BLOCK_N"]
+    s_up, kps_up = _split_k(slots * cdiv(inter, bn), hid, cfg_up["BLOCK_K"], device)
     # One split: the up kernel finishes the activation itself; more: fp32 partials, finished by
     # the down kernel as it reads them.
     if s_up == 1:
@@ -422,15 +535,16 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut):
     else:
         part_up = torch.empty((s_up, a, inter), dtype=torch.float32, device=device)
     _moe_small_kernel[(slots, cdiv(inter, bn), s_up)](
-        x, ids, up.packed.view(torch.int32), up.block_scale.view(torch.uint8), up.global_scale, part_up,
-        a, n_exp, inter, hid, top_k, kps_up, 0, UP=True, X_PARTS=0, RELU2_OUT=s_up == 1,
-        EVEN_N=inter % bn == 0, EVEN_K=hid % bk == 0, **common)
-    s_dn, kps_dn = _split_k(slots * cdiv(hid, bn), inter, bk, device)
+        x, _int64_view(x) if gemv else x, ids, up.packed.view(view), up.block_scale.view(torch.uint8),
+        up.global_scale, part_up, a, n_exp, inter, hid, top_k, kps_up, 0, UP=True, X_PARTS=0, RELU2_OUT=s_up == 1,
+        EVEN_N=inter % bn == 0, EVEN_K=hid % cfg_up["BLOCK_K"] == 0, **cfg_up, **common)
+    s_dn, kps_dn = _split_k(slots * cdiv(hid, bn), inter, cfg_dn["BLOCK_K"], device)
     part_dn = torch.empty((s_dn, a, hid), dtype=torch.float32, device=device)
     _moe_small_kernel[(slots, cdiv(hid, bn), s_dn)](
-        part_up, ids, down.packed.view(torch.int32), down.block_scale.view(torch.uint8), down.global_scale, part_dn,
-        a, n_exp, hid, inter, top_k, kps_dn, a * inter, UP=False, X_PARTS=0 if s_up == 1 else s_up,
-        RELU2_OUT=False, EVEN_N=hid % bn == 0, EVEN_K=inter % bk == 0, **common)
+        part_up, _int64_view(part_up) if gemv else part_up, ids, down.packed.view(view),
+        down.block_scale.view(torch.uint8), down.global_scale, part_dn, a, n_exp, hid, inter, top_k, kps_dn,
+        a * inter, UP=False, X_PARTS=0 if s_up == 1 else s_up, RELU2_OUT=False, EVEN_N=hid % bn == 0,
+        EVEN_K=inter % cfg_dn["BLOCK_K"] == 0, **cfg_dn, **common)
     out = torch.empty((t, hid), dtype=dtype, device=device)
     block = min(1024, next_power_of_2(hid))
     _moe_combine_kernel[(t, cdiv(hid, block))](
@@ -542,10 +656,15 @@ def bench(tokens=(1, 8, 64, 256, 2048), n_exp=128, top_k=6, hid=2688, inter=1856
             ref = baseline(h, ids, w).float()
             got = fp4().float()
             row["rel_diff_vs_bf16_weights"] = float((got - ref).norm() / ref.norm())
-            row["path"] = "small" if t * top_k <= SMALL["max_assignments"] else "sorted"
-            if row["path"] == "small":  # the sort-based path at the same size, for the record
-                cfg = dict(moe_config(t * top_k, n_exp, h.device), small=False)
+            a = t * top_k
+            row["path"] = ("small-gemv" if a <= MOE_GEMV["max_assignments"] else
+                           "small" if a <= SMALL["max_assignments"] else "sorted")
+            if row["path"] != "sorted":  # the matrix-unit paths at the same size, for the record
+                base = matrix_unit_config(a, n_exp, h.device)
                 row["ms_w4a16_sorted_graph"], _ = graph_time(
-                    lambda: moe_experts(h, ids, w, up_q, down_q, cfg=cfg))
+                    lambda: moe_experts(h, ids, w, up_q, down_q, cfg=dict(base, small=False)))
+                if row["path"] == "small-gemv":
+                    row["ms_w4a16_small_matrix_unit_graph"], _ = graph_time(
+                        lambda: moe_experts(h, ids, w, up_q, down_q, cfg=dict(base, small=True)))
         rows.append(row)
     return rows

@@ -3,37 +3,41 @@
 Reference: `fp4kit.formats.nvfp4.NVFP4Tensor.dequantize` followed by a matmul (backend="torch").
 
 The weight is read as stored (packed uint8 [N, K/2], E4M3 block scales [N, K/16], fp32 global
-scale): no re-layout, so a checkpoint tensor is used as loaded. Dequantization happens in
-registers and is the reference's arithmetic exactly (see `_dequant_tile`): every weight the dot
-sees is `W.dequantize()` rounded to the activation dtype; `dequantize(..., backend="triton")` runs
-the same helper and writes the tile out, so tests compare it bit for bit.
+scale): no re-layout, so a checkpoint tensor is used as loaded. Two kernels:
 
-Dequantization to bf16/fp16 is a per-block table of the 8 magnitudes applied with byte permutes
-(`_dequant_tile_lut`, inline PTX, about 2 instructions per weight); fp32 activations and
-Triton's interpreter use the arithmetic form (`_dequant_tile_arith`), the same values.
+- Up to GEMV["max_m"] rows (2), the CUDA cores (`_gemv_kernel`, `_gemv_accumulate`). The block
+  scale is factored out of each 16-block: y = 64 * sum_b step_b * sum_i v(code_i) * x_i, with
+  v(code) = E2M1(code) * 2^-6 and step_b = float(scale_b) * global_scale, the reference's fp32
+  step. The weights are thus W.dequantize()'s fp32 values (not rounded to the activation
+  dtype), and the products v * x are exact for 16-bit activations: one fp32 fma per weight and
+  row, one per block. A block's 16 codes become fp32 values in inline PTX (`_CODES16_ASM`: each
+  code's bits moved into an E4M3 byte, which the hardware converts to fp16 exactly, then fp32;
+  7 bit operations per 8 codes). Each thread holds its blocks of all BLOCK_N weight rows and
+  BLOCK_M activation rows, so nothing passes through shared memory in the loop.
+- More rows, the matrix units (`_w4a16_kernel`): every weight the dot sees is W.dequantize()
+  rounded to the activation dtype (`_dequant_tile`: per-block tables of the 8 magnitudes
+  applied with byte permutes, inline PTX, for bf16/fp16; `_dequant_tile_arith` for fp32
+  activations and the interpreter, the same values). The dot is computed transposed, acc[N, M]
+  = W_tile @ x_tile^T: at decode sizes (M <= 16) the weight fills the matrix unit's 64-row side
+  (wgmma) and the few tokens its narrow side. The next weight tile is loaded while the current
+  one is dequantized. `dequantize(..., backend="triton")` runs the same helper and writes the
+  tile out, so tests compare it bit for bit.
 
-One row (M = 1, `GEMV`) runs on the CUDA cores (`_gemv_kernel`): one fp32 fma per weight into a
-[BLOCK_N, BLOCK_K] accumulator, no shared-memory round trip. More rows use the matrix units:
-the dot is computed transposed, acc[N, M] = W_tile @ x_tile^T: at decode sizes (M <= 16) the
-weight fills the matrix unit's 64-row side (wgmma) and the few tokens its narrow side, instead
-of padding M to 64. The next weight tile is loaded while the current one is dequantized.
 Split-K keeps the GPU full when N / BLOCK_N alone is too few programs: the partials are fp32,
 and the last program of each tile to finish sums them in a fixed order in the same launch
-(`_store_split`). Above LARGE_M rows the weight is dequantized once by the
-same helper and multiplied by torch.matmul.
+(`_store_split`). Above LARGE_M rows the weight is dequantized once by the same helper and
+multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1: 1.27x on 8192 x 8192, 1.28x on 28672 x 8192, 1.02-1.08x on the Nano
-shapes; M = 4-16: 0.89-1.26x; M = 64: 0.52-0.97x. The weight bytes are 3.5x fewer than bf16's,
-but neither path reaches the memory bound: 8192 x 8192 at M = 1 takes 26.7 us for 37.7 MB
-(1.4 TB/s). The matrix-unit path spends ~6.5 SASS instructions per weight in its main loop
-(table dequantization, the register-to-shared-memory staging of the tile, address and mask
-arithmetic); the CUDA-core path ~7.9 per weight for one row and its time doubles per extra row.
-Both move data between register layouts through shared memory every K step (read from the
-sm_90 PTX): the matrix-unit loop writes the dequantized tile and reads it back in the wgmma
-operand layout (8 STS.128, 8 LDSM, 5 barriers per step), the CUDA-core loop converts the
-activation tile's layout (4 stmatrix / ld.shared pairs, 8 barriers per step). Producing both in
-their consumer's layout directly is the next step.
+the bf16 weight): M = 1: 2.21x on 8192 x 8192 (15.4 us, 2.4 TB/s of weight traffic), 2.20x on
+28672 x 8192, 1.79-1.92x on the Nano shapes; M = 2 (sweep_gemv): 21.4 us against the
+matrix-unit kernel's 29.9 on 8192 x 8192; M = 4-16: 0.81-1.31x; M = 64: 0.49-0.95x. The
+CUDA-core loop spends 4.5 SASS instructions per weight at one row (3.0 per weight and row at
+two: fma, fp16-to-fp32 conversion, 0.9 of code decoding, loads and addresses), so at M = 1 both
+instruction issue (~9 us for 8192 x 8192) and memory (~9.4 us) are close to the time taken. The
+matrix-unit path spends ~6.5 instructions per weight in its main loop: the table
+dequantization, then the tile written to shared memory and read back in the wgmma operand layout
+(8 STS.128, 8 LDSM, 5 barriers per K step, read from the sm_90 PTX), address and mask arithmetic.
 """
 
 from __future__ import annotations
@@ -353,47 +357,267 @@ def _w4a16_kernel(
                      M * N, pid_s, SPLIT)
 
 
+# The 16 codes of one 16-block (an int64, code i in bits 4i..4i+3; $16) as 16 fp32 values
+# E2M1(code_i) * 2^-6 ($0-$15), exactly, in 7 bit operations per 8 codes plus conversions:
+# - each code becomes an E4M3 byte with the same bits in other places: sign to bit 7, the two
+#   exponent bits and the mantissa bit to bits 4..2. E4M3's exponent bias is 7 against E2M1's
+#   1, so the byte's value is the code's * 2^-6, subnormals included (E2M1 0.5 -> E4M3 2^-7).
+#   Even codes of a word q: ((q << 2) & 0x1C..) | ((q << 4) & 0x80..); odd codes:
+#   ((q >> 2) & 0x1C..) | (q & 0x80..);
+# - cvt.rn.f16x2.e4m3x2 turns two such bytes into two fp16 (exact), cvt.f32.f16 each into fp32.
+_CODES16_ASM = tl.constexpr("""
+{
+.reg .b32 q0, q1, a, b, e0, e1, e2, e3, h0, h1, h2, h3, h4, h5, h6, h7;
+.reg .b16 s0, s1, s2, s3, s4, s5, s6, s7;
+.reg .b16 c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15;
+mov.b64 {q0, q1}, $16;
+shl.b32 a, q0, 2;
+and.b32 a, a, 0x1C1C1C1C;
+shl.b32 b, q0, 4;
+and.b32 b, b, 0x80808080;
+or.b32 e0, a, b;
+shr.u32 a, q0, 2;
+and.b32 a, a, 0x1C1C1C1C;
+and.b32 b, q0, 0x80808080;
+or.b32 e1, a, b;
+shl.b32 a, q1, 2;
+and.b32 a, a, 0x1C1C1C1C;
+shl.b32 b, q1, 4;
+and.b32 b, b, 0x80808080;
+or.b32 e2, a, b;
+shr.u32 a, q1, 2;
+and.b32 a, a, 0x1C1C1C1C;
+and.b32 b, q1, 0x80808080;
+or.b32 e3, a, b;
+mov.b32 {s0, s1}, e0;
+mov.b32 {s2, s3}, e1;
+mov.b32 {s4, s5}, e2;
+mov.b32 {s6, s7}, e3;
+cvt.rn.f16x2.e4m3x2 h0, s0;
+cvt.rn.f16x2.e4m3x2 h1, s1;
+cvt.rn.f16x2.e4m3x2 h2, s2;
+cvt.rn.f16x2.e4m3x2 h3, s3;
+cvt.rn.f16x2.e4m3x2 h4, s4;
+cvt.rn.f16x2.e4m3x2 h5, s5;
+cvt.rn.f16x2.e4m3x2 h6, s6;
+cvt.rn.f16x2.e4m3x2 h7, s7;
+mov.b32 {c0, c2}, h0;
+mov.b32 {c4, c6}, h1;
+mov.b32 {c1, c3}, h2;
+mov.b32 {c5, c7}, h3;
+mov.b32 {c8, c10}, h4;
+mov.b32 {c12, c14}, h5;
+mov.b32 {c9, c11}, h6;
+mov.b32 {c13, c15}, h7;
+cvt.f32.f16 $0, c0;
+cvt.f32.f16 $1, c1;
+cvt.f32.f16 $2, c2;
+cvt.f32.f16 $3, c3;
+cvt.f32.f16 $4, c4;
+cvt.f32.f16 $5, c5;
+cvt.f32.f16 $6, c6;
+cvt.f32.f16 $7, c7;
+cvt.f32.f16 $8, c8;
+cvt.f32.f16 $9, c9;
+cvt.f32.f16 $10, c10;
+cvt.f32.f16 $11, c11;
+cvt.f32.f16 $12, c12;
+cvt.f32.f16 $13, c13;
+cvt.f32.f16 $14, c14;
+cvt.f32.f16 $15, c15;
+}
+""")
+
+
+@triton.jit
+def _code_value(word, SHIFT: tl.constexpr):
+    """E2M1 * 2^-6 of the code in bits SHIFT..SHIFT+3 of an int32, exactly (2^120 rescales
+    `_e2m1_bits`' 2^-126)."""
+    return _e2m1_bits(word >> SHIFT, 0) * 1.329227995784916e36
+
+
+@triton.jit
+def _codes16(blocks, LUT: tl.constexpr):
+    """A 16-block's codes (int64, code i in bits 4i..4i+3) -> its 16 values E2M1(code_i) * 2^-6
+    in fp32 (exact), by the inline PTX `_CODES16_ASM` (LUT, CUDA) or the same values by
+    arithmetic (`_e2m1_bits`; the interpreter, and the GPU test comparing the two)."""
+    if LUT:
+        v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = tl.inline_asm_elementwise(
+            _CODES16_ASM, "=f," * 16 + "l", [blocks], dtype=(tl.float32,) * 16, is_pure=True, pack=1)
+    else:
+        lo = blocks.to(tl.int32)
+        hi = (blocks >> 32).to(tl.int32)
+        v0, v1, v2, v3 = _code_value(lo, 0), _code_value(lo, 4), _code_value(lo, 8), _code_value(lo, 12)
+        v4, v5, v6, v7 = _code_value(lo, 16), _code_value(lo, 20), _code_value(lo, 24), _code_value(lo, 28)
+        v8, v9, v10, v11 = _code_value(hi, 0), _code_value(hi, 4), _code_value(hi, 8), _code_value(hi, 12)
+        v12, v13, v14, v15 = _code_value(hi, 16), _code_value(hi, 20), _code_value(hi, 24), _code_value(hi, 28)
+    return v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
+
+
+@triton.jit
+def _x_at(xb, i, ok, X_PARTS: tl.constexpr, part_stride, ACT: tl.constexpr):
+    """x[k + i] as fp32 for each block start k (xb); 0 where not ok. X_PARTS > 0: relu^2 of the
+    sum of X_PARTS fp32 partials part_stride apart, summed in order and rounded to ACT as
+    `_load_x` does."""
+    h = tl.load(xb + i, mask=ok, other=0.0)
+    if X_PARTS == 0:
+        v = h.to(tl.float32)
+    else:
+        for s in tl.static_range(1, X_PARTS):
+            h += tl.load(xb + s * part_stride + i, mask=ok, other=0.0)
+        v = _relu2(h, ACT).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _x_quad(x4_blk, p, ok, XT: tl.constexpr):
+    """x[k + 4p : k + 4p + 4] as four fp32 for each block start k, from one 8-byte load of the
+    16-bit activations (x4_blk: their int64 view, 4 values each); 0 where not ok."""
+    q = tl.load(x4_blk + p, mask=ok, other=0)
+    lo = q.to(tl.int32)
+    hi = (q >> 32).to(tl.int32)
+    if XT == tl.bfloat16:  # bf16 is fp32's top half
+        v0 = (lo << 16).to(tl.float32, bitcast=True)
+        v1 = (lo & -65536).to(tl.float32, bitcast=True)
+        v2 = (hi << 16).to(tl.float32, bitcast=True)
+        v3 = (hi & -65536).to(tl.float32, bitcast=True)
+    else:
+        v0 = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        v1 = (lo >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        v2 = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        v3 = (hi >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _block_dot(x_ptr, x4_ptr, rows, k_blk, ok, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13,
+               v14, v15, X_PARTS: tl.constexpr, part_stride, ACT: tl.constexpr):
+    """[BLOCK_M, BLOCK_N, BLOCK_K/16]: per activation row and 16-block, sum_i v_i * x[k + i] in
+    K order, one fp32 fma per weight (the first a product). v_i: [1, BLOCK_N, BLOCK_K/16] block
+    values; rows: [BLOCK_M, 1] element offsets of the activation rows; k_blk: [1, BLOCK_K/16]
+    block starts; ok: [BLOCK_M, BLOCK_K/16] (rows and blocks in range). The activations: x itself
+    (16-bit ones read 4 at a time through x4_ptr, their int64 view), or with X_PARTS > 0 relu^2
+    of X_PARTS fp32 partial sums (`_x_at`)."""
+    xb = x_ptr + rows + k_blk
+    if X_PARTS > 0 or x_ptr.dtype.element_ty == tl.float32:
+        P: tl.constexpr = X_PARTS
+        x0, x1, x2, x3 = (_x_at(xb, 0, ok, P, part_stride, ACT), _x_at(xb, 1, ok, P, part_stride, ACT),
+                          _x_at(xb, 2, ok, P, part_stride, ACT), _x_at(xb, 3, ok, P, part_stride, ACT))
+        x4, x5, x6, x7 = (_x_at(xb, 4, ok, P, part_stride, ACT), _x_at(xb, 5, ok, P, part_stride, ACT),
+                          _x_at(xb, 6, ok, P, part_stride, ACT), _x_at(xb, 7, ok, P, part_stride, ACT))
+        x8, x9, x10, x11 = (_x_at(xb, 8, ok, P, part_stride, ACT), _x_at(xb, 9, ok, P, part_stride, ACT),
+                            _x_at(xb, 10, ok, P, part_stride, ACT), _x_at(xb, 11, ok, P, part_stride, ACT))
+        x12, x13, x14, x15 = (_x_at(xb, 12, ok, P, part_stride, ACT), _x_at(xb, 13, ok, P, part_stride, ACT),
+                              _x_at(xb, 14, ok, P, part_stride, ACT), _x_at(xb, 15, ok, P, part_stride, ACT))
+    else:
+        xq = x4_ptr + (rows + k_blk) // 4
+        XT: tl.constexpr = x_ptr.dtype.element_ty
+        x0, x1, x2, x3 = _x_quad(xq, 0, ok, XT)
+        x4, x5, x6, x7 = _x_quad(xq, 1, ok, XT)
+        x8, x9, x10, x11 = _x_quad(xq, 2, ok, XT)
+        x12, x13, x14, x15 = _x_quad(xq, 3, ok, XT)
+    t = v0 * x0[:, None, :]
+    t = tl.fma(v1, x1[:, None, :], t)
+    t = tl.fma(v2, x2[:, None, :], t)
+    t = tl.fma(v3, x3[:, None, :], t)
+    t = tl.fma(v4, x4[:, None, :], t)
+    t = tl.fma(v5, x5[:, None, :], t)
+    t = tl.fma(v6, x6[:, None, :], t)
+    t = tl.fma(v7, x7[:, None, :], t)
+    t = tl.fma(v8, x8[:, None, :], t)
+    t = tl.fma(v9, x9[:, None, :], t)
+    t = tl.fma(v10, x10[:, None, :], t)
+    t = tl.fma(v11, x11[:, None, :], t)
+    t = tl.fma(v12, x12[:, None, :], t)
+    t = tl.fma(v13, x13[:, None, :], t)
+    t = tl.fma(v14, x14[:, None, :], t)
+    t = tl.fma(v15, x15[:, None, :], t)
+    return t
+
+
+@triton.jit
+def _load_blocks(wb_ptr, ws_ptr, n64, n_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """16-blocks [BLOCK_N, BLOCK_K/16] at K offset k0: the codes (int64 view of the packed bytes,
+    one block each) and the scale bytes, which share their offsets; zeros past N and K."""
+    g = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    off = n64[:, None] * (K // 16) + g[None, :]
+    if EVEN_N and EVEN_K:
+        codes = tl.load(wb_ptr + off)
+        sc = tl.load(ws_ptr + off)
+    else:
+        ok = n_ok[:, None] & (g < K // 16)[None, :]
+        codes = tl.load(wb_ptr + off, mask=ok, other=0)
+        sc = tl.load(ws_ptr + off, mask=ok, other=0)
+    return codes, sc
+
+
+@triton.jit
+def _gemv_accumulate(acc, x_ptr, x4_ptr, rows, m_ok, wb_ptr, ws_ptr, gs, n64, n_ok, K, k_start, k_end,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LUT: tl.constexpr, EVEN_N: tl.constexpr,
+                     EVEN_K: tl.constexpr, X_PARTS: tl.constexpr = 0, part_stride=0, ACT: tl.constexpr = None):
+    """acc[BLOCK_M, BLOCK_N, BLOCK_K/16] += per block b: step_b * sum_i v(code_i) * x[m, k + i],
+    over K in [k_start, k_end), on the CUDA cores.
+
+    v(code) = E2M1(code) * 2^-6 (`_codes16`), step_b = float(scale_b) * global_scale in fp32 as
+    the reference has it; the inner sum is one fp32 fma per weight and row (`_block_dot`), then
+    one fma per block adds step_b times it. The caller's result is 64 * acc summed over its last
+    axis: x @ W^T with W.dequantize()'s fp32 weights (not rounded to the activation dtype).
+    rows: [BLOCK_M, 1] element offsets of the activation rows, m_ok: [BLOCK_M] which exist;
+    wb_ptr: the weight's packed bytes as int64 (one 16-block each), ws_ptr its scale bytes;
+    X_PARTS, part_stride, ACT: the activations as `_block_dot` reads them. Each thread holds its
+    blocks of all BLOCK_N weight rows and BLOCK_M activation rows: a block's codes are decoded
+    once for BLOCK_M rows, an activation converted once for BLOCK_N."""
+    blk16 = tl.arange(0, BLOCK_K // 16) * 16
+    codes, sc = _load_blocks(wb_ptr, ws_ptr, n64, n_ok, k_start, K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        codes_next, sc_next = _load_blocks(wb_ptr, ws_ptr, n64, n_ok, _ahead(k0, k_end, BLOCK_K, EVEN_K),
+                                           K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
+        if EVEN_K:
+            ok = m_ok[:, None]
+        else:
+            ok = m_ok[:, None] & ((k0 + blk16) < K)[None, :]
+        v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _codes16(codes[None, :, :], LUT)
+        t = _block_dot(x_ptr, x4_ptr, rows, (k0 + blk16)[None, :], ok, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9,
+                       v10, v11, v12, v13, v14, v15, X_PARTS, part_stride, ACT)
+        if LUT:
+            scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            scale = _e4m3_decode(sc.to(tl.int32))
+        acc = tl.fma(t, (scale * gs)[None, :, :], acc)
+        codes, sc = codes_next, sc_next
+    return acc
+
+
 @triton.jit
 def _gemv_kernel(
-    x_ptr, wq_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
+    x_ptr, x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, stride_xm, k_per_split,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, LUT: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    LUT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """y[m] = W @ x[m] for one activation row per program (grid: N tiles, rows, K splits) on the
-    CUDA cores: the dequantized tile (the same values the matrix-unit kernel feeds its dot)
-    times the row, one fp32 fused multiply-add per weight into a [BLOCK_N, BLOCK_K] accumulator,
-    summed over K at the end. No shared memory and no matrix-unit round trip per tile: for one
-    to a few rows this is the cheapest way to stream the weight."""
+    """y = x @ W^T for a few activation rows on the CUDA cores (grid: N tiles, row tiles, K
+    splits), the block scale factored out of each 16-block (`_gemv_accumulate`)."""
     pid_n = tl.program_id(0)
-    row = tl.program_id(1)
+    pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     n64 = n.to(tl.int64)
-    kk = tl.arange(0, BLOCK_K)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    x_row = x_ptr + row.to(tl.int64) * stride_xm
-    gs = tl.load(gs_ptr)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    packed, sc = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, k_start, K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        packed_next, sc_next = _load_weight_tile(wq_ptr, ws_ptr, n64, n_ok, _ahead(k0, k_end, BLOCK_K, EVEN_K),
-                                                 K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
-        if EVEN_K:
-            x = tl.load(x_row + k0 + kk)
-        else:
-            x = tl.load(x_row + k0 + kk, mask=(k0 + kk) < K, other=0.0)
-        w = _dequant_tile(packed, sc, gs, x.dtype, LUT, BLOCK_N, BLOCK_K)
-        acc = tl.fma(w.to(tl.float32), x.to(tl.float32)[None, :], acc)
-        packed, sc = packed_next, sc_next
-    y = tl.sum(acc, axis=1)
-    out_off = row.to(tl.int64) * N + n64
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
+    acc = _gemv_accumulate(acc, x_ptr, x4_ptr, m.to(tl.int64)[:, None] * stride_xm, m_ok, wb_ptr, ws_ptr,
+                           tl.load(gs_ptr), n64, n_ok, K, k_start, k_end, BLOCK_N, BLOCK_K, LUT, EVEN_N, EVEN_K)
+    y = tl.sum(acc, axis=2) * 64.0  # [BLOCK_M, BLOCK_N]; 64: the block values are E2M1 * 2^-6
+    out_off = m.to(tl.int64)[:, None] * N + n64[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
-        tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=ok)
     else:
-        _store_split(y, part_ptr, out_ptr, cnt_ptr, row * tl.num_programs(0) + pid_n, out_off, n_ok,
+        _store_split(y, part_ptr, out_ptr, cnt_ptr, pid_m * tl.num_programs(0) + pid_n, out_off, ok,
                      M * N, pid_s, SPLIT)
 
 
@@ -469,22 +693,46 @@ def _split(m: int, n: int, k: int, cfg: dict, device: torch.device, programs_per
     return {"SPLIT": cdiv(k, k_per_split), "k_per_split": k_per_split}
 
 
-# Decode launch shape (M <= 16), picked on an H200 by `sweep` (scripts/bench_kernels.py --sweep:
-# 8192x8192 and 3712x2688 at M = 1 and 16, CUDA-graph times; benchmarks/results/kernels-h200.json).
+# Decode launch shape (M <= 16), picked on an H200 by `sweep` (scripts/bench_kernels.py --sweep-gemm:
+# 8192x8192 and 3712x2688 at M = 1 and 16, CUDA-graph times;
+# benchmarks/results/kernels-sweeps-matrix-unit-h200.json).
 DECODE = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4}
 
 
 # Launch shape for 17 to 64 rows, picked on an H200 by `sweep_mid` (scripts/bench_kernels.py
-# --sweep-mid: 8192x8192 and 3712x2688 at M = 64; benchmarks/results/kernels-h200.json).
+# --sweep-mid: 8192x8192 and 3712x2688 at M = 64; benchmarks/results/kernels-sweeps-matrix-unit-h200.json).
 MID = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
 
 
-# The CUDA-core kernel (`_gemv_kernel`) for up to GEMV["max_m"] rows (0: never), its tile and
-# split-K target; picked on an H200 by `scripts/bench_kernels.py --sweep-gemv` (sweep_gemv in
-# benchmarks/results/kernels-h200.json: faster than the matrix-unit kernel at M = 1, about half
-# as fast at M = 2). maxnreg 80: 6 programs per multiprocessor instead of 5 (93 registers).
-GEMV = {"max_m": 1, "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1, "programs_per_sm": 8,
-        "maxnreg": 80}
+# The CUDA-core kernel (`_gemv_kernel`) for up to GEMV["max_m"] rows (0: never). Its launch
+# shape per activation rows per program (BLOCK_M = 1, 2, 4: `gemv_block_m`): BLOCK_N weight rows
+# per program, BLOCK_K / 16 blocks per K step spread over the program's threads (each holds its
+# blocks of all rows), the split-K target, and optionally a register cap. Picked on an H200 by
+# `scripts/bench_kernels.py --sweep-gemv` (sweep_gemv in benchmarks/results/kernels-h200.json).
+GEMV = {
+    "max_m": 2,
+    "1": {"BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "programs_per_sm": 4},
+    "2": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 1, "programs_per_sm": 4},
+    "4": {"BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "programs_per_sm": 4},
+}
+
+
+def gemv_block_m(m: int) -> int:
+    """Activation rows per GEMV program for M rows: 1, 2 or 4."""
+    return 1 if m <= 1 else 2 if m == 2 else 4
+
+
+def _gemv_k_tile(k: int, cfg: dict) -> dict:
+    """BLOCK_K and warps halved together (the same blocks per thread) down to one warp, taking the
+    one that pads K least to a whole number of K steps, the most warps among equals: K = 2688
+    runs 3 steps of 1024 (2 warps), not 2 of 2048 (52% padding)."""
+    bk, nw = cfg["BLOCK_K"], cfg["num_warps"]
+    best = (bk, nw)
+    while nw > 1:
+        bk, nw = bk // 2, nw // 2
+        if cdiv(k, bk) * bk < cdiv(k, best[0]) * best[0]:
+            best = (bk, nw)
+    return dict(cfg, BLOCK_K=best[0], num_warps=best[1])
 
 
 def config(m: int, n: int, k: int, device: torch.device) -> dict:
@@ -492,10 +740,11 @@ def config(m: int, n: int, k: int, device: torch.device) -> dict:
     decode-sized M streams the weight through many programs on the matrix units; large M uses
     big tiles. Chosen by rule (no autotuning at call time)."""
     if m <= GEMV["max_m"]:
-        cfg = dict(BLOCK_M=1, gemv=True, **{key: v for key, v in GEMV.items() if key not in ("max_m", "programs_per_sm")})
-        if device.type != "cuda":
-            cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 64)
-        cfg.update(_split(1, n, k, cfg, device, GEMV["programs_per_sm"]))
+        bm = gemv_block_m(m)
+        tile = GEMV[str(bm)]
+        cfg = dict(gemv=True, BLOCK_M=bm, num_stages=1, **{key: v for key, v in tile.items() if key != "programs_per_sm"})
+        cfg = _gemv_k_tile(k, cfg) if device.type == "cuda" else dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], 64))
+        cfg.update(_split(m, n, k, cfg, device, tile["programs_per_sm"]))
         return cfg
     if m <= 16:
         cfg = dict(BLOCK_M=16, **{key: v for key, v in DECODE.items() if key != "programs_per_sm"})
@@ -548,20 +797,26 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     split, k_per_split = cfg.pop("SPLIT"), cfg.pop("k_per_split")
     lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(x.dtype, _w4a16_kernel)
     gemv = cfg.pop("gemv", False)
-    grid = (cdiv(n, cfg["BLOCK_N"]), m if gemv else cdiv(m, cfg["BLOCK_M"]), split)
+    grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
     part, counters = out, out  # unused unless split > 1
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, grid[0] * grid[1])
     even = dict(EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0)
-    args = (x2, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.global_scale, out, part,
-            counters, m, n, k, x2.stride(0), k_per_split)
     if gemv:
-        cfg.pop("BLOCK_M", None)
-        _gemv_kernel[grid](*args, SPLIT=split, LUT=lut, **even, **cfg, **launch_options())
+        x4 = x2  # 16-bit activations are read 4 at a time through an int64 view
+        if x2.dtype != torch.float32:
+            if x2.stride(0) % 4 or x2.data_ptr() % 8:
+                x2 = x2.clone(memory_format=torch.contiguous_format)
+            x4 = x2.view(torch.int64)
+        lut = DEQUANT["lut"] and not interpreted(_gemv_kernel)  # the block-dot PTX takes any dtype
+        _gemv_kernel[grid](x2, x4, w.packed.view(torch.int64), w.block_scale.view(torch.uint8), w.global_scale,
+                           out, part, counters, m, n, k, x2.stride(0), k_per_split, SPLIT=split, LUT=lut, **even,
+                           **cfg, **launch_options())
     else:
-        _w4a16_kernel[grid](*args, SPLIT=split, IEEE=x.dtype == torch.float32, LUT=lut, **even, **cfg,
-                            **launch_options())
+        _w4a16_kernel[grid](x2, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.global_scale, out,
+                            part, counters, m, n, k, x2.stride(0), k_per_split, SPLIT=split,
+                            IEEE=x.dtype == torch.float32, LUT=lut, **even, **cfg, **launch_options())
     return out.reshape(*lead, n)
 
 
@@ -668,11 +923,14 @@ def pick_decode(rows) -> dict:
     return with_maxnreg({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": st, "programs_per_sm": pps}, mr)
 
 
-def sweep_gemv(shapes=((8192, 8192), (3712, 2688)), ms=(1, 2),
-               tiles=((16, 256, 4), (32, 128, 4), (8, 512, 4)), programs_per_sm=(8, 16), maxnreg=(None,)):
-    """CUDA-graph times of the CUDA-core kernel's launch shapes (BLOCK_N, BLOCK_K, warps) x
-    split-K target, and of the matrix-unit kernel's launch shape at the same M, side by side;
-    each launch shape is checked against an fp32 reference first (a wrong one is not timed)."""
+def sweep_gemv(shapes=((8192, 8192), (3712, 2688), (2688, 3712)), ms=(1, 2, 4),
+               tiles=((1, 4, 2048, 4), (1, 8, 2048, 4), (1, 4, 512, 1), (1, 8, 512, 1), (2, 8, 2048, 4),
+                      (2, 8, 512, 1), (4, 8, 2048, 4)),
+               programs_per_sm=(4, 8), stages=(1,), maxnreg=(None,)):
+    """CUDA-graph times of the CUDA-core kernel's launch shapes (BLOCK_M, BLOCK_N, BLOCK_K, warps)
+    x split-K target x stages, and of the matrix-unit kernel's launch shape at the same M, side by
+    side; tiles with BLOCK_M < M run several row tiles. Each launch shape is checked against an
+    fp32 reference first (a wrong one is not timed)."""
     from .quantize import quantize
 
     out = []
@@ -681,7 +939,7 @@ def sweep_gemv(shapes=((8192, 8192), (3712, 2688)), ms=(1, 2),
         GEMV["max_m"] = 0  # config() then gives the matrix-unit kernel's launch shape at every M
         for n, k in shapes:
             wq = quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02)
-            wdq = wq.dequantize(torch.bfloat16).float()
+            wdq = wq.dequantize(torch.float32)
             for m in ms:
                 x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
                 ref = torch.nn.functional.linear(x.float(), wdq)
@@ -689,10 +947,14 @@ def sweep_gemv(shapes=((8192, 8192), (3712, 2688)), ms=(1, 2),
                 row = {"N": n, "K": k, "M": m, "kernel": "matrix-unit", **base}
                 row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=base), ref))
                 out.append(row)
-                for (bn, bk, nw), pps, mr in itertools.product(tiles, programs_per_sm, maxnreg):
-                    cfg = with_maxnreg(dict(BLOCK_M=1, gemv=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1), mr)
-                    cfg.update(_split(1, n, k, cfg, x.device, pps))
-                    row = {"N": n, "K": k, "M": m, "kernel": "gemv", "maxnreg": mr, **cfg, "programs_per_sm": pps}
+                for (bm, bn, bk, nw), pps, st, mr in itertools.product(tiles, programs_per_sm, stages, maxnreg):
+                    if bm != gemv_block_m(m):
+                        continue
+                    cfg = _gemv_k_tile(k, dict(BLOCK_M=bm, gemv=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st))
+                    cfg = with_maxnreg(cfg, mr)
+                    cfg.update(_split(m, n, k, cfg, x.device, pps))
+                    row = {"N": n, "K": k, "M": m, "kernel": "gemv", "tile": [bm, bn, bk, nw], "maxnreg": mr, **cfg,
+                           "programs_per_sm": pps}
                     row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=cfg), ref))
                     out.append(row)
     finally:
@@ -701,28 +963,38 @@ def sweep_gemv(shapes=((8192, 8192), (3712, 2688)), ms=(1, 2),
 
 
 def pick_gemv(rows) -> dict:
-    """GEMV's launch shape with the smallest summed time at M = 1, and max_m: the largest M up
-    to which it beats the matrix-unit kernel on every swept shape (0 if not at M = 1)."""
+    """GEMV's launch shape for each BLOCK_M (1, 2, 4): the swept (tile, split-K target, register
+    cap) with the smallest summed time at M = BLOCK_M; and max_m: the largest swept M up to which
+    the CUDA-core kernel (with its BLOCK_M's pick) beats the matrix-unit kernel on every swept
+    shape (0 if not at M = 1)."""
     def ms(r):
         return r["ms"] if r["ms"] is not None else float("inf")
 
-    totals = {}
-    for r in rows:
-        if r["kernel"] == "gemv" and r["M"] == 1:
-            key = (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["programs_per_sm"], r.get("maxnreg"))
-            totals[key] = totals.get(key, 0.0) + ms(r)
-    bn, bk, nw, pps, mr = min(totals, key=totals.get)
-    gemv = {(r["N"], r["M"]): ms(r) for r in rows if r["kernel"] == "gemv"
-            and (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["programs_per_sm"], r.get("maxnreg")) == (bn, bk, nw, pps, mr)}
+    def key(r):
+        return (*r["tile"], r["programs_per_sm"], r.get("maxnreg"))
+
+    out = {}
+    best_time = {}
+    for bm in (1, 2, 4):
+        totals = {}
+        for r in rows:
+            if r["kernel"] == "gemv" and r["tile"][0] == bm:
+                totals[key(r)] = totals.get(key(r), 0.0) + ms(r) * (r["M"] == bm)
+        if not totals:
+            continue
+        best = min(totals, key=totals.get)
+        _, bn, bk, nw, pps, mr = best
+        out[str(bm)] = with_maxnreg({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "programs_per_sm": pps}, mr)
+        best_time.update({(r["N"], r["M"]): ms(r) for r in rows if r["kernel"] == "gemv" and key(r) == best})
     base = {(r["N"], r["M"]): ms(r) for r in rows if r["kernel"] == "matrix-unit"}
     max_m = 0
     for m in sorted({mm for _, mm in base}):
-        keys = [key for key in base if key[1] == m]
-        if not all(gemv.get(key, float("inf")) < base[key] for key in keys):
+        keys = [k for k in base if k[1] == m]
+        if not all(best_time.get(k, float("inf")) < base[k] for k in keys):
             break
         max_m = m
-    return with_maxnreg({"max_m": max_m, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 1,
-                         "programs_per_sm": pps}, mr)
+    out["max_m"] = max_m
+    return out
 
 
 def bench(nk=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688)),

@@ -198,15 +198,19 @@ def test_dequantize_exact_on_gpu(dtype):
 def _assert_within_gemm_bound(y: torch.Tensor, x: torch.Tensor, wq: nvfp4.NVFP4Tensor) -> None:
     """|y - ref| <= 2^-8 |ref| + 4 K 2^-24 (|x| @ |W|^T), elementwise, with ref = x @ Wdq^T in fp32.
 
-    Why: each product of two bf16 numbers is exact in fp32 (8 + 8 significant bits), so the
-    kernel's fp32 sum differs from the exact sum by at most K * 2^-24 * sum|x||w| (any order);
-    the fp32 reference has the same bound; x2 for tensor-core accumulation that may align
-    addends before rounding. The output is then rounded to bf16: half an ulp, 2^-9 relative,
-    plus the reference's own value rounding -> 2^-8.
+    Wdq: the weights the path multiplies by: W.dequantize(bf16) on the matrix units, the fp32
+    W.dequantize() on the CUDA-core GEMV (`w4a16_gemm.GEMV`).
+    Why: each product of a bf16 activation and a weight is exact in fp32 (8 + 8 significant bits;
+    the GEMV multiplies by the 2-bit E2M1 value and applies the block's step once per block, a
+    rounding per block), so the kernel's fp32 sum differs from the exact sum by at most
+    K * 2^-24 * sum|x||w| (any order); the fp32 reference has the same bound; x2 for tensor-core
+    accumulation that may align addends before rounding. The output is then rounded to bf16:
+    half an ulp, 2^-9 relative, plus the reference's own value rounding -> 2^-8.
     """
     m, k = x.shape
     assert y.dtype == torch.bfloat16 and y.shape == (m, wq.shape[0])
-    wdq = wq.dequantize(torch.bfloat16).float()
+    gemv = w4a16_gemm.config(m, wq.shape[0], k, x.device).get("gemv", False)
+    wdq = wq.dequantize(torch.float32 if gemv else torch.bfloat16).float()
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -231,8 +235,27 @@ def test_w4a16_matmul_bf16(nk, m, fused):
     _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq, cfg=cfg), x, wq)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gemv_block_dot_ptx_equals_arithmetic(dtype):
+    # The GEMV's inline-PTX block dot and its Triton arithmetic form: the same bits, for each
+    # activation dtype, on a ragged K (masked blocks) and with split-K.
+    n, k = 1000, 2688 + 16
+    wq = kquant.quantize(_randn(n, k, seed=40) * 3, scale_rule="4o6")
+    x = (_randn(1, k, seed=41, scale=1.0) * 7).to(dtype)
+    cfg = w4a16_gemm.config(1, n, k, x.device)
+    assert cfg["gemv"]
+    for forced in (cfg, dict(cfg, SPLIT=1, k_per_split=k)):
+        ptx = w4a16_gemm.w4a16_matmul(x, wq, cfg=dict(forced))
+        w4a16_gemm.DEQUANT["lut"] = False
+        try:
+            arith = w4a16_gemm.w4a16_matmul(x, wq, cfg=dict(forced))
+        finally:
+            w4a16_gemm.DEQUANT["lut"] = True
+        assert torch.equal(_bits(ptx), _bits(arith))
+
+
 @pytest.mark.parametrize("nk", [(8192, 8192), (3712, 2688), (2688, 3712)])
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_w4a16_gemv_bf16(nk, m, monkeypatch):
     # The CUDA-core kernel (w4a16_gemm.GEMV's launch shape), forced up to 4 rows.
     monkeypatch.setitem(w4a16_gemm.GEMV, "max_m", 4)
@@ -249,6 +272,7 @@ def test_w4a16_gemv_bf16(nk, m, monkeypatch):
 @pytest.mark.parametrize("tokens,path", [
     (1, None), (4, None), (8, None), (64, None), (300, None), (2048, None),  # 2048: the large-M launch shape
     (1, "sorted"), (64, "small"),  # each path where the other is the default (64: one program per expert)
+    (1, "small-matrix-unit"), (64, "gemv"),  # the in-kernel-routing path on the other units
 ])
 def test_moe_bf16_nano_shapes(tokens, path):
     n_exp, hid, inter, top_k = 128, 2688, 1856, 6
@@ -259,8 +283,11 @@ def test_moe_bf16_nano_shapes(tokens, path):
     ids = torch.stack([torch.randperm(n_exp, device=DEV, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.rand((tokens, top_k), device=DEV, generator=g)
     cfg = None
-    if path is not None:
-        cfg = dict(moe_gemm.moe_config(tokens * top_k, n_exp, x.device), small=path == "small")
+    if path == "gemv":
+        cfg = dict(moe_gemm.moe_config(0, n_exp, x.device))
+        assert cfg["gemv"]
+    elif path is not None:
+        cfg = dict(moe_gemm.matrix_unit_config(tokens * top_k, n_exp, x.device), small=path != "sorted")
     got = moe_gemm.moe_experts(x, ids, weights, up, down, cfg=cfg)
     # fp32 reference on the bf16-dequantized weights; the kernel rounds its intermediates to
     # bf16 as transformers does, so they differ by bf16 roundings: 1e-2 in relative norm.
