@@ -407,6 +407,17 @@ def test_pick_gemv_max_m_stops_at_first_loss():
     assert w4a16_gemm.pick_gemv(rows)["max_m"] == 0
 
 
+def test_gemv_k_tile_pads_k_least():
+    # The CUDA-core K step is halved with the warps while that pads K less; among equal padding
+    # the most warps. Activation rows per program: 1, 2, or 4 for 3-4 rows.
+    tile = {"BLOCK_K": 2048, "num_warps": 4, "BLOCK_N": 8}
+    got = {k: (c["BLOCK_K"], c["num_warps"]) for k in (8192, 2688, 3712, 1856, 4112)
+           for c in [w4a16_gemm._gemv_k_tile(k, tile)]}
+    assert got == {8192: (2048, 4), 2688: (1024, 2), 3712: (2048, 4), 1856: (2048, 4), 4112: (512, 1)}
+    assert w4a16_gemm._gemv_k_tile(2688, tile)["BLOCK_N"] == 8
+    assert [w4a16_gemm.gemv_block_m(m) for m in (1, 2, 3, 4)] == [1, 2, 4, 4]
+
+
 def test_pick_moe_gemv_tile_and_threshold():
     rows = []
     for t, base, a, b in ((1, 40.0, 20.0, 25.0), (8, 190.0, 100.0, 90.0), (16, 300.0, 280.0, 320.0), (64, 500.0, 600.0, 400.0)):
