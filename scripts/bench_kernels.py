@@ -64,35 +64,25 @@ def main() -> None:
     print(f"copy ceiling {result['copy_ceiling_tbps']:.2f} TB/s", flush=True)
 
     # Tune first, then measure everything with the picked launch shapes.
-    if args.sweep:
-        result["sweep_quantize"] = kquant.sweep()
-        kquant.TUNING.update(kquant.pick(result["sweep_quantize"]))
-        print(f"sweep quantize: {json.dumps(result['sweep_quantize'])}", flush=True)
-    if args.sweep or args.sweep_gemm:
-        result["sweep_gemm"] = w4a16_gemm.sweep(tiles=((64, 128),), warps=(4,), programs_per_sm=(4, 8),
-                                                maxnreg=(None, 128, 96, 80))
-        w4a16_gemm.DECODE.update(w4a16_gemm.pick_decode(result["sweep_gemm"]))
-        print(f"sweep gemm: {json.dumps(result['sweep_gemm'])}", flush=True)
-    if args.sweep or args.sweep_moe:
-        result["sweep_moe"] = moe_gemm.sweep(shapes=((64, 128, 4), (32, 128, 4)), maxnreg=(None, 128, 96, 80))
-        moe_gemm.MOE_DECODE.update(moe_gemm.pick(result["sweep_moe"]))
-        print(f"sweep moe: {json.dumps(result['sweep_moe'])}", flush=True)
-    if args.sweep_mid:
-        result["sweep_mid"] = w4a16_gemm.sweep_mid()
-        w4a16_gemm.MID.update(w4a16_gemm.pick_decode(result["sweep_mid"]))
-        print(f"sweep mid: {json.dumps(result['sweep_mid'])}", flush=True)
-    if args.sweep_moe_small:
-        result["sweep_moe_small"] = moe_gemm.sweep_small()
-        moe_gemm.SMALL.update(moe_gemm.pick_small(result["sweep_moe_small"]))
-        print(f"sweep moe small: {json.dumps(result['sweep_moe_small'])}", flush=True)
-    if args.sweep_moe_gemv:
-        result["sweep_moe_gemv"] = moe_gemm.sweep_gemv()
-        moe_gemm.MOE_GEMV.update(moe_gemm.pick_gemv(result["sweep_moe_gemv"]))
-        print(f"sweep moe gemv: {json.dumps(result['sweep_moe_gemv'])}", flush=True)
-    if args.sweep_gemv:
-        result["sweep_gemv"] = w4a16_gemm.sweep_gemv()
-        w4a16_gemm.GEMV.update(w4a16_gemm.pick_gemv(result["sweep_gemv"]))
-        print(f"sweep gemv: {json.dumps(result['sweep_gemv'])}", flush=True)
+    # (asked for, result key, sweep, launch-shape table it updates, pick)
+    sweeps = (
+        (args.sweep, "sweep_quantize", kquant.sweep, kquant.TUNING, kquant.pick),
+        (args.sweep or args.sweep_gemm, "sweep_gemm",
+         lambda: w4a16_gemm.sweep(tiles=((64, 128),), warps=(4,), programs_per_sm=(4, 8), maxnreg=(None, 128, 96, 80)),
+         w4a16_gemm.DECODE, w4a16_gemm.pick_decode),
+        (args.sweep or args.sweep_moe, "sweep_moe",
+         lambda: moe_gemm.sweep(shapes=((64, 128, 4), (32, 128, 4)), maxnreg=(None, 128, 96, 80)),
+         moe_gemm.MOE_DECODE, moe_gemm.pick),
+        (args.sweep_mid, "sweep_mid", w4a16_gemm.sweep_mid, w4a16_gemm.MID, w4a16_gemm.pick_decode),
+        (args.sweep_moe_small, "sweep_moe_small", moe_gemm.sweep_small, moe_gemm.SMALL, moe_gemm.pick_small),
+        (args.sweep_moe_gemv, "sweep_moe_gemv", moe_gemm.sweep_gemv, moe_gemm.MOE_GEMV, moe_gemm.pick_gemv),
+        (args.sweep_gemv, "sweep_gemv", w4a16_gemm.sweep_gemv, w4a16_gemm.GEMV, w4a16_gemm.pick_gemv),
+    )
+    for asked, key, run, table, pick in sweeps:
+        if asked:
+            result[key] = run()
+            table.update(pick(result[key]))
+            print(f"{key.replace('_', ' ')}: {json.dumps(result[key])}", flush=True)
     result["launch_shapes"] = {"quantize": dict(kquant.TUNING), "gemm_decode": dict(w4a16_gemm.DECODE),
                                "gemv": dict(w4a16_gemm.GEMV), "gemm_mid": dict(w4a16_gemm.MID),
                                "moe_decode": dict(moe_gemm.MOE_DECODE), "moe_small": dict(moe_gemm.SMALL),

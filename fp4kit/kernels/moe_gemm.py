@@ -56,7 +56,7 @@ from fp4kit.formats.errors import FormatError
 
 from .backend import cdiv, check_backend, interpreted, launch_options, next_power_of_2
 from .w4a16_gemm import (_ACT_DTYPES, DEQUANT, _accumulate, _gemv_accumulate, _gemv_k_tile, _relu2, _sm_count,
-                         check_weight, lut_tile, time_if_right, use_lut, with_maxnreg)
+                         check_weight, int64_activations, lut_tile, time_if_right, use_lut, with_maxnreg)
 
 _WHAT = "kernels.moe_experts"
 
@@ -311,20 +311,32 @@ def matrix_unit_config(assignments: int, n_experts: int, device: torch.device) -
     return cfg
 
 
-def sweep(tokens=(1, 8, 64), n_exp=128, top_k=6, hid=2688, inter=1856,
-          shapes=((64, 128, 4), (32, 128, 4), (32, 256, 4), (64, 256, 4)), maxnreg=(None,)):
-    """CUDA-graph times of decode launch shapes (BLOCK_N, BLOCK_K, warps) x register cap on
-    Nano's experts, each checked first."""
+def _nano_experts(n_exp, hid, inter):
+    """Random bf16 expert stacks of the given widths quantized on the GPU: (up, down)."""
     from .quantize import quantize
 
     up = quantize(torch.randn((n_exp, inter, hid), dtype=torch.bfloat16, device="cuda") * 0.02)
     down = quantize(torch.randn((n_exp, hid, inter), dtype=torch.bfloat16, device="cuda") * 0.02)
+    return up, down
+
+
+def _routed_tokens(t, n_exp, top_k, hid, up, down):
+    """t random tokens routed top_k of n_exp, and the torch backend's output as the fp32
+    reference a swept launch shape must match: (hidden, ids, weights, reference)."""
+    h = torch.randn((t, hid), dtype=torch.bfloat16, device="cuda")
+    ids = torch.rand((t, n_exp), device="cuda").topk(top_k, dim=-1).indices
+    w = torch.rand((t, top_k), device="cuda")
+    return h, ids, w, moe_experts(h, ids, w, up, down, backend="torch").float()
+
+
+def sweep(tokens=(1, 8, 64), n_exp=128, top_k=6, hid=2688, inter=1856,
+          shapes=((64, 128, 4), (32, 128, 4), (32, 256, 4), (64, 256, 4)), maxnreg=(None,)):
+    """CUDA-graph times of decode launch shapes (BLOCK_N, BLOCK_K, warps) x register cap on
+    Nano's experts, each checked first."""
+    up, down = _nano_experts(n_exp, hid, inter)
     out = []
     for t in tokens:
-        h = torch.randn((t, hid), dtype=torch.bfloat16, device="cuda")
-        ids = torch.rand((t, n_exp), device="cuda").topk(top_k, dim=-1).indices
-        w = torch.rand((t, top_k), device="cuda")
-        ref = moe_experts(h, ids, w, up, down, backend="torch").float()
+        h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
         for (bn, bk, nw), mr in itertools.product(shapes, maxnreg):
             cfg = with_maxnreg(dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=3), mr)
             row = {"tokens": t, "maxnreg": mr, **cfg}
@@ -337,18 +349,12 @@ def sweep_small(tokens=(1, 2, 4, 8, 64), n_exp=128, top_k=6, hid=2688, inter=185
                 max_parts=(4,)):
     """CUDA-graph times of the in-kernel-routing path (`_moe_small`) per split-K target and
     split cap, and of the sort-based path, on Nano's experts, each checked first."""
-    from .quantize import quantize
-
-    up = quantize(torch.randn((n_exp, inter, hid), dtype=torch.bfloat16, device="cuda") * 0.02)
-    down = quantize(torch.randn((n_exp, hid, inter), dtype=torch.bfloat16, device="cuda") * 0.02)
+    up, down = _nano_experts(n_exp, hid, inter)
     out = []
     saved = dict(SMALL)
     try:
         for t in tokens:
-            h = torch.randn((t, hid), dtype=torch.bfloat16, device="cuda")
-            ids = torch.rand((t, n_exp), device="cuda").topk(top_k, dim=-1).indices
-            w = torch.rand((t, top_k), device="cuda")
-            ref = moe_experts(h, ids, w, up, down, backend="torch").float()
+            h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
             cfg = matrix_unit_config(t * top_k, n_exp, h.device)
             row = {"tokens": t, "path": "sorted"}
             row.update(time_if_right(lambda: moe_experts(h, ids, w, up, down, cfg=dict(cfg, small=False)), ref))
@@ -368,16 +374,10 @@ def sweep_gemv(tokens=(1, 2, 4, 8, 16, 32, 64), n_exp=128, top_k=6, hid=2688, in
     """CUDA-graph times of the CUDA-core tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps) on the
     in-kernel-routing path, and of the matrix-unit default at the same token count, side by
     side, on Nano's experts; each checked first."""
-    from .quantize import quantize
-
-    up = quantize(torch.randn((n_exp, inter, hid), dtype=torch.bfloat16, device="cuda") * 0.02)
-    down = quantize(torch.randn((n_exp, hid, inter), dtype=torch.bfloat16, device="cuda") * 0.02)
+    up, down = _nano_experts(n_exp, hid, inter)
     out = []
     for t in tokens:
-        h = torch.randn((t, hid), dtype=torch.bfloat16, device="cuda")
-        ids = torch.rand((t, n_exp), device="cuda").topk(top_k, dim=-1).indices
-        w = torch.rand((t, top_k), device="cuda")
-        ref = moe_experts(h, ids, w, up, down, backend="torch").float()
+        h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
         base = matrix_unit_config(t * top_k, n_exp, h.device)
         row = {"tokens": t, "path": "matrix-unit"}
         row.update(time_if_right(lambda: moe_experts(h, ids, w, up, down, cfg=dict(base)), ref))
@@ -491,16 +491,6 @@ def _split_k(programs: int, k: int, block_k: int, device: torch.device) -> tuple
     return cdiv(k, k_per_split), k_per_split
 
 
-def _int64_view(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous 16-bit tensor as int64 (4 values each), for the CUDA-core kernels' 8-byte
-    activation loads; copied first if its start is not 8-byte aligned. fp32: itself."""
-    if t.dtype == torch.float32:
-        return t
-    if t.data_ptr() % 8:
-        t = t.clone()
-    return t.view(torch.int64)
-
-
 def _moe_small(x, top_k_index, weights, up, down, cfg, lut):
     """Three launches, no host-side routing: up (fp32 split-K partials per assignment), down
     (reading relu^2 of the up partials; fp32 partials), combine (routing weights, top-k sum).
@@ -514,7 +504,6 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut):
     slots = a if by_assignment else n_exp
     gemv = cfg.pop("gemv", False)
     if gemv:
-        x = x if x.dtype == torch.float32 or x.data_ptr() % 8 == 0 else x.clone()
         lut = DEQUANT["lut"] and not interpreted(_moe_small_kernel)  # the block-dot PTX takes any dtype
         if device.type == "cuda":
             cfg_up, cfg_dn = _gemv_k_tile(hid, cfg), _gemv_k_tile(inter, cfg)
@@ -534,14 +523,16 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut):
         part_up = torch.empty((a, inter), dtype=dtype, device=device)
     else:
         part_up = torch.empty((s_up, a, inter), dtype=torch.float32, device=device)
+    x, x4 = int64_activations(x) if gemv else (x, x)
     _moe_small_kernel[(slots, cdiv(inter, bn), s_up)](
-        x, _int64_view(x) if gemv else x, ids, up.packed.view(view), up.block_scale.view(torch.uint8),
+        x, x4, ids, up.packed.view(view), up.block_scale.view(torch.uint8),
         up.global_scale, part_up, a, n_exp, inter, hid, top_k, kps_up, 0, UP=True, X_PARTS=0, RELU2_OUT=s_up == 1,
         EVEN_N=inter % bn == 0, EVEN_K=hid % cfg_up["BLOCK_K"] == 0, **cfg_up, **common)
     s_dn, kps_dn = _split_k(slots * cdiv(hid, bn), inter, cfg_dn["BLOCK_K"], device)
     part_dn = torch.empty((s_dn, a, hid), dtype=torch.float32, device=device)
+    part_up, part_up4 = int64_activations(part_up) if gemv else (part_up, part_up)
     _moe_small_kernel[(slots, cdiv(hid, bn), s_dn)](
-        part_up, _int64_view(part_up) if gemv else part_up, ids, down.packed.view(view),
+        part_up, part_up4, ids, down.packed.view(view),
         down.block_scale.view(torch.uint8), down.global_scale, part_dn, a, n_exp, hid, inter, top_k, kps_dn,
         a * inter, UP=False, X_PARTS=0 if s_up == 1 else s_up, RELU2_OUT=False, EVEN_N=hid % bn == 0,
         EVEN_K=inter % cfg_dn["BLOCK_K"] == 0, **cfg_dn, **common)

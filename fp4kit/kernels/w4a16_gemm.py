@@ -804,11 +804,7 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
         counters = split_counters(x.device, grid[0] * grid[1])
     even = dict(EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0)
     if gemv:
-        x4 = x2  # 16-bit activations are read 4 at a time through an int64 view
-        if x2.dtype != torch.float32:
-            if x2.stride(0) % 4 or x2.data_ptr() % 8:
-                x2 = x2.clone(memory_format=torch.contiguous_format)
-            x4 = x2.view(torch.int64)
+        x2, x4 = int64_activations(x2)
         lut = DEQUANT["lut"] and not interpreted(_gemv_kernel)  # the block-dot PTX takes any dtype
         _gemv_kernel[grid](x2, x4, w.packed.view(torch.int64), w.block_scale.view(torch.uint8), w.global_scale,
                            out, part, counters, m, n, k, x2.stride(0), k_per_split, SPLIT=split, LUT=lut, **even,
@@ -818,6 +814,17 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
                             part, counters, m, n, k, x2.stride(0), k_per_split, SPLIT=split,
                             IEEE=x.dtype == torch.float32, LUT=lut, **even, **cfg, **launch_options())
     return out.reshape(*lead, n)
+
+
+def int64_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, its int64 view) for the CUDA-core kernels, which read 16-bit activations 4 at a time:
+    x [rows, K] (last dimension contiguous) is copied first unless its rows start 8-byte aligned.
+    fp32 activations are read one at a time: (x, x)."""
+    if x.dtype == torch.float32:
+        return x, x
+    if x.stride(0) % 4 or x.data_ptr() % 8:
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x, x.view(torch.int64)
 
 
 _COUNTERS: dict = {}
