@@ -42,6 +42,8 @@ def main() -> None:
                         help="time the CUDA-core GEMV's launch shapes against the matrix-unit kernel "
                              "and use it up to the M where it is faster")
     parser.add_argument("--sweep-gemm", action="store_true", help="time the 2-16-row GEMM launch shapes")
+    parser.add_argument("--sweep-mma", action="store_true",
+                        help="time the register-fed matrix-unit GEMM's launch shapes (2-8 rows)")
     parser.add_argument("--sweep-moe-gemv", action="store_true",
                         help="time the MoE's CUDA-core tiles against its matrix-unit path and use them up to "
                              "the token count where they are faster")
@@ -77,6 +79,7 @@ def main() -> None:
         (args.sweep_moe_small, "sweep_moe_small", moe_gemm.sweep_small, moe_gemm.SMALL, moe_gemm.pick_small),
         (args.sweep_moe_gemv, "sweep_moe_gemv", moe_gemm.sweep_gemv, moe_gemm.MOE_GEMV, moe_gemm.pick_gemv),
         (args.sweep_gemv, "sweep_gemv", w4a16_gemm.sweep_gemv, w4a16_gemm.GEMV, w4a16_gemm.pick_gemv),
+        (args.sweep or args.sweep_mma, "sweep_mma", w4a16_gemm.sweep_mma, w4a16_gemm.MMA, w4a16_gemm.pick_mma),
     )
     for asked, key, run, table, pick in sweeps:
         if asked:
@@ -84,7 +87,8 @@ def main() -> None:
             table.update(pick(result[key]))
             print(f"{key.replace('_', ' ')}: {json.dumps(result[key])}", flush=True)
     result["launch_shapes"] = {"quantize": dict(kquant.TUNING), "gemm_decode": dict(w4a16_gemm.DECODE),
-                               "gemv": dict(w4a16_gemm.GEMV), "gemm_mid": dict(w4a16_gemm.MID),
+                               "gemv": dict(w4a16_gemm.GEMV), "mma": dict(w4a16_gemm.MMA),
+                               "gemm_mid": dict(w4a16_gemm.MID),
                                "moe_decode": dict(moe_gemm.MOE_DECODE), "moe_small": dict(moe_gemm.SMALL),
                                "moe_gemv": dict(moe_gemm.MOE_GEMV)}
     print(f"launch shapes: {result['launch_shapes']}", flush=True)

@@ -3,11 +3,13 @@
 The PTX in fp4kit.kernels.w4a16_gemm only runs on a GPU (tests/gpu checks it there, bit for
 bit). Here the very strings the kernels compile are executed instruction by instruction with
 the PTX ISA's semantics for the few instructions they use (mov, and, or, shl, shr, prmt,
-mul.rn.f32, cvt.rn.{bf16x2,f16x2}.f32, cvt.rn.f16x2.e4m3x2, cvt.f32.f16) and compared with
-fp4kit.formats: the matrix-unit kernels' table dequantization (every byte value in every
-position of a word, many block steps, against NVFP4Tensor.dequantize: table layout, selectors,
-sign trick, interleave) and the CUDA-core kernels' block decode (every byte value in every
-position of a 16-code block, against the E2M1 value table).
+mul.rn.f32, mul.rn.{bf16x2,f16x2}, cvt.rn.{bf16x2,f16x2}.f32, cvt.rn.f16x2.e4m3x2, cvt.f32.f16,
+and mma.sync m16n8k16 across a warp's 32 lanes) and compared with fp4kit.formats: the
+matrix-unit kernels' table dequantization (every byte value in every position of a word, many
+block steps, against NVFP4Tensor.dequantize: table layout, selectors, sign trick, interleave),
+the CUDA-core kernels' block decode (every byte value in every position of a 16-code block,
+against the E2M1 value table), and the register-fed mma kernel's K step (`mma_asm`: fragment
+layout, K order, decoding and block scales, against x @ dequantized W^T).
 """
 from __future__ import annotations
 
@@ -56,10 +58,30 @@ def _e4m3_to_half_bits(byte: int) -> int:
     return int(e4m3.to(torch.float16).view(torch.int16).item()) & 0xFFFF
 
 
+def _lines(asm: str) -> list[str]:
+    out = []
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if line and line not in "{}" and not line.startswith(".reg"):
+            out.append(line)
+    return out
+
+
 def run_ptx(asm: str, operands: dict[int, int]) -> dict[int, int]:
     """Executes `asm` with $n operands given as 32-bit integers; returns all $n afterwards."""
     regs: dict[str, int] = {f"${k}": v for k, v in operands.items()}  # 64-bit operands too
+    for line in _lines(asm):
+        _execute(regs, line)
+    return {int(k[1:]): v for k, v in regs.items() if k.startswith("$")}
 
+
+def _half_value(bits: int, kind: str) -> float:
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float16
+    return float(torch.tensor([bits & 0xFFFF], dtype=torch.int32).to(torch.int16).view(dtype).float().item())
+
+
+def _execute(regs: dict[str, int], line: str) -> None:
+    """One PTX instruction (not mma.sync, which `run_ptx_warp` executes across lanes)."""
     def val(tok: str) -> int:
         tok = tok.strip()
         if tok in regs:
@@ -68,21 +90,18 @@ def run_ptx(asm: str, operands: dict[int, int]) -> dict[int, int]:
             return int(tok[2:], 16)
         return int(tok, 0) & MASK32
 
-    for line in asm.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line in "{}" or line.startswith(".reg"):
-            continue
+    if True:
         if (m := re.fullmatch(r"mov\.b(64|32) \{(\w+), (\w+)\}, (\$?\w+)", line)):
             # unpack a 64-bit (32-bit) register into its low and high 32-bit (16-bit) halves
             bits = int(m.group(1)) // 2
             src = regs[m.group(4)] if m.group(4) in regs else val(m.group(4))
             regs[m.group(2)] = src & ((1 << bits) - 1)
             regs[m.group(3)] = (src >> bits) & ((1 << bits) - 1)
-            continue
+            return
         op, args = line.split(None, 1)
         args = [a.strip() for a in args.split(",")]
         dst = args[0]
-        if op == "mov.b32":
+        if op in ("mov.b32", "mov.f32"):
             regs[dst] = val(args[1])
         elif op == "shl.b32":
             regs[dst] = (val(args[1]) << val(args[2])) & MASK32
@@ -110,9 +129,59 @@ def run_ptx(asm: str, operands: dict[int, int]) -> dict[int, int]:
             hi = _half_bits(_bits_f32(val(args[1])), dtype)
             lo = _half_bits(_bits_f32(val(args[2])), dtype)
             regs[dst] = (hi << 16) | lo
+        elif (m := re.fullmatch(r"mul\.rn\.(bf16|f16)x2", op)):
+            # each half: the exact product rounded once to the 16-bit type
+            dtype = torch.bfloat16 if m.group(1) == "bf16" else torch.float16
+            a, b = val(args[1]), val(args[2])
+            halves = [_half_bits(np.float64(_half_value(a >> sh, m.group(1)) * _half_value(b >> sh, m.group(1))),
+                                 dtype) for sh in (0, 16)]
+            regs[dst] = (halves[1] << 16) | halves[0]
         else:
             raise AssertionError(f"instruction not emulated: {line}")
-    return {int(k[1:]): v for k, v in regs.items() if k.startswith("$")}
+
+
+_MMA = re.compile(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)\.\1\.f32 "
+                  r"\{([^}]*)\}, \{([^}]*)\}, \{([^}]*)\}, \{([^}]*)\}")
+
+
+def run_ptx_warp(asm: str, operands: list[dict[int, int]]) -> list[dict[int, int]]:
+    """Executes `asm` on a warp: operands[l] are lane l's $n; every line runs on all 32 lanes
+    before the next. mma.sync m16n8k16 (row A, column B) gathers the fragments by the PTX ISA's
+    layout (lane 4g + c: A[g][2c..2c+1], A[g+8][2c..], A[g][2c+8..], A[g+8][2c+8..];
+    B[2c..2c+1][g], B[2c+8..][g]; C/D[g][2c..2c+1], C/D[g+8][2c..]) and computes D = A @ B + C
+    exactly, which must be an fp32 value (the tests keep every sum exact, so any summation
+    order the hardware uses gives the same)."""
+    lanes = [{f"${k}": v for k, v in ops.items()} for ops in operands]
+    for line in _lines(asm):
+        m = _MMA.fullmatch(line)
+        if not m:
+            for regs in lanes:
+                _execute(regs, line)
+            continue
+        kind = m.group(1)
+        d, a, b, c = ([r.strip() for r in grp.split(",")] for grp in m.groups()[1:])
+        A = np.zeros((16, 16))
+        B = np.zeros((16, 8))
+        C = np.zeros((16, 8))
+        for lane, regs in enumerate(lanes):
+            g, q = lane // 4, lane % 4
+            for j in range(2):
+                A[g, 2 * q + j] = _half_value(regs[a[0]] >> (16 * j), kind)
+                A[g + 8, 2 * q + j] = _half_value(regs[a[1]] >> (16 * j), kind)
+                A[g, 2 * q + 8 + j] = _half_value(regs[a[2]] >> (16 * j), kind)
+                A[g + 8, 2 * q + 8 + j] = _half_value(regs[a[3]] >> (16 * j), kind)
+                B[2 * q + j, g] = _half_value(regs[b[0]] >> (16 * j), kind)
+                B[2 * q + 8 + j, g] = _half_value(regs[b[1]] >> (16 * j), kind)
+                C[g, 2 * q + j] = _bits_f32(regs[c[j]])
+                C[g + 8, 2 * q + j] = _bits_f32(regs[c[2 + j]])
+        D = A @ B + C
+        assert np.array_equal(D.astype(np.float32).astype(np.float64), D), "an inexact sum"
+        for lane, regs in enumerate(lanes):
+            g, q = lane // 4, lane % 4
+            for j in range(2):
+                regs[d[j]] = _f32_bits(np.float32(D[g, 2 * q + j]))
+                regs[d[2 + j]] = _f32_bits(np.float32(D[g + 8, 2 * q + j]))
+    return [{int(k[1:]): v for k, v in regs.items() if k.startswith("$")} for regs in lanes]
 
 
 def _dequant_word(word: int, step: np.float32, dtype: torch.dtype) -> list[int]:
@@ -199,3 +268,68 @@ def test_codes16_every_byte_in_every_position():
             got = _codes16(codes)
             want = [np.float32(E2M1_VALUES[(codes >> (4 * i)) & 0xF] / 64) for i in range(16)]
             assert [_f32_bits(v) for v in got] == [_f32_bits(v) for v in want], (hex(codes), pos, b)
+
+
+
+def _int64_at(b: np.ndarray, byte: int) -> int:
+    return int(b[byte:byte + 8].view("<u8")[0])
+
+
+@pytest.mark.parametrize("tiles,rows,kind", [(2, 2, "bf16"), (1, 1, "bf16"), (2, 1, "f16"), (1, 2, "f16")])
+def test_mma_step_every_byte_in_every_position(tiles, rows, kind):
+    # The register-fed matrix-unit kernel's K steps on a warp: 16 * rows weight rows, K = 1024
+    # (8 steps), 8 * tiles activation rows, the operands each lane loads in `_mma_kernel`.
+    # With rows = 2 the 2048 blocks hold every byte value at every one of their 8 byte positions
+    # (random fillers); scales E4M3 in [1, 15] and small integer activations keep every sum exact
+    # in fp32, so D must equal x @ (E2M1 * scale)^T exactly.
+    n, k, m = 16 * rows, 1024, 8 * tiles
+    rng = np.random.default_rng(7 + tiles + rows)
+    packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    if rows == 2:
+        blocks = packed.reshape(-1, 8)  # 2048 blocks of 8 bytes
+        for pos in range(8):
+            blocks[pos * 256:(pos + 1) * 256, pos] = np.arange(256, dtype=np.uint8)
+    scale = rng.integers(0x38, 0x58, (n, k // 16), dtype=np.uint8)  # E4M3 1.0 .. 15.0
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float16
+    x = torch.from_numpy(rng.integers(-4, 5, (m, k)).astype(np.float32)).to(dtype)
+    w = nvfp4.NVFP4Tensor(torch.from_numpy(packed.copy()), torch.from_numpy(scale.copy()).view(torch.float8_e4m3fn),
+                          torch.tensor(1.0))
+    want = x.double() @ w.dequantize(torch.float32).double().T  # exact: E2M1 * scale * 1.0
+    xb = x.view(torch.int16).numpy().view(np.uint8)  # [m, 2k] bytes
+    th0, _, tl0, _ = g._MMA_TABLES[kind]
+    asm = g.mma_asm(tiles, rows, kind)
+    n_acc = 4 * tiles * rows
+    acc = [[0] * n_acc for _ in range(32)]
+    for step in range(k // 128):
+        ops = []
+        for lane in range(32):
+            gg, c = lane // 4, lane % 4
+            blk = step * 8 + 2 * c
+            o = {n_acc + i: acc[lane][i] for i in range(n_acc)}
+            nxt = 2 * n_acc
+            codes, scales = [], []
+            for r in range(rows):
+                for row in (16 * r + gg, 16 * r + gg + 8):
+                    codes += [_int64_at(packed[row], 8 * blk), _int64_at(packed[row], 8 * blk + 8)]
+                    scales.append(int(scale[row, blk]) | int(scale[row, blk + 1]) << 8)
+            for v in codes + scales + [th0, tl0]:
+                o[nxt] = v
+                nxt += 1
+            for t in range(tiles):
+                for s in range(8):
+                    o[nxt] = _int64_at(xb[8 * t + gg], 2 * (step * 128 + 32 * c + 4 * s))
+                    nxt += 1
+            ops.append(o)
+        out = run_ptx_warp(asm, ops)
+        acc = [[out[lane][i] for i in range(n_acc)] for lane in range(32)]
+    got = np.zeros((m, n))
+    for lane in range(32):
+        gg, c = lane // 4, lane % 4
+        for r in range(rows):
+            for t in range(tiles):
+                base = 4 * (r * tiles + t)
+                for i in range(4):
+                    row = 16 * r + gg + 8 * (i // 2)
+                    tok = 8 * t + 2 * c + i % 2
+                    got[tok, row] = _bits_f32(acc[lane][base + i])
+    assert np.array_equal(got, want.numpy())

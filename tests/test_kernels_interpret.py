@@ -254,9 +254,10 @@ def test_w4a16_matmul(dtype, m, split):
         cfg.update(SPLIT=1, k_per_split=k)
     y = w4a16_gemm.w4a16_matmul(x.to(DEVICE), wq.to(DEVICE), cfg=cfg).cpu()
     assert y.dtype == dtype and y.shape == (m, n)
-    # the CUDA-core GEMV multiplies by the fp32 weights, the matrix-unit kernel by them in x's dtype
-    gemv = (cfg or w4a16_gemm.config(m, n, k, torch.device(DEVICE))).get("gemv", False)
-    wdq = wq.dequantize(torch.float32 if gemv else dtype)
+    # the CUDA-core GEMV and the mma kernel (GPU) multiply by the fp32 weights, the wgmma kernel
+    # by them in x's dtype
+    used = cfg or w4a16_gemm.config(m, n, k, torch.device(DEVICE), dtype)
+    wdq = wq.dequantize(torch.float32 if used.get("gemv") or used.get("mma") else dtype)
     ref = x.double() @ wdq.double().T
     assert torch.all((y.double() - ref).abs() <= _gemm_tolerance(x, wdq, dtype)(ref))
     torch_y = w4a16_gemm.w4a16_matmul(x, wq, backend="torch")
@@ -270,6 +271,7 @@ def test_w4a16_gemv(dtype, m, nk, monkeypatch):
     # The CUDA-core kernel for a few rows (w4a16_gemm.GEMV), with and without split-K. Its
     # weights are W.dequantize()'s fp32 values (not rounded to the activation dtype).
     monkeypatch.setitem(w4a16_gemm.GEMV, "max_m", 4)
+    monkeypatch.setitem(w4a16_gemm.MMA, "max_m", 0)
     n, k = nk
     wq = nvfp4.quantize(_rand(n, k, seed=12), scale_rule="4o6")
     x = _rand(m, k, seed=13, dtype=dtype)
@@ -282,6 +284,20 @@ def test_w4a16_gemv(dtype, m, nk, monkeypatch):
         y = w4a16_gemm.w4a16_matmul(x.to(DEVICE), wq.to(DEVICE), cfg=forced).cpu()
         assert y.dtype == dtype and y.shape == (m, n)
         assert torch.all((y.double() - ref).abs() <= _gemm_tolerance(x, wdq, dtype)(ref)), split
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the mma kernel runs on a GPU: tests/gpu")
+def test_mma_kernel_is_refused_off_the_gpu():
+    # The register-fed mma kernel is inline PTX with warp-wide instructions: Triton's interpreter
+    # cannot run it, so config() never picks it on the CPU and forcing it raises, naming why.
+    n, k = 64, 256
+    wq = nvfp4.quantize(_rand(n, k, seed=14), scale_rule="4o6")
+    x = _rand(4, k, seed=15, dtype=torch.float16)
+    assert not w4a16_gemm.config(4, n, k, torch.device("cpu"), torch.float16).get("mma")
+    cfg = dict(mma=True, BLOCK_M=8, BLOCK_N=64, BLOCK_K=128, num_warps=2, num_stages=1, PREFETCH=0, SPLIT=1,
+               k_per_split=k)
+    with pytest.raises(ValueError, match="register-fed matrix-unit kernel takes bf16/fp16 activations on a GPU"):
+        w4a16_gemm.w4a16_matmul(x, wq, cfg=cfg)
 
 
 def test_split_k_counters_reset_between_launches():
@@ -385,6 +401,19 @@ def test_pick_decode_sums_over_shapes_and_keeps_register_cap():
     assert w4a16_gemm.pick_decode(rows) == dict({k: v for k, v in base.items() if k != "K"}, maxnreg=96)
     rows = [dict(r, maxnreg=None, ms=1.0) if r["maxnreg"] == 96 else r for r in rows]
     assert "maxnreg" not in w4a16_gemm.pick_decode(rows)
+
+
+def test_pick_mma_sums_over_problems():
+    def row(n, m, launch, t):
+        nw, pps, rows, pf = launch
+        return {"N": n, "K": n, "M": m, "num_warps": nw, "programs_per_sm": pps, "rows": rows, "prefetch": pf, "ms": t}
+
+    a, b = (2, 4, 2, 2), (4, 8, 1, 0)
+    # a: 1 + 5 = 6; b: 2 + 3 = 5 -> b; a failed launch (None) never wins
+    rows = [row(1, 2, a, 1.0), row(2, 4, a, 5.0), row(1, 2, b, 2.0), row(2, 4, b, 3.0)]
+    assert w4a16_gemm.pick_mma(rows) == {"num_warps": 4, "programs_per_sm": 8, "rows": 1, "prefetch": 0}
+    rows[2]["ms"] = None
+    assert w4a16_gemm.pick_mma(rows) == {"num_warps": 2, "programs_per_sm": 4, "rows": 2, "prefetch": 2}
 
 
 def test_pick_gemv_max_m_stops_at_first_loss():

@@ -35,9 +35,9 @@ Beyond, `_moe_sorted`, one launch per projection:
 - the k slots of each token are summed in fp32 (fixed order) and cast to the activation dtype.
 
 Measured on an H200 against transformers' grouped_mm experts in bf16 (CUDA graphs, 128 experts,
-top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json): 5.24x at 1 token (23.9 us; the
-matrix-unit tiles of the same path took 41.0), 2.54x at 8 (146.8 us; 183.5), 1.82x at 64 (the
-sorted path), 1.56x at 256, 0.66x at 2048. On the CUDA cores the experts' weights stream at about
+top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json): 5.35x at 1 token (23.8 us; the
+matrix-unit tiles of the same path took 41.2), 2.74x at 8 (142.0 us; 196.2), 1.81x at 64 (the
+sorted path), 1.60x at 256, 0.65x at 2048. On the CUDA cores the experts' weights stream at about
 1.5 TB/s at 8 tokens (about 41 experts of 5.6 MB); the matrix-unit tiles are instruction bound (about 6.5
 instructions per weight, `w4a16_gemm`), and from 32 tokens on they beat the CUDA cores, whose
 cost grows with every row of an expert.
@@ -282,7 +282,7 @@ SMALL = {"max_assignments": 48, "programs_per_sm": 2, "max_parts": 4}
 # Up to MOE_GEMV["max_assignments"] assignments the in-kernel-routing path runs its projections
 # on the CUDA cores (`w4a16_gemm._gemv_accumulate`), BLOCK_M of an expert's rows at a time.
 # Picked on an H200 by `sweep_gemv` (scripts/bench_kernels.py --sweep-moe-gemv; sweep_moe_gemv in
-# benchmarks/results/kernels-h200.json): one row, 4 output features and 512 of K per one-warp
+# benchmarks/results/kernels-sweeps-gemv-h200.json): one row, 4 output features and 512 of K per one-warp
 # program; faster than the matrix-unit tiles up to 16 tokens (287.5 against 307.7 us), slower
 # from 32 (588.2 against 431.6).
 MOE_GEMV = {"max_assignments": 96, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 1, "num_stages": 1}

@@ -3,25 +3,33 @@
 Reference: `fp4kit.formats.nvfp4.NVFP4Tensor.dequantize` followed by a matmul (backend="torch").
 
 The weight is read as stored (packed uint8 [N, K/2], E4M3 block scales [N, K/16], fp32 global
-scale): no re-layout, so a checkpoint tensor is used as loaded. Two kernels:
+scale): no re-layout, so a checkpoint tensor is used as loaded. Three kernels:
 
-- Up to GEMV["max_m"] rows (2), the CUDA cores (`_gemv_kernel`, `_gemv_accumulate`). The block
-  scale is factored out of each 16-block: y = 64 * sum_b step_b * sum_i v(code_i) * x_i, with
-  v(code) = E2M1(code) * 2^-6 and step_b = float(scale_b) * global_scale, the reference's fp32
-  step. The weights are thus W.dequantize()'s fp32 values (not rounded to the activation
-  dtype), and the products v * x are exact for 16-bit activations: one fp32 fma per weight and
-  row, one per block. A block's 16 codes become fp32 values in inline PTX (`_CODES16_ASM`: each
-  code's bits moved into an E4M3 byte, which the hardware converts to fp16 exactly, then fp32;
-  7 bit operations per 8 codes). Each thread holds its blocks of all BLOCK_N weight rows and
-  BLOCK_M activation rows, so nothing passes through shared memory in the loop.
-- More rows, the matrix units (`_w4a16_kernel`): every weight the dot sees is W.dequantize()
-  rounded to the activation dtype (`_dequant_tile`: per-block tables of the 8 magnitudes
-  applied with byte permutes, inline PTX, for bf16/fp16; `_dequant_tile_arith` for fp32
-  activations and the interpreter, the same values). The dot is computed transposed, acc[N, M]
-  = W_tile @ x_tile^T: at decode sizes (M <= 16) the weight fills the matrix unit's 64-row side
-  (wgmma) and the few tokens its narrow side. The next weight tile is loaded while the current
-  one is dequantized. `dequantize(..., backend="triton")` runs the same helper and writes the
-  tile out, so tests compare it bit for bit.
+- One row (GEMV["max_m"]: 2 for fp32 activations), the CUDA cores (`_gemv_kernel`,
+  `_gemv_accumulate`). The block scale is factored out of each 16-block: y = 64 * sum_b step_b
+  * sum_i v(code_i) * x_i, with v(code) = E2M1(code) * 2^-6 and step_b = float(scale_b) *
+  global_scale, the reference's fp32 step. The weights are thus W.dequantize()'s fp32 values
+  (not rounded to the activation dtype), and the products v * x are exact for 16-bit
+  activations: one fp32 fma per weight and row, one per block. A block's 16 codes become fp32
+  values in inline PTX (`_CODES16_ASM`: each code's bits moved into an E4M3 byte, which the
+  hardware converts to fp16 exactly, then fp32; 7 bit operations per 8 codes). Each thread
+  holds its blocks of all BLOCK_N weight rows and BLOCK_M activation rows, so nothing passes
+  through shared memory in the loop.
+- MMA["min_m"] to MMA["max_m"] rows (2-8) of bf16/fp16 activations, the matrix units fed from
+  registers (`_mma_kernel`): each warp runs mma.sync m16n8k16 with the weight decoded by inline
+  PTX straight into the A fragment (`mma_asm`: byte-permute tables, sign, one paired multiply
+  by the block scale), the activations as the B fragment, the global scale applied to the fp32
+  result. Its weights are E2M1 * scale exactly (bf16 and fp16 hold them) times the global
+  scale: W.dequantize()'s fp32 values up to one rounding. The K order inside each mma is
+  chosen so that every lane loads whole 16-blocks; L2 prefetch runs two K steps ahead.
+- More rows, the matrix units through shared memory (`_w4a16_kernel`): every weight the dot sees
+  is W.dequantize() rounded to the activation dtype (`_dequant_tile`: per-block tables of the 8
+  magnitudes applied with byte permutes, inline PTX, for bf16/fp16; `_dequant_tile_arith` for
+  fp32 activations and the interpreter, the same values). The dot is computed transposed,
+  acc[N, M] = W_tile @ x_tile^T: the weight fills the matrix unit's 64-row side (wgmma) and the
+  few tokens its narrow side. The next weight tile is loaded while the current one is
+  dequantized. `dequantize(..., backend="triton")` runs the same helper and writes the tile
+  out, so tests compare it bit for bit.
 
 Split-K keeps the GPU full when N / BLOCK_N alone is too few programs: the partials are fp32,
 and the last program of each tile to finish sums them in a fixed order in the same launch
@@ -29,15 +37,18 @@ and the last program of each tile to finish sums them in a fixed order in the sa
 multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1: 2.21x on 8192 x 8192 (15.4 us, 2.4 TB/s of weight traffic), 2.20x on
-28672 x 8192, 1.79-1.92x on the Nano shapes; M = 2 (sweep_gemv): 21.4 us against the
-matrix-unit kernel's 29.9 on 8192 x 8192; M = 4-16: 0.81-1.31x; M = 64: 0.49-0.95x. The
-CUDA-core loop spends 4.5 SASS instructions per weight at one row (3.0 per weight and row at
-two: fma, fp16-to-fp32 conversion, 0.9 of code decoding, loads and addresses), so at M = 1 both
+the bf16 weight): M = 1 (GEMV): 2.18x on 8192 x 8192 (15.4 us), 2.22x on 28672 x 8192, 1.77-1.83x
+on the Nano shapes and 131072 x 2688; M = 4 (mma): 1.77x, 1.66x, 1.29-1.34x and 2.02x; M = 16:
+0.88-1.27x; M = 64: 0.53-0.95x. The GEMV loop spends 4.5 SASS instructions per weight at one row
+(fma, fp16-to-fp32 conversion, 0.9 of code decoding, loads and addresses), so at M = 1 both
 instruction issue (~9 us for 8192 x 8192) and memory (~9.4 us) are close to the time taken. The
-matrix-unit path spends ~6.5 instructions per weight in its main loop: the table
-dequantization, then the tile written to shared memory and read back in the wgmma operand layout
-(8 STS.128, 8 LDSM, 5 barriers per K step, read from the sm_90 PTX), address and mask arithmetic.
+mma kernel's loop spends 3.6 per weight for up to 8 rows (5 byte permutes per 4 codes), but
+keeps fewer weight bytes in flight per thread: 19.1 us at two rows on 8192 x 8192 (sweep_mma),
+18.6 at four, more than the GEMV's one row. With a second activation tile (9-16 rows) it cost
+as much as the wgmma kernel in development runs, so MMA["max_m"] is 8.
+That kernel spends ~6.5 instructions per weight in its main loop: the table dequantization, then
+the tile written to shared memory and read back in the wgmma operand layout (8 STS.128, 8 LDSM,
+5 barriers per K step, read from the sm_90 PTX), address and mask arithmetic.
 """
 
 from __future__ import annotations
@@ -621,6 +632,410 @@ def _gemv_kernel(
                      M * N, pid_s, SPLIT)
 
 
+# --------------------------------------------------------------------------------------------
+# Few rows on the matrix units from registers: mma.sync fed by in-register decoding (inline PTX)
+# --------------------------------------------------------------------------------------------
+# Each warp computes D[16 weight rows, 8 activation rows] += A @ B with mma.sync m16n8k16 for
+# each of its one or two weight tiles and one or two activation tiles, the weight A decoded
+# straight into the A fragment's registers (no shared memory, no layout conversion). Lane
+# l = 4g + c holds A rows g and g + 8 and B column g (PTX ISA fragment layout).
+# The order of K inside a mma is free as long as A and B agree; it is chosen so that each lane
+# reads whole 16-blocks: in a K step of 128 (8 mma) lane c owns K offsets 32c..32c+31 (blocks
+# 2c, 2c+1) of both its rows, and mma s gives it offsets 32c + 4s .. 32c + 4s + 3 (A columns
+# 2c, 2c+1 and 2c+8, 2c+9; B rows likewise, the activation's 4 values at those offsets).
+# A's values are E2M1(code) * float(scale), exact in bf16 and fp16 (2 and 4 significant bits;
+# 2^-10 to 2688); the global scale multiplies the fp32 result. Decoding: per 4 codes (16 bits
+# of a word), byte permutes through the magnitude tables (high and low bytes of the 8 values),
+# the sign as in `_DEQUANT_ASM`, an interleave to two value pairs, and one paired multiply by
+# the block scale each (mul.rn.{bf16x2,f16x2}: the product is exact).
+_MMA_TABLES = {
+    # E2M1 magnitudes 0, .5, 1, 1.5 | 2, 3, 4, 6: high bytes (entries 0-3, 4-7), low bytes (same)
+    "bf16": (0x3F3F3F00, 0x40404040, 0xC0800000, 0xC0804000),
+    "f16": (0x3E3C3800, 0x46444240, 0x00000000, 0x00000000),
+}
+
+
+def mma_asm(tiles: int, rows: int, kind: str) -> str:
+    """The PTX of one K step of 128 for `rows` m16 tiles of weight rows and `tiles` n8 tiles of
+    activation rows (1 or 2 each); kind "bf16" or "f16" (the activation dtype, which the weight
+    values take).
+
+    Operands (R = rows, T = tiles): $0..$(4RT-1) the fp32 accumulators out (D fragment order,
+    weight tile r and activation tile t at 4(rT + t)), then in: the accumulators; per weight tile
+    the lane's codes of row g (blocks 2c, 2c+1: two int64) and of row g + 8; per weight tile the
+    two scale bytes of row g (blocks 2c, 2c+1, low 16 bits) and of row g + 8; the entries 0-3 of
+    the high- and low-byte tables (registers: `_mma_tables`); per activation tile, 8 int64 of
+    activations (mma s: the 4 values at K offset 32c + 4s of row g of the tile).
+    """
+    n_acc = 4 * tiles * rows
+    w_in = 2 * n_acc
+    s_in = w_in + 4 * rows
+    tab_in = s_in + 2 * rows
+    x_in = tab_in + 2
+    _, th1, _, tl1 = _MMA_TABLES[kind]
+    words = [f"w{r}{h}" for r in range(rows) for h in "gh"]
+    lines = [
+        "{",
+        ".reg .b32 " + ", ".join(f"{w}<4>, m{w}, n{w}" for w in words) + ";",
+        ".reg .b32 " + ", ".join(f"s{w}<2>" for w in words) + ";",
+        ".reg .b32 ha, la, sa, a<4>, b<2>, fs, th1, tl1, zero, neg;",
+        ".reg .b16 e<2>;",
+        ".reg .f32 f<2>;",
+        f"mov.b32 th1, {th1:#010x};", f"mov.b32 tl1, {tl1:#010x};",
+        "mov.b32 zero, 0;", "mov.b32 neg, 0x80808080;",
+    ]
+    if kind == "f16":
+        lines.append("mov.b32 la, 0;")
+    lines += [f"mov.f32 ${i}, ${n_acc + i};" for i in range(n_acc)]
+    for i, w in enumerate(words):
+        lines += [f"mov.b64 {{{w}0, {w}1}}, ${w_in + 2 * i};", f"mov.b64 {{{w}2, {w}3}}, ${w_in + 2 * i + 1};"]
+        # the two block scales as value pairs (s, s): E4M3 -> fp16 exactly, then the dtype
+        lines += [f"mov.b32 {{e0, e1}}, ${s_in + i};", "cvt.rn.f16x2.e4m3x2 fs, e0;"]
+        if kind == "bf16":
+            lines += ["mov.b32 {e0, e1}, fs;", "cvt.f32.f16 f0, e0;", "cvt.f32.f16 f1, e1;",
+                      f"cvt.rn.bf16x2.f32 s{w}0, f0, f0;", f"cvt.rn.bf16x2.f32 s{w}1, f1, f1;"]
+        else:
+            lines += [f"prmt.b32 s{w}0, fs, fs, 0x1010;", f"prmt.b32 s{w}1, fs, fs, 0x3232;"]
+    shape = "m16n8k16.row.col.f32.{0}.{0}.f32".format(kind)
+    th0, tl0 = f"${tab_in}", f"${tab_in + 1}"
+    for s in range(8):
+        for r in range(rows):
+            for word, lo, hi in ((f"w{r}g", "a0", "a2"), (f"w{r}h", "a1", "a3")):
+                # m: the code magnitudes (selector nibbles), n: the sign selectors (see
+                # _DEQUANT_ASM); prmt reads the low 16 bits (4 codes): the upper half is shifted down.
+                sel, sgn = f"m{word}", f"n{word}"
+                if s % 2 == 0:
+                    lines += [f"and.b32 {sel}, {word}{s // 2}, 0x77777777;", f"shr.u32 {sgn}, {word}{s // 2}, 1;"]
+                else:
+                    lines += [f"shr.u32 {sel}, {sel}, 16;", f"shr.u32 {sgn}, {sgn}, 16;"]
+                lines += [f"prmt.b32 ha, {th0}, th1, {sel};"]
+                if kind == "bf16":  # fp16's low bytes are all zero
+                    lines.append(f"prmt.b32 la, {tl0}, tl1, {sel};")
+                lines += [
+                    f"prmt.b32 sa, zero, neg, {sgn};",
+                    "and.b32 sa, sa, 0x80808080;",
+                    "or.b32 ha, ha, sa;",
+                    f"prmt.b32 {lo}, la, ha, 0x5140;",
+                    f"prmt.b32 {hi}, la, ha, 0x7362;",
+                    f"mul.rn.{kind}x2 {lo}, {lo}, s{word}{s // 4};",
+                    f"mul.rn.{kind}x2 {hi}, {hi}, s{word}{s // 4};",
+                ]
+            for t in range(tiles):
+                d = ", ".join(f"${4 * (r * tiles + t) + i}" for i in range(4))
+                lines += [f"mov.b64 {{b0, b1}}, ${x_in + 8 * t + s};",
+                          f"mma.sync.aligned.{shape} {{{d}}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{{d}}};"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _mma_constraints(tiles: int, rows: int) -> str:
+    n_acc = 4 * tiles * rows
+    return ",".join(["=f"] * n_acc + ["f"] * n_acc + ["l"] * (4 * rows) + ["r"] * (2 * rows + 2) + ["l"] * (8 * tiles))
+
+
+_MMA_ASM = {(t, r, k): tl.constexpr(mma_asm(t, r, k)) for t in (1, 2) for r in (1, 2) for k in ("bf16", "f16")}
+_MMA_C = {(t, r): tl.constexpr(_mma_constraints(t, r)) for t in (1, 2) for r in (1, 2)}
+_MMA_BF16_11, _MMA_BF16_21, _MMA_BF16_12, _MMA_BF16_22 = (_MMA_ASM[1, 1, "bf16"], _MMA_ASM[2, 1, "bf16"],
+                                                          _MMA_ASM[1, 2, "bf16"], _MMA_ASM[2, 2, "bf16"])
+_MMA_F16_11, _MMA_F16_21, _MMA_F16_12, _MMA_F16_22 = (_MMA_ASM[1, 1, "f16"], _MMA_ASM[2, 1, "f16"],
+                                                      _MMA_ASM[1, 2, "f16"], _MMA_ASM[2, 2, "f16"])
+_MMA_C11, _MMA_C21, _MMA_C12, _MMA_C22 = _MMA_C[1, 1], _MMA_C[2, 1], _MMA_C[1, 2], _MMA_C[2, 2]
+_THREAD_IDS_ASM = tl.constexpr("mov.u32 $0, %laneid;\nmov.u32 $1, %tid.x;")
+
+
+@triton.jit
+def _thread_ids(t):
+    """(lane, warp) of the thread that holds each element of t (any int32 tensor)."""
+    lane, tid = tl.inline_asm_elementwise(_THREAD_IDS_ASM, "=r,=r,r", [t], dtype=(tl.int32, tl.int32),
+                                          is_pure=True, pack=1)
+    return lane, tid // 32
+
+
+@triton.jit
+def _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K: tl.constexpr, SCALE_PAIRS: tl.constexpr):
+    """The lane's weights of a K step: codes of its two blocks (int64 each) in rows g (pg) and
+    g + 8 (ph), and their two scale bytes per row in an int32 (sg_p, sh_p: one int16 each with
+    SCALE_PAIRS, else two bytes). ok0 / ok1: the blocks are before the end of the range (a
+    scalar, the whole step, with EVEN_K; masked blocks read as zero otherwise)."""
+    if EVEN_K:
+        wg0 = tl.load(pg, mask=ok0)
+        wg1 = tl.load(pg + 1, mask=ok0)
+        wh0 = tl.load(ph, mask=ok0)
+        wh1 = tl.load(ph + 1, mask=ok0)
+        if SCALE_PAIRS:
+            sg = tl.load(sg_p, mask=ok0).to(tl.int32)
+            sh = tl.load(sh_p, mask=ok0).to(tl.int32)
+        else:
+            sg = tl.load(sg_p, mask=ok0).to(tl.int32) | (tl.load(sg_p + 1, mask=ok0).to(tl.int32) << 8)
+            sh = tl.load(sh_p, mask=ok0).to(tl.int32) | (tl.load(sh_p + 1, mask=ok0).to(tl.int32) << 8)
+    else:
+        wg0 = tl.load(pg, mask=ok0, other=0)
+        wg1 = tl.load(pg + 1, mask=ok1, other=0)
+        wh0 = tl.load(ph, mask=ok0, other=0)
+        wh1 = tl.load(ph + 1, mask=ok1, other=0)
+        if SCALE_PAIRS:  # a half pair past the end is a zero scale over zero codes
+            sg = tl.load(sg_p, mask=ok0, other=0).to(tl.int32)
+            sh = tl.load(sh_p, mask=ok0, other=0).to(tl.int32)
+        else:
+            sg = (tl.load(sg_p, mask=ok0, other=0).to(tl.int32)
+                  | (tl.load(sg_p + 1, mask=ok1, other=0).to(tl.int32) << 8))
+            sh = (tl.load(sh_p, mask=ok0, other=0).to(tl.int32)
+                  | (tl.load(sh_p + 1, mask=ok1, other=0).to(tl.int32) << 8))
+    return wg0, wg1, wh0, wh1, sg, sh
+
+
+@triton.jit
+def _mma_x(q, k, k_end, more, EVEN_K: tl.constexpr):
+    """The lane's activations of a K step for one tile: 8 int64 (4 16-bit values each) at q + s,
+    K offsets k + 4s (k = step start + 32c); zeros past k_end (with EVEN_K, a whole step is in
+    or out: `more`)."""
+    if EVEN_K:
+        x0, x1, x2, x3 = tl.load(q, mask=more), tl.load(q + 1, mask=more), tl.load(q + 2, mask=more), tl.load(q + 3, mask=more)
+        x4, x5, x6, x7 = tl.load(q + 4, mask=more), tl.load(q + 5, mask=more), tl.load(q + 6, mask=more), tl.load(q + 7, mask=more)
+    else:
+        x0 = tl.load(q, mask=k < k_end, other=0)
+        x1 = tl.load(q + 1, mask=k + 4 < k_end, other=0)
+        x2 = tl.load(q + 2, mask=k + 8 < k_end, other=0)
+        x3 = tl.load(q + 3, mask=k + 12 < k_end, other=0)
+        x4 = tl.load(q + 4, mask=k + 16 < k_end, other=0)
+        x5 = tl.load(q + 5, mask=k + 20 < k_end, other=0)
+        x6 = tl.load(q + 6, mask=k + 24 < k_end, other=0)
+        x7 = tl.load(q + 7, mask=k + 28 < k_end, other=0)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _mma_step(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0, w1, tabs, x, y,
+              TILES: tl.constexpr, ROWS: tl.constexpr, F16: tl.constexpr):
+    """One K step (`mma_asm`): accumulators d (weight tile 0, activation tile 0), e (0, 1), f (1, 0),
+    h (1, 1); w0 / w1: the weight tiles' codes and scales (`_mma_weights`); tabs: the tables;
+    x / y: the activation tiles' 8 int64 each. Unused tiles pass through."""
+    g0, g1, k0, k1, sg, sk = w0
+    g2, g3, k2, k3, sg2, sk2 = w1
+    th0, tl0 = tabs
+    x0, x1, x2, x3, x4, x5, x6, x7 = x
+    y0, y1, y2, y3, y4, y5, y6, y7 = y
+    # operands in `mma_asm`'s order; the dtype picks the asm (a compile-time choice)
+    if ROWS == 1:
+        if TILES == 1:
+            args = [d0, d1, d2, d3, g0, g1, k0, k1, sg, sk, th0, tl0, x0, x1, x2, x3, x4, x5, x6, x7]
+            d0, d1, d2, d3 = tl.inline_asm_elementwise(
+                _MMA_F16_11 if F16 else _MMA_BF16_11, _MMA_C11, args, dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        else:
+            args = [d0, d1, d2, d3, e0, e1, e2, e3, g0, g1, k0, k1, sg, sk, th0, tl0,
+                    x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7]
+            d0, d1, d2, d3, e0, e1, e2, e3 = tl.inline_asm_elementwise(
+                _MMA_F16_21 if F16 else _MMA_BF16_21, _MMA_C21, args, dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        if TILES == 1:
+            args = [d0, d1, d2, d3, f0, f1, f2, f3, g0, g1, k0, k1, g2, g3, k2, k3, sg, sk, sg2, sk2, th0, tl0,
+                    x0, x1, x2, x3, x4, x5, x6, x7]
+            d0, d1, d2, d3, f0, f1, f2, f3 = tl.inline_asm_elementwise(
+                _MMA_F16_12 if F16 else _MMA_BF16_12, _MMA_C12, args, dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        else:
+            args = [d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3,
+                    g0, g1, k0, k1, g2, g3, k2, k3, sg, sk, sg2, sk2, th0, tl0,
+                    x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7]
+            d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = tl.inline_asm_elementwise(
+                _MMA_F16_22 if F16 else _MMA_BF16_22, _MMA_C22, args, dtype=(tl.float32,) * 16, is_pure=True,
+                pack=1)
+    return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
+
+
+_PREFETCH_ASM = tl.constexpr("""
+{
+.reg .pred p;
+setp.ne.u32 p, $2, 0;
+@p prefetch.global.L2 [$1];
+mov.u32 $0, 0;
+}
+""")
+
+
+@triton.jit
+def _prefetch_l2(ptr, ok):
+    """Asks L2 for the line holding each `ptr` where `ok` (a hint: nothing is loaded into
+    registers). Returns a dummy 0 per element."""
+    return tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [ptr, ok.to(tl.int32)], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _mma_pointers(ws_ptr, wb_ptr, wrow_g, wrow_h, blk, SCALE_PAIRS: tl.constexpr):
+    """Code pointers of rows g and g + 8 at block blk, and their scale pointers."""
+    pg = wb_ptr + wrow_g + blk
+    ph = wb_ptr + wrow_h + blk
+    if SCALE_PAIRS:
+        sg_p = ws_ptr + (wrow_g + blk) // 2
+        sh_p = ws_ptr + (wrow_h + blk) // 2
+    else:
+        sg_p = ws_ptr + wrow_g + blk
+        sh_p = ws_ptr + wrow_h + blk
+    return pg, ph, sg_p, sh_p
+
+
+@triton.jit
+def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, tabs, c, k_start, k_end,
+                    TILES: tl.constexpr, ROWS: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr,
+                    SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr):
+    """The 16 accumulators (`_mma_step`) += the K range [k_start, k_end) of W @ x^T, in K steps
+    of 128; the next step's weights and activations are loaded before this one is decoded.
+    wrows: first block of rows g, g + 8 (weight tile 0) and g + 16, g + 24 (tile 1); xrow0 /
+    xrow1: first int64 of the activation tiles' rows g; tabs: the decode tables (`_mma_tables`)."""
+    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = acc
+    wrow_g, wrow_h, wrow_g2, wrow_h2 = wrows
+    if SCALE_PAIRS:
+        S_STEP: tl.constexpr = 4
+    else:
+        S_STEP: tl.constexpr = 8
+    blk = k_start // 16 + 2 * c
+    pg, ph, sg_p, sh_p = _mma_pointers(ws_ptr, wb_ptr, wrow_g, wrow_h, blk, SCALE_PAIRS)
+    pg2, ph2, sg2_p, sh2_p = _mma_pointers(ws_ptr, wb_ptr, wrow_g2, wrow_h2, blk, SCALE_PAIRS)
+    kc = k_start + 32 * c
+    w0 = _mma_weights(pg, ph, sg_p, sh_p, kc < k_end, kc + 16 < k_end, EVEN_K, SCALE_PAIRS)
+    if ROWS == 2:
+        w1 = _mma_weights(pg2, ph2, sg2_p, sh2_p, kc < k_end, kc + 16 < k_end, EVEN_K, SCALE_PAIRS)
+    else:
+        w1 = w0  # unused
+    q0 = x4_ptr + xrow0 + kc // 4
+    q1 = x4_ptr + xrow1 + kc // 4
+    x = _mma_x(q0, kc, k_end, k_start < k_end, EVEN_K)
+    if TILES == 2:
+        y = _mma_x(q1, kc, k_end, k_start < k_end, EVEN_K)
+    else:
+        y = x  # unused
+    for k0 in range(k_start, k_end, 128):
+        pg += 8
+        ph += 8
+        sg_p += S_STEP
+        sh_p += S_STEP
+        q0 += 32
+        k = k0 + 32 * c + 128
+        more = k0 + 128 < k_end
+        ok0 = more if EVEN_K else k < k_end
+        ok1 = more if EVEN_K else k + 16 < k_end
+        nw0 = _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K, SCALE_PAIRS)
+        if ROWS == 2:
+            pg2 += 8
+            ph2 += 8
+            sg2_p += S_STEP
+            sh2_p += S_STEP
+            nw1 = _mma_weights(pg2, ph2, sg2_p, sh2_p, ok0, ok1, EVEN_K, SCALE_PAIRS)
+        else:
+            nw1 = nw0
+        if PREFETCH > 0:  # L2 prefetch of the weights PREFETCH steps ahead of this load
+            ahead = k0 + 128 * (PREFETCH + 1) < k_end
+            _prefetch_l2(pg + 8 * PREFETCH, ahead)
+            _prefetch_l2(ph + 8 * PREFETCH, ahead)
+            if ROWS == 2:
+                _prefetch_l2(pg2 + 8 * PREFETCH, ahead)
+                _prefetch_l2(ph2 + 8 * PREFETCH, ahead)
+        nx = _mma_x(q0, k, k_end, more, EVEN_K)
+        if TILES == 2:
+            q1 += 32
+            ny = _mma_x(q1, k, k_end, more, EVEN_K)
+        else:
+            ny = nx
+        d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _mma_step(
+            d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0, w1, tabs, x, y, TILES, ROWS, F16)
+        w0, w1, x, y = nw0, nw1, nx, ny
+    return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
+
+
+@triton.jit
+def _mma_tables(n, F16: tl.constexpr):
+    """The entries 0-3 of the high- and low-byte tables (`_MMA_TABLES`) as values the compiler
+    cannot see as constants (n >= 0, so n >> 31 is 0): they then stay in registers through the
+    loop instead of being rematerialized before each byte permute."""
+    z = n >> 31
+    if F16:
+        return z | 0x3E3C3800, z
+    else:
+        return z | 0x3F3F3F00, z | -0x3F800000  # 0xC0800000
+
+
+@triton.jit
+def _mma_fragments(acc, row, col, TILES: tl.constexpr, ROWS: tl.constexpr):
+    """The accumulators (`_mma_accumulate`) as one tensor, with each element's weight row and
+    activation column: row is the lane's A row g of weight tile 0, col its D column 2c of
+    activation tile 0. D fragment: (d0, d1) = (row g; columns 2c, 2c + 1), (d2, d3) = (row g + 8;
+    the same columns); tiles 8 columns and 16 rows apart."""
+    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = acc
+    y = tl.join(tl.join(d0, d1), tl.join(d2, d3))  # [threads, column 2c + i, row g + 8j]
+    cols = col[:, None, None] + tl.arange(0, 2)[None, :, None]
+    rows = row[:, None, None] + 8 * tl.arange(0, 2)[None, None, :]
+    if TILES == 2:  # last axis: activation tile
+        y = tl.join(y, tl.join(tl.join(e0, e1), tl.join(e2, e3)))
+        cols = cols[:, :, :, None] + 8 * tl.arange(0, 2)[None, None, None, :]
+        rows = rows[:, :, :, None] + 0 * tl.arange(0, 2)[None, None, None, :]
+        if ROWS == 2:  # then weight tile
+            y = tl.join(y, tl.join(tl.join(tl.join(f0, f1), tl.join(f2, f3)),
+                                   tl.join(tl.join(h0, h1), tl.join(h2, h3))))
+            cols = cols[:, :, :, :, None] + 0 * tl.arange(0, 2)[None, None, None, None, :]
+            rows = rows[:, :, :, :, None] + 16 * tl.arange(0, 2)[None, None, None, None, :]
+    elif ROWS == 2:
+        y = tl.join(y, tl.join(tl.join(f0, f1), tl.join(f2, f3)))
+        cols = cols[:, :, :, None] + 0 * tl.arange(0, 2)[None, None, None, :]
+        rows = rows[:, :, :, None] + 16 * tl.arange(0, 2)[None, None, None, :]
+    return y, rows, cols
+
+
+@triton.jit
+def _mma_lanes(WARPS: tl.constexpr):
+    """(lane g, lane c, warp, zero accumulators) for `_mma_accumulate`: one element per thread."""
+    lane, warp = _thread_ids(tl.arange(0, 32 * WARPS))
+    z = tl.zeros((32 * WARPS,), dtype=tl.float32)
+    return lane // 4, lane % 4, warp, (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
+
+
+@triton.jit
+def _mma_rows(row, base, N, K):
+    """First 16-block of rows g, g + 8, g + 16, g + 24 (`_mma_accumulate`'s wrows) of a matrix whose
+    row 0 is row `base` of the stack, each clamped to the last row N - 1."""
+    return ((base + tl.minimum(row, N - 1)).to(tl.int64) * (K // 16),
+            (base + tl.minimum(row + 8, N - 1)).to(tl.int64) * (K // 16),
+            (base + tl.minimum(row + 16, N - 1)).to(tl.int64) * (K // 16),
+            (base + tl.minimum(row + 24, N - 1)).to(tl.int64) * (K // 16))
+
+
+@triton.jit
+def _mma_kernel(x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, stride_x4, k_per_split,
+                TILES: tl.constexpr, ROWS: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr,
+                F16: tl.constexpr, EVEN_K: tl.constexpr, SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr):
+    """y = x @ W^T for up to 8 * TILES activation rows per program on the matrix units, the weight
+    decoded in registers into mma.sync's A fragments (`mma_asm`); grid: N tiles of 16 * ROWS *
+    WARPS rows (16 * ROWS per warp), activation row tiles, K splits. One element per thread: the
+    thread's lane decides which rows, columns and K offsets it loads, decodes and stores. Rows
+    past N and activation rows past M read the last one instead (their outputs are not stored: a
+    D row or column depends on its own A row or B column only), so only a ragged K needs masks
+    (EVEN_K: K is a whole number of steps). ws_ptr: the scale bytes, or with SCALE_PAIRS (K / 16
+    even) their int16 view."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    g, c, warp, zero = _mma_lanes(WARPS)
+    row = pid_n * (16 * ROWS * WARPS) + warp * (16 * ROWS) + g  # A rows g and g + 8 (+ 16 per tile)
+    tok = pid_m * (8 * TILES) + g  # B column g: an activation row
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    wrows = _mma_rows(row, 0, N, K)
+    xrow0 = tl.minimum(tok, M - 1).to(tl.int64) * stride_x4
+    xrow1 = tl.minimum(tok + 8, M - 1).to(tl.int64) * stride_x4
+    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _mma_accumulate(
+        zero, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, _mma_tables(N + 0 * g, F16), c, k_start, k_end,
+        TILES, ROWS, F16, EVEN_K, SCALE_PAIRS, PREFETCH)
+    y, rows, toks = _mma_fragments((d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3), row,
+                                  pid_m * (8 * TILES) + 2 * c, TILES, ROWS)
+    y = y * tl.load(gs_ptr)
+    off = toks.to(tl.int64) * N + rows
+    ok = (toks < M) & (rows < N)
+    if SPLIT == 1:
+        tl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        _store_split(y, part_ptr, out_ptr, cnt_ptr, pid_m * tl.num_programs(0) + pid_n, off, ok, M * N, pid_s,
+                     SPLIT)
+
+
 @triton.jit
 def _dequantize_kernel(wq_ptr, ws_ptr, gs_ptr, out_ptr, N, K, LUT: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -708,7 +1123,7 @@ MID = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "programs
 # shape per activation rows per program (BLOCK_M = 1, 2, 4: `gemv_block_m`): BLOCK_N weight rows
 # per program, BLOCK_K / 16 blocks per K step spread over the program's threads (each holds its
 # blocks of all rows), the split-K target, and optionally a register cap. Picked on an H200 by
-# `scripts/bench_kernels.py --sweep-gemv` (sweep_gemv in benchmarks/results/kernels-h200.json).
+# `scripts/bench_kernels.py --sweep-gemv` (sweep_gemv in benchmarks/results/kernels-sweeps-gemv-h200.json).
 GEMV = {
     "max_m": 2,
     "1": {"BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "programs_per_sm": 4},
@@ -735,10 +1150,36 @@ def _gemv_k_tile(k: int, cfg: dict) -> dict:
     return dict(cfg, BLOCK_K=best[0], num_warps=best[1])
 
 
-def config(m: int, n: int, k: int, device: torch.device) -> dict:
-    """Tile sizes and split-K for one problem: one to a few rows on the CUDA cores (GEMV);
+# The register-fed matrix-unit kernel (`_mma_kernel`) for MMA["min_m"] to MMA["max_m"] rows of
+# bf16/fp16 activations on a GPU: weight-row tiles of 16 per warp ("rows"), warps per program,
+# the split-K target and the L2 prefetch distance in K steps. Picked on an H200 by `sweep_mma`
+# (scripts/bench_kernels.py --sweep-mma). One row stays on the CUDA-core GEMV (15.4 us on 8192 x
+# 8192; the mma kernel takes 19.1 at two rows); from 9 rows its second activation tile cost as
+# much as the wgmma kernel.
+MMA = {"min_m": 2, "max_m": 8, "rows": 2, "num_warps": 2, "programs_per_sm": 4, "prefetch": 2}
+
+
+def mma_config(m: int, n: int, k: int, device: torch.device, num_warps: int | None = None,
+               programs_per_sm: int | None = None, rows: int | None = None, prefetch: int | None = None) -> dict:
+    """`_mma_kernel`'s launch shape: 8 or 16 activation rows per program (one or two mma tiles),
+    16 or 32 weight rows per warp (`rows` mma tiles), K steps of 128, split-K to about
+    programs_per_sm programs per multiprocessor."""
+    nw = num_warps or MMA["num_warps"]
+    r = rows or MMA["rows"]
+    cfg = dict(mma=True, BLOCK_M=8 if m <= 8 else 16, BLOCK_N=16 * r * nw, BLOCK_K=128, num_warps=nw, num_stages=1,
+               PREFETCH=MMA["prefetch"] if prefetch is None else prefetch)
+    cfg.update(_split(m, n, k, cfg, device, programs_per_sm or MMA["programs_per_sm"]))
+    return cfg
+
+
+def config(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tile sizes and split-K for one problem: MMA["min_m"] to MMA["max_m"] rows of 16-bit
+    activations on a GPU, the register-fed matrix-unit kernel; else one to a few rows on the CUDA
+    cores (GEMV);
     decode-sized M streams the weight through many programs on the matrix units; large M uses
     big tiles. Chosen by rule (no autotuning at call time)."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and MMA["min_m"] <= m <= MMA["max_m"]:
+        return mma_config(m, n, k, device)
     if m <= GEMV["max_m"]:
         bm = gemv_block_m(m)
         tile = GEMV[str(bm)]
@@ -793,17 +1234,31 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
         return out.reshape(*lead, n)
     if cfg is None and m > LARGE_M:
         return torch.matmul(x2, dequantize(w, x.dtype).T).reshape(*lead, n)
-    cfg = dict(cfg or config(m, n, k, x.device))
+    cfg = dict(cfg or config(m, n, k, x.device, x.dtype))
     split, k_per_split = cfg.pop("SPLIT"), cfg.pop("k_per_split")
     lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(x.dtype, _w4a16_kernel)
     gemv = cfg.pop("gemv", False)
+    mma = cfg.pop("mma", False)
+    if mma and (x.dtype == torch.float32 or interpreted(_mma_kernel)):
+        raise ValueError(f"{_WHAT}: the register-fed matrix-unit kernel takes bf16/fp16 activations on a GPU, "
+                         f"got {x.dtype} on {x.device}")
     grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
     part, counters = out, out  # unused unless split > 1
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, grid[0] * grid[1])
     even = dict(EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0)
-    if gemv:
+    if mma:
+        x2, x4 = int64_activations(x2)
+        scales = w.block_scale.view(torch.uint8)
+        pairs = (k // 16) % 2 == 0 and scales.data_ptr() % 2 == 0
+        _mma_kernel[grid](x4, w.packed.view(torch.int64), scales.view(torch.int16) if pairs else scales,
+                          w.global_scale, out, part, counters, m, n, k, x2.stride(0) // 4, k_per_split,
+                          TILES=cfg["BLOCK_M"] // 8, ROWS=cfg["BLOCK_N"] // (16 * cfg["num_warps"]),
+                          WARPS=cfg["num_warps"], SPLIT=split,
+                          F16=x.dtype == torch.float16, EVEN_K=k % 128 == 0, SCALE_PAIRS=pairs,
+                          PREFETCH=cfg["PREFETCH"], num_warps=cfg["num_warps"], num_stages=1, **launch_options())
+    elif gemv:
         x2, x4 = int64_activations(x2)
         lut = DEQUANT["lut"] and not interpreted(_gemv_kernel)  # the block-dot PTX takes any dtype
         _gemv_kernel[grid](x2, x4, w.packed.view(torch.int64), w.block_scale.view(torch.uint8), w.global_scale,
@@ -930,6 +1385,19 @@ def pick_decode(rows) -> dict:
     return with_maxnreg({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": st, "programs_per_sm": pps}, mr)
 
 
+def _sweep_problems(shapes, ms):
+    """(N, K, M, NVFP4 weight, bf16 activations, fp32 reference) for each swept problem on the GPU:
+    a random weight per shape, quantized by fp4kit, and its product with W.dequantize()."""
+    from .quantize import quantize
+
+    for n, k in shapes:
+        wq = quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02)
+        wdq = wq.dequantize(torch.float32)
+        for m in ms:
+            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+            yield n, k, m, wq, x, torch.nn.functional.linear(x.float(), wdq)
+
+
 def sweep_gemv(shapes=((8192, 8192), (3712, 2688), (2688, 3712)), ms=(1, 2, 4),
                tiles=((1, 4, 2048, 4), (1, 8, 2048, 4), (1, 4, 512, 1), (1, 8, 512, 1), (2, 8, 2048, 4),
                       (2, 8, 512, 1), (4, 8, 2048, 4)),
@@ -938,34 +1406,27 @@ def sweep_gemv(shapes=((8192, 8192), (3712, 2688), (2688, 3712)), ms=(1, 2, 4),
     x split-K target x stages, and of the matrix-unit kernel's launch shape at the same M, side by
     side; tiles with BLOCK_M < M run several row tiles. Each launch shape is checked against an
     fp32 reference first (a wrong one is not timed)."""
-    from .quantize import quantize
-
     out = []
-    saved = GEMV["max_m"]
+    saved, saved_mma = GEMV["max_m"], MMA["max_m"]
     try:
-        GEMV["max_m"] = 0  # config() then gives the matrix-unit kernel's launch shape at every M
-        for n, k in shapes:
-            wq = quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02)
-            wdq = wq.dequantize(torch.float32)
-            for m in ms:
-                x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
-                ref = torch.nn.functional.linear(x.float(), wdq)
-                base = config(m, n, k, x.device)
-                row = {"N": n, "K": k, "M": m, "kernel": "matrix-unit", **base}
-                row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=base), ref))
+        GEMV["max_m"] = MMA["max_m"] = 0  # config() then gives the wgmma kernel's launch shape at every M
+        for n, k, m, wq, x, ref in _sweep_problems(shapes, ms):
+            base = config(m, n, k, x.device)
+            row = {"N": n, "K": k, "M": m, "kernel": "matrix-unit", **base}
+            row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=base), ref))
+            out.append(row)
+            for (bm, bn, bk, nw), pps, st, mr in itertools.product(tiles, programs_per_sm, stages, maxnreg):
+                if bm != gemv_block_m(m):
+                    continue
+                cfg = _gemv_k_tile(k, dict(BLOCK_M=bm, gemv=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st))
+                cfg = with_maxnreg(cfg, mr)
+                cfg.update(_split(m, n, k, cfg, x.device, pps))
+                row = {"N": n, "K": k, "M": m, "kernel": "gemv", "tile": [bm, bn, bk, nw], "maxnreg": mr, **cfg,
+                       "programs_per_sm": pps}
+                row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=cfg), ref))
                 out.append(row)
-                for (bm, bn, bk, nw), pps, st, mr in itertools.product(tiles, programs_per_sm, stages, maxnreg):
-                    if bm != gemv_block_m(m):
-                        continue
-                    cfg = _gemv_k_tile(k, dict(BLOCK_M=bm, gemv=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st))
-                    cfg = with_maxnreg(cfg, mr)
-                    cfg.update(_split(m, n, k, cfg, x.device, pps))
-                    row = {"N": n, "K": k, "M": m, "kernel": "gemv", "tile": [bm, bn, bk, nw], "maxnreg": mr, **cfg,
-                           "programs_per_sm": pps}
-                    row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=cfg), ref))
-                    out.append(row)
     finally:
-        GEMV["max_m"] = saved
+        GEMV["max_m"], MMA["max_m"] = saved, saved_mma
     return out
 
 
@@ -1004,6 +1465,39 @@ def pick_gemv(rows) -> dict:
     return out
 
 
+def sweep_mma(shapes=((8192, 8192), (3712, 2688), (2688, 3712)), ms=(2, 4, 8),
+              launch=((2, 4, 2, 2), (4, 4, 2, 2), (8, 2, 2, 2), (2, 8, 2, 2), (4, 8, 1, 2), (4, 2, 1, 2),
+                      (2, 4, 2, 0))):
+    """CUDA-graph times of `_mma_kernel`'s launch shapes (warps, split-K target, weight-row tiles
+    per warp, prefetch distance), each checked against an fp32 reference first."""
+    out = []
+    for n, k, m, wq, x, ref in _sweep_problems(shapes, ms):
+        for nw, pps, rows, pf in launch:
+            cfg = mma_config(m, n, k, x.device, nw, pps, rows, pf)
+            row = {"N": n, "K": k, "M": m, "num_warps": nw, "programs_per_sm": pps, "rows": rows, "prefetch": pf}
+            row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=cfg), ref))
+            out.append(row)
+    return out
+
+
+def pick_mma(rows) -> dict:
+    """The MMA launch shape with the smallest summed sweep time."""
+    totals = {}
+    for r in rows:
+        key = (r["num_warps"], r["programs_per_sm"], r["rows"], r["prefetch"])
+        totals[key] = totals.get(key, 0.0) + (r["ms"] if r["ms"] is not None else float("inf"))
+    nw, pps, rows_, pf = min(totals, key=totals.get)
+    return {"num_warps": nw, "programs_per_sm": pps, "rows": rows_, "prefetch": pf}
+
+
+def path(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Which kernel `w4a16_matmul` runs for this problem."""
+    if m > LARGE_M:
+        return "dequantize+torch.matmul"
+    cfg = config(m, n, k, device, dtype)
+    return "mma" if cfg.get("mma") else "gemv" if cfg.get("gemv") else "fused"
+
+
 def bench(nk=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688)),
           ms=(1, 4, 16, 64, 256, 1024)):
     """Median times of this GEMM and of torch.matmul on the bf16 weight, side by side: replayed
@@ -1036,7 +1530,7 @@ def bench(nk=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 
                 "bf16_weight_tbps": 2 * n * k / (t_bf16 * 1e-3) / 1e12,
                 "ms_w4a16_eager": do_bench(fp4, warmup=10, rep=50, return_mode="median"),
                 "ms_bf16_eager": do_bench(bf16, warmup=10, rep=50, return_mode="median"),
-                "path": ("gemv" if m <= GEMV["max_m"] else "fused") if m <= LARGE_M else "dequantize+torch.matmul",
+                "path": path(m, n, k, x.device),
             }
             row["speedup_vs_bf16_eager"] = row["ms_bf16_eager"] / row["ms_w4a16_eager"]
             if m > LARGE_M:  # the fused kernel at this size, for the record

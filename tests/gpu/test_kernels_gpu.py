@@ -195,22 +195,26 @@ def test_dequantize_exact_on_gpu(dtype):
     assert torch.equal(_bits(got).cpu(), _bits(wq.to("cpu").dequantize(dtype)))
 
 
-def _assert_within_gemm_bound(y: torch.Tensor, x: torch.Tensor, wq: nvfp4.NVFP4Tensor) -> None:
+def _assert_within_gemm_bound(y: torch.Tensor, x: torch.Tensor, wq: nvfp4.NVFP4Tensor, cfg: dict | None = None) -> None:
     """|y - ref| <= 2^-8 |ref| + 4 K 2^-24 (|x| @ |W|^T), elementwise, with ref = x @ Wdq^T in fp32.
 
-    Wdq: the weights the path multiplies by: W.dequantize(bf16) on the matrix units, the fp32
-    W.dequantize() on the CUDA-core GEMV (`w4a16_gemm.GEMV`).
-    Why: each product of a bf16 activation and a weight is exact in fp32 (8 + 8 significant bits;
-    the GEMV multiplies by the 2-bit E2M1 value and applies the block's step once per block, a
-    rounding per block), so the kernel's fp32 sum differs from the exact sum by at most
+    Wdq: the weights the path multiplies by: W.dequantize(bf16) on the wgmma kernel, the fp32
+    W.dequantize() on the CUDA-core GEMV (`w4a16_gemm.GEMV`) and the register-fed mma kernel
+    (`w4a16_gemm.MMA`: E2M1 * scale exactly, times the global scale in fp32 at the end, which
+    differs from the reference's E2M1 * RN(scale * global scale) by one fp32 rounding per term).
+    Why: each product of a 16-bit activation and a weight is exact in fp32 (8 + 8 significant
+    bits; the GEMV multiplies by the 2-bit E2M1 value and applies the block's step once per
+    block, a rounding per block), so the kernel's fp32 sum differs from the exact sum by at most
     K * 2^-24 * sum|x||w| (any order); the fp32 reference has the same bound; x2 for tensor-core
     accumulation that may align addends before rounding. The output is then rounded to bf16:
-    half an ulp, 2^-9 relative, plus the reference's own value rounding -> 2^-8.
+    half an ulp, 2^-9 relative, plus the reference's own value rounding -> 2^-8 (fp16 output:
+    less).
     """
     m, k = x.shape
-    assert y.dtype == torch.bfloat16 and y.shape == (m, wq.shape[0])
-    gemv = w4a16_gemm.config(m, wq.shape[0], k, x.device).get("gemv", False)
-    wdq = wq.dequantize(torch.float32 if gemv else torch.bfloat16).float()
+    assert y.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16) and y.shape == (m, wq.shape[0])
+    cfg = cfg or w4a16_gemm.config(m, wq.shape[0], k, x.device, x.dtype)
+    exact = cfg.get("gemv", False) or cfg.get("mma", False)
+    wdq = wq.dequantize(torch.float32 if exact else x.dtype).float()
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -232,7 +236,44 @@ def test_w4a16_matmul_bf16(nk, m, fused):
     if fused and m <= w4a16_gemm.LARGE_M:
         pytest.skip("the default path is the fused kernel already")
     cfg = w4a16_gemm.config(m, n, k, x.device) if fused else None  # forces the fused kernel
-    _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq, cfg=cfg), x, wq)
+    _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq, cfg=cfg), x, wq, cfg)
+
+
+@pytest.mark.parametrize("nk", [(3712, 2688), (200, 1856), (40, 2704)])
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("launch", [(2, 4, 2, 2), (4, 8, 1, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_mma(nk, m, launch, dtype):
+    # The register-fed matrix-unit kernel forced at 1-16 rows (one or two activation tiles), one
+    # or two weight tiles per warp, with and without L2 prefetch: ragged N (200, 40: rows past N
+    # read the last row), ragged K (1856 = 14.5 steps, 2704 = 169 blocks: masked steps, scale
+    # bytes one at a time), split-K and not.
+    n, k = nk
+    wq = kquant.quantize(_randn(n, k, seed=50) * 4, scale_rule="4o6")
+    x = _randn(m, k, seed=51, scale=1.0).to(dtype)
+    cfg = w4a16_gemm.mma_config(m, n, k, x.device, *launch)
+    for forced in (cfg, dict(cfg, SPLIT=1, k_per_split=-(-k // 128) * 128)):
+        _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq, cfg=dict(forced)), x, wq, forced)
+
+
+def test_w4a16_mma_odd_scale_offset_and_strided_rows():
+    # Scale bytes at an odd address (read one at a time) and activation rows with a stride: the
+    # same products as the aligned case.
+    n, k, m = 512, 2688, 6
+    wq = kquant.quantize(_randn(n, k, seed=52), scale_rule="4o6")
+    buf = torch.empty(wq.block_scale.numel() + 1, dtype=torch.uint8, device=DEV)
+    odd = buf[1:].view(n, k // 16)
+    odd.copy_(wq.block_scale.view(torch.uint8))
+    assert odd.data_ptr() % 2 == 1
+    w_odd = nvfp4.NVFP4Tensor(wq.packed, odd.view(torch.float8_e4m3fn), wq.global_scale)
+    big = _randn(m, k + 64, seed=53, scale=1.0)
+    x = big[:, :k]  # rows k + 64 apart
+    cfg = w4a16_gemm.config(m, n, k, x.device)
+    assert cfg["mma"]
+    y = w4a16_gemm.w4a16_matmul(x, wq)
+    assert torch.equal(w4a16_gemm.w4a16_matmul(x, w_odd), y)
+    assert torch.equal(w4a16_gemm.w4a16_matmul(x.contiguous(), wq), y)
+    _assert_within_gemm_bound(y, x.contiguous(), wq)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -259,11 +300,15 @@ def test_gemv_block_dot_ptx_equals_arithmetic(dtype):
 def test_w4a16_gemv_bf16(nk, m, monkeypatch):
     # The CUDA-core kernel (w4a16_gemm.GEMV's launch shape), forced up to 4 rows.
     monkeypatch.setitem(w4a16_gemm.GEMV, "max_m", 4)
+    monkeypatch.setitem(w4a16_gemm.MMA, "max_m", 0)
     n, k = nk
     wq = kquant.quantize(_randn(n, k, seed=19), scale_rule="4o6")
     x = _randn(m, k, seed=20, scale=1.0)
     assert w4a16_gemm.config(m, n, k, x.device)["gemv"]
     _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq), x, wq)
+    monkeypatch.setitem(w4a16_gemm.MMA, "max_m", 8)
+    if m >= 2:
+        assert w4a16_gemm.config(m, n, k, x.device)["mma"]
 
 
 # --------------------------------------------------------------------------------------------
