@@ -286,18 +286,41 @@ def test_w4a16_gemv(dtype, m, nk, monkeypatch):
         assert torch.all((y.double() - ref).abs() <= _gemm_tolerance(x, wdq, dtype)(ref)), split
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="the mma kernel runs on a GPU: tests/gpu")
-def test_mma_kernel_is_refused_off_the_gpu():
-    # The register-fed mma kernel is inline PTX with warp-wide instructions: Triton's interpreter
-    # cannot run it, so config() never picks it on the CPU and forcing it raises, naming why.
+@pytest.mark.parametrize("m", [1, 5, 9, 16])
+@pytest.mark.parametrize("nk", [(40, 256), (72, 400), (64, 224)])
+@pytest.mark.parametrize("launch", [(2, 4, 2, 0), (1, 8, 1, 0)])
+def test_w4a16_mma(m, nk, launch):
+    # The register-fed matrix-unit kernel (w4a16_gemm.MMA), forced: on a GPU its inline PTX, here
+    # its interpreter form (the same lanes, loads, K order and epilogue; the warp's mma.sync
+    # emulated). One or two activation tiles (9, 16 rows) and weight tiles per warp, ragged N
+    # (rows past N read the last one), K of 2, 3.125 (K / 16 odd: scale bytes one at a time)
+    # and 1.75 steps, split-K and not. Its weights are W.dequantize()'s fp32 values (E2M1 times
+    # the scale exactly, the global scale applied to the sum): within fp32-accumulation error,
+    # counted for tensor-core accumulation as in tests/gpu.
+    n, k = nk
+    wq = nvfp4.quantize(_rand(n, k, seed=30), scale_rule="4o6")
+    x = _rand(m, k, seed=31, dtype=torch.float16)
+    wdq = wq.dequantize(torch.float32)
+    ref = x.double() @ wdq.double().T
+    bound = 2.0**-11 * ref.abs() + 4 * k * 2.0**-24 * (x.double().abs() @ wdq.double().abs().T)
+    cfg = w4a16_gemm.mma_config(m, n, k, torch.device(DEVICE), *launch)
+    assert cfg["BLOCK_M"] == (8 if m <= 8 else 16)
+    for forced in (cfg, dict(cfg, SPLIT=1, k_per_split=-(-k // 128) * 128)):
+        y = w4a16_gemm.w4a16_matmul(x.to(DEVICE), wq.to(DEVICE), cfg=dict(forced)).cpu()
+        assert y.dtype == torch.float16 and y.shape == (m, n)
+        assert torch.all((y.double() - ref).abs() <= bound), forced["SPLIT"]
+
+
+def test_mma_kernel_picks_and_refusals():
+    # Picked for 2-8 rows of 16-bit activations on a GPU only; fp32 activations are refused.
     n, k = 64, 256
+    for m in (1, 2, 8, 9):
+        assert not w4a16_gemm.config(m, n, k, torch.device("cpu"), torch.float16).get("mma")
     wq = nvfp4.quantize(_rand(n, k, seed=14), scale_rule="4o6")
-    x = _rand(4, k, seed=15, dtype=torch.float16)
-    assert not w4a16_gemm.config(4, n, k, torch.device("cpu"), torch.float16).get("mma")
-    cfg = dict(mma=True, BLOCK_M=8, BLOCK_N=64, BLOCK_K=128, num_warps=2, num_stages=1, PREFETCH=0, SPLIT=1,
-               k_per_split=k)
-    with pytest.raises(ValueError, match="register-fed matrix-unit kernel takes bf16/fp16 activations on a GPU"):
-        w4a16_gemm.w4a16_matmul(x, wq, cfg=cfg)
+    x = _rand(4, k, seed=15)
+    cfg = w4a16_gemm.mma_config(4, n, k, torch.device(DEVICE))
+    with pytest.raises(ValueError, match="register-fed matrix-unit kernel takes bf16/fp16 activations"):
+        w4a16_gemm.w4a16_matmul(x.to(DEVICE), wq.to(DEVICE), cfg=cfg)
 
 
 def test_split_k_counters_reset_between_launches():

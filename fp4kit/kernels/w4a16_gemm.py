@@ -21,7 +21,9 @@ scale): no re-layout, so a checkpoint tensor is used as loaded. Three kernels:
   by the block scale), the activations as the B fragment, the global scale applied to the fp32
   result. Its weights are E2M1 * scale exactly (bf16 and fp16 hold them) times the global
   scale: W.dequantize()'s fp32 values up to one rounding. The K order inside each mma is
-  chosen so that every lane loads whole 16-blocks; L2 prefetch runs two K steps ahead.
+  chosen so that every lane loads whole 16-blocks; L2 prefetch runs two K steps ahead. In
+  Triton's interpreter the same kernel runs with the warp's mma.sync emulated
+  (`_mma_step_emulated`), so CPU CI covers its loads, masks and epilogue.
 - More rows, the matrix units through shared memory (`_w4a16_kernel`): every weight the dot sees
   is W.dequantize() rounded to the activation dtype (`_dequant_tile`: per-block tables of the 8
   magnitudes applied with byte permutes, inline PTX, for bf16/fp16; `_dequant_tile_arith` for
@@ -744,10 +746,15 @@ _THREAD_IDS_ASM = tl.constexpr("mov.u32 $0, %laneid;\nmov.u32 $1, %tid.x;")
 
 
 @triton.jit
-def _thread_ids(t):
-    """(lane, warp) of the thread that holds each element of t (any int32 tensor)."""
-    lane, tid = tl.inline_asm_elementwise(_THREAD_IDS_ASM, "=r,=r,r", [t], dtype=(tl.int32, tl.int32),
-                                          is_pure=True, pack=1)
+def _thread_ids(t, EMULATE: tl.constexpr):
+    """(lane, warp) of the thread that holds each element of t (an int32 tensor of 32 * warps
+    elements); with EMULATE (Triton's interpreter, which holds a program's whole tensors at once)
+    element i stands for lane i % 32 of warp i // 32."""
+    if EMULATE:
+        lane, tid = t % 32, t
+    else:
+        lane, tid = tl.inline_asm_elementwise(_THREAD_IDS_ASM, "=r,=r,r", [t], dtype=(tl.int32, tl.int32),
+                                              is_pure=True, pack=1)
     return lane, tid // 32
 
 
@@ -805,11 +812,85 @@ def _mma_x(q, k, k_end, more, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _emu_weights(codes, scales, s: tl.constexpr):
+    """[threads, 4]: E2M1 * scale of the codes mma s takes from a lane's two blocks of one row
+    (codes: the block s // 4, int64; scales: the two scale bytes)."""
+    shift = (16 * (s % 4) + 4 * tl.arange(0, 4)).to(tl.int64)
+    code = ((codes[:, None] >> shift[None, :]) & 0xF).to(tl.int32)
+    scale = _e4m3_decode((scales >> (8 * (s // 4))) & 0xFF)
+    return _e2m1_bits(code, 0) * 8.507059173023462e37 * scale[:, None]  # 2^126: E2M1 exactly
+
+
+@triton.jit
+def _emu_x(q, F16: tl.constexpr):
+    """[threads, 4]: the 4 16-bit activations of an int64, as fp32."""
+    bits = ((q[:, None] >> (16 * tl.arange(0, 4)).to(tl.int64)[None, :]) & 0xFFFF).to(tl.int32)
+    if F16:
+        v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        v = (bits << 16).to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def _emu_mma(d_lo, d_hi, w, x, WARPS: tl.constexpr):
+    """One m16n8k16 for 8 of its rows on an emulated warp: D[g][2c + j] += sum over the 4 lanes
+    c' of row g's and column 2c + j's operands: w[lane (g, c')] . x[lane (2c + j, c')] (w, x:
+    [threads, 4], the lane's 4 K slots)."""
+    a = tl.reshape(w, (WARPS, 8, 1, 4, 4))  # [warp, g, -, c', slot]
+    b = tl.reshape(x, (WARPS, 1, 8, 4, 4))  # [warp, -, column, c', slot]
+    s = tl.sum(tl.sum(a * b, axis=4), axis=3)[:, :, None, :]  # [warp, g, -, column]
+    col = tl.arange(0, 8)[None, :]
+    c2 = 2 * tl.arange(0, 4)[:, None]
+    lo = tl.sum(tl.where((col == c2)[None, None, :, :], s, 0.0), axis=3)  # [warp, g, c]
+    hi = tl.sum(tl.where((col == c2 + 1)[None, None, :, :], s, 0.0), axis=3)
+    return d_lo + tl.reshape(lo, (32 * WARPS,)), d_hi + tl.reshape(hi, (32 * WARPS,))
+
+
+@triton.jit
+def _emu_tile(a0, a1, a2, a3, wg, wh, xs, WARPS: tl.constexpr):
+    """One emulated m16n8k16: the D fragment (a0..a3) += rows g (wg) and g + 8 (wh) times xs."""
+    a0, a1 = _emu_mma(a0, a1, wg, xs, WARPS)
+    a2, a3 = _emu_mma(a2, a3, wh, xs, WARPS)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _mma_step_emulated(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0, w1, x, y,
+                       TILES: tl.constexpr, ROWS: tl.constexpr, F16: tl.constexpr):
+    """`_mma_step` in Triton's interpreter: the same operands per lane, the same K order (mma s:
+    codes 4s..4s+3 of the lane's 32 and the activations at 32c + 4s), the cross-lane products of
+    mma.sync summed in fp32 (the order differs from the matrix units'; exact per-lane values)."""
+    g0, g1, k0, k1, sg, sk = w0
+    g2, g3, k2, k3, sg2, sk2 = w1
+    W: tl.constexpr = d0.shape[0] // 32
+    for s in tl.static_range(8):
+        wg = _emu_weights(g0 if s < 4 else g1, sg, s)
+        wh = _emu_weights(k0 if s < 4 else k1, sk, s)
+        xs = _emu_x(x[s], F16)
+        d0, d1, d2, d3 = _emu_tile(d0, d1, d2, d3, wg, wh, xs, W)
+        if TILES == 2:
+            ys = _emu_x(y[s], F16)
+            e0, e1, e2, e3 = _emu_tile(e0, e1, e2, e3, wg, wh, ys, W)
+        if ROWS == 2:
+            wg2 = _emu_weights(g2 if s < 4 else g3, sg2, s)
+            wh2 = _emu_weights(k2 if s < 4 else k3, sk2, s)
+            f0, f1, f2, f3 = _emu_tile(f0, f1, f2, f3, wg2, wh2, xs, W)
+            if TILES == 2:
+                h0, h1, h2, h3 = _emu_tile(h0, h1, h2, h3, wg2, wh2, ys, W)
+    return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
+
+
+@triton.jit
 def _mma_step(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0, w1, tabs, x, y,
-              TILES: tl.constexpr, ROWS: tl.constexpr, F16: tl.constexpr):
+              TILES: tl.constexpr, ROWS: tl.constexpr, F16: tl.constexpr, EMULATE: tl.constexpr):
     """One K step (`mma_asm`): accumulators d (weight tile 0, activation tile 0), e (0, 1), f (1, 0),
     h (1, 1); w0 / w1: the weight tiles' codes and scales (`_mma_weights`); tabs: the tables;
-    x / y: the activation tiles' 8 int64 each. Unused tiles pass through."""
+    x / y: the activation tiles' 8 int64 each. Unused tiles pass through. EMULATE: Triton's
+    interpreter (`_mma_step_emulated`)."""
+    if EMULATE:
+        return _mma_step_emulated(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0, w1, x, y,
+                                  TILES, ROWS, F16)
     g0, g1, k0, k1, sg, sk = w0
     g2, g3, k2, k3, sg2, sk2 = w1
     th0, tl0 = tabs
@@ -877,7 +958,7 @@ def _mma_pointers(ws_ptr, wb_ptr, wrow_g, wrow_h, blk, SCALE_PAIRS: tl.constexpr
 @triton.jit
 def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, tabs, c, k_start, k_end,
                     TILES: tl.constexpr, ROWS: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr,
-                    SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr):
+                    SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr):
     """The 16 accumulators (`_mma_step`) += the K range [k_start, k_end) of W @ x^T, in K steps
     of 128; the next step's weights and activations are loaded before this one is decoded.
     wrows: first block of rows g, g + 8 (weight tile 0) and g + 16, g + 24 (tile 1); xrow0 /
@@ -899,9 +980,11 @@ def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, tabs, c, k
         w1 = w0  # unused
     q0 = x4_ptr + xrow0 + kc // 4
     q1 = x4_ptr + xrow1 + kc // 4
-    x = _mma_x(q0, kc, k_end, k_start < k_end, EVEN_K)
+    # Whole-step masks as per-lane tensors (the same value in every lane; Triton's interpreter
+    # takes no scalar masks, the compiler folds the 0 * c away).
+    x = _mma_x(q0, kc, k_end, k_start + 0 * c < k_end, EVEN_K)
     if TILES == 2:
-        y = _mma_x(q1, kc, k_end, k_start < k_end, EVEN_K)
+        y = _mma_x(q1, kc, k_end, k_start + 0 * c < k_end, EVEN_K)
     else:
         y = x  # unused
     for k0 in range(k_start, k_end, 128):
@@ -911,7 +994,7 @@ def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, tabs, c, k
         sh_p += S_STEP
         q0 += 32
         k = k0 + 32 * c + 128
-        more = k0 + 128 < k_end
+        more = k0 + 128 + 0 * c < k_end
         ok0 = more if EVEN_K else k < k_end
         ok1 = more if EVEN_K else k + 16 < k_end
         nw0 = _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K, SCALE_PAIRS)
@@ -923,7 +1006,7 @@ def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, tabs, c, k
             nw1 = _mma_weights(pg2, ph2, sg2_p, sh2_p, ok0, ok1, EVEN_K, SCALE_PAIRS)
         else:
             nw1 = nw0
-        if PREFETCH > 0:  # L2 prefetch of the weights PREFETCH steps ahead of this load
+        if PREFETCH > 0 and not EMULATE:  # L2 prefetch of the weights PREFETCH steps ahead of this load
             ahead = k0 + 128 * (PREFETCH + 1) < k_end
             _prefetch_l2(pg + 8 * PREFETCH, ahead)
             _prefetch_l2(ph + 8 * PREFETCH, ahead)
@@ -937,7 +1020,8 @@ def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, tabs, c, k
         else:
             ny = nx
         d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _mma_step(
-            d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0, w1, tabs, x, y, TILES, ROWS, F16)
+            d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0, w1, tabs, x, y, TILES, ROWS, F16,
+            EMULATE)
         w0, w1, x, y = nw0, nw1, nx, ny
     return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
 
@@ -981,9 +1065,9 @@ def _mma_fragments(acc, row, col, TILES: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _mma_lanes(WARPS: tl.constexpr):
+def _mma_lanes(WARPS: tl.constexpr, EMULATE: tl.constexpr):
     """(lane g, lane c, warp, zero accumulators) for `_mma_accumulate`: one element per thread."""
-    lane, warp = _thread_ids(tl.arange(0, 32 * WARPS))
+    lane, warp = _thread_ids(tl.arange(0, 32 * WARPS), EMULATE)
     z = tl.zeros((32 * WARPS,), dtype=tl.float32)
     return lane // 4, lane % 4, warp, (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
 
@@ -1001,7 +1085,8 @@ def _mma_rows(row, base, N, K):
 @triton.jit
 def _mma_kernel(x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, stride_x4, k_per_split,
                 TILES: tl.constexpr, ROWS: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr,
-                F16: tl.constexpr, EVEN_K: tl.constexpr, SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr):
+                F16: tl.constexpr, EVEN_K: tl.constexpr, SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
+                EMULATE: tl.constexpr):
     """y = x @ W^T for up to 8 * TILES activation rows per program on the matrix units, the weight
     decoded in registers into mma.sync's A fragments (`mma_asm`); grid: N tiles of 16 * ROWS *
     WARPS rows (16 * ROWS per warp), activation row tiles, K splits. One element per thread: the
@@ -1013,7 +1098,7 @@ def _mma_kernel(x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
-    g, c, warp, zero = _mma_lanes(WARPS)
+    g, c, warp, zero = _mma_lanes(WARPS, EMULATE)
     row = pid_n * (16 * ROWS * WARPS) + warp * (16 * ROWS) + g  # A rows g and g + 8 (+ 16 per tile)
     tok = pid_m * (8 * TILES) + g  # B column g: an activation row
     k_start = pid_s * k_per_split
@@ -1023,7 +1108,7 @@ def _mma_kernel(x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N
     xrow1 = tl.minimum(tok + 8, M - 1).to(tl.int64) * stride_x4
     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _mma_accumulate(
         zero, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, _mma_tables(N + 0 * g, F16), c, k_start, k_end,
-        TILES, ROWS, F16, EVEN_K, SCALE_PAIRS, PREFETCH)
+        TILES, ROWS, F16, EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE)
     y, rows, toks = _mma_fragments((d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3), row,
                                   pid_m * (8 * TILES) + 2 * c, TILES, ROWS)
     y = y * tl.load(gs_ptr)
@@ -1239,9 +1324,8 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(x.dtype, _w4a16_kernel)
     gemv = cfg.pop("gemv", False)
     mma = cfg.pop("mma", False)
-    if mma and (x.dtype == torch.float32 or interpreted(_mma_kernel)):
-        raise ValueError(f"{_WHAT}: the register-fed matrix-unit kernel takes bf16/fp16 activations on a GPU, "
-                         f"got {x.dtype} on {x.device}")
+    if mma and x.dtype == torch.float32:
+        raise ValueError(f"{_WHAT}: the register-fed matrix-unit kernel takes bf16/fp16 activations, got {x.dtype}")
     grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
     part, counters = out, out  # unused unless split > 1
     if split > 1:
@@ -1257,7 +1341,8 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
                           TILES=cfg["BLOCK_M"] // 8, ROWS=cfg["BLOCK_N"] // (16 * cfg["num_warps"]),
                           WARPS=cfg["num_warps"], SPLIT=split,
                           F16=x.dtype == torch.float16, EVEN_K=k % 128 == 0, SCALE_PAIRS=pairs,
-                          PREFETCH=cfg["PREFETCH"], num_warps=cfg["num_warps"], num_stages=1, **launch_options())
+                          PREFETCH=cfg["PREFETCH"], EMULATE=interpreted(_mma_kernel), num_warps=cfg["num_warps"],
+                          num_stages=1, **launch_options())
     elif gemv:
         x2, x4 = int64_activations(x2)
         lut = DEQUANT["lut"] and not interpreted(_gemv_kernel)  # the block-dot PTX takes any dtype
