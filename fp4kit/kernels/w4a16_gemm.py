@@ -753,8 +753,10 @@ def _thread_ids(t, EMULATE: tl.constexpr):
     if EMULATE:
         lane, tid = t % 32, t
     else:
+        # Not pure: a pure op may be recomputed in another layout (by other threads) instead of
+        # having its values moved, which would change the lane ids the values stand for.
         lane, tid = tl.inline_asm_elementwise(_THREAD_IDS_ASM, "=r,=r,r", [t], dtype=(tl.int32, tl.int32),
-                                              is_pure=True, pack=1)
+                                              is_pure=False, pack=1)
     return lane, tid // 32
 
 
@@ -896,29 +898,31 @@ def _mma_step(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0
     th0, tl0 = tabs
     x0, x1, x2, x3, x4, x5, x6, x7 = x
     y0, y1, y2, y3, y4, y5, y6, y7 = y
-    # operands in `mma_asm`'s order; the dtype picks the asm (a compile-time choice)
+    # operands in `mma_asm`'s order; the dtype picks the asm (a compile-time choice). Not pure:
+    # a warp-wide instruction must run in the threads that hold its operands, never be recomputed
+    # in another layout (see `_thread_ids`).
     if ROWS == 1:
         if TILES == 1:
             args = [d0, d1, d2, d3, g0, g1, k0, k1, sg, sk, th0, tl0, x0, x1, x2, x3, x4, x5, x6, x7]
             d0, d1, d2, d3 = tl.inline_asm_elementwise(
-                _MMA_F16_11 if F16 else _MMA_BF16_11, _MMA_C11, args, dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+                _MMA_F16_11 if F16 else _MMA_BF16_11, _MMA_C11, args, dtype=(tl.float32,) * 4, is_pure=False, pack=1)
         else:
             args = [d0, d1, d2, d3, e0, e1, e2, e3, g0, g1, k0, k1, sg, sk, th0, tl0,
                     x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7]
             d0, d1, d2, d3, e0, e1, e2, e3 = tl.inline_asm_elementwise(
-                _MMA_F16_21 if F16 else _MMA_BF16_21, _MMA_C21, args, dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+                _MMA_F16_21 if F16 else _MMA_BF16_21, _MMA_C21, args, dtype=(tl.float32,) * 8, is_pure=False, pack=1)
     else:
         if TILES == 1:
             args = [d0, d1, d2, d3, f0, f1, f2, f3, g0, g1, k0, k1, g2, g3, k2, k3, sg, sk, sg2, sk2, th0, tl0,
                     x0, x1, x2, x3, x4, x5, x6, x7]
             d0, d1, d2, d3, f0, f1, f2, f3 = tl.inline_asm_elementwise(
-                _MMA_F16_12 if F16 else _MMA_BF16_12, _MMA_C12, args, dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+                _MMA_F16_12 if F16 else _MMA_BF16_12, _MMA_C12, args, dtype=(tl.float32,) * 8, is_pure=False, pack=1)
         else:
             args = [d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3,
                     g0, g1, k0, k1, g2, g3, k2, k3, sg, sk, sg2, sk2, th0, tl0,
                     x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7]
             d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = tl.inline_asm_elementwise(
-                _MMA_F16_22 if F16 else _MMA_BF16_22, _MMA_C22, args, dtype=(tl.float32,) * 16, is_pure=True,
+                _MMA_F16_22 if F16 else _MMA_BF16_22, _MMA_C22, args, dtype=(tl.float32,) * 16, is_pure=False,
                 pack=1)
     return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
 
