@@ -764,8 +764,8 @@ def _thread_ids(t, EMULATE: tl.constexpr):
 def _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K: tl.constexpr, SCALE_PAIRS: tl.constexpr):
     """The lane's weights of a K step: codes of its two blocks (int64 each) in rows g (pg) and
     g + 8 (ph), and their two scale bytes per row in an int32 (sg_p, sh_p: one int16 each with
-    SCALE_PAIRS, else two bytes). ok0 / ok1: the blocks are before the end of the range (a
-    scalar, the whole step, with EVEN_K; masked blocks read as zero otherwise)."""
+    SCALE_PAIRS, else two bytes). ok0 / ok1: the blocks are before the end of the range (with
+    EVEN_K the whole step, the same in every lane; masked blocks read as zero otherwise)."""
     if EVEN_K:
         wg0 = tl.load(pg, mask=ok0)
         wg1 = tl.load(pg + 1, mask=ok0)
@@ -796,8 +796,8 @@ def _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K: tl.constexpr, SCALE_PAIRS
 @triton.jit
 def _mma_x(q, k, k_end, more, EVEN_K: tl.constexpr):
     """The lane's activations of a K step for one tile: 8 int64 (4 16-bit values each) at q + s,
-    K offsets k + 4s (k = step start + 32c); zeros past k_end (with EVEN_K, a whole step is in
-    or out: `more`)."""
+    K offsets k + 4s (k = step start + 32c); zeros past k_end (with EVEN_K a whole step is in or
+    out: `more`, the same in every lane)."""
     if EVEN_K:
         x0, x1, x2, x3 = tl.load(q, mask=more), tl.load(q + 1, mask=more), tl.load(q + 2, mask=more), tl.load(q + 3, mask=more)
         x4, x5, x6, x7 = tl.load(q + 4, mask=more), tl.load(q + 5, mask=more), tl.load(q + 6, mask=more), tl.load(q + 7, mask=more)
