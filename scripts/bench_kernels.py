@@ -48,6 +48,9 @@ def main() -> None:
                         help="time the MoE's CUDA-core tiles against its matrix-unit path and use them up to "
                              "the token count where they are faster")
     parser.add_argument("--sweep-moe", action="store_true", help="time the MoE decode launch shapes")
+    parser.add_argument("--sweep-moe-mma", action="store_true",
+                        help="time the MoE sorted path's register-fed matrix-unit launch shapes against its "
+                             "wgmma path and use them up to the token count where they are faster")
     parser.add_argument("--sweep-mid", action="store_true", help="time the 17-64-row GEMM launch shapes")
     parser.add_argument("--sweep-moe-small", action="store_true",
                         help="time the in-kernel-routing MoE path's split-K settings against the sorted path")
@@ -80,6 +83,8 @@ def main() -> None:
         (args.sweep_moe_gemv, "sweep_moe_gemv", moe_gemm.sweep_gemv, moe_gemm.MOE_GEMV, moe_gemm.pick_gemv),
         (args.sweep_gemv, "sweep_gemv", w4a16_gemm.sweep_gemv, w4a16_gemm.GEMV, w4a16_gemm.pick_gemv),
         (args.sweep or args.sweep_mma, "sweep_mma", w4a16_gemm.sweep_mma, w4a16_gemm.MMA, w4a16_gemm.pick_mma),
+        (args.sweep or args.sweep_moe_mma, "sweep_moe_mma", moe_gemm.sweep_mma, moe_gemm.MOE_MMA,
+         moe_gemm.pick_mma),
     )
     for asked, key, run, table, pick in sweeps:
         if asked:
@@ -90,6 +95,7 @@ def main() -> None:
                                "gemv": dict(w4a16_gemm.GEMV), "mma": dict(w4a16_gemm.MMA),
                                "gemm_mid": dict(w4a16_gemm.MID),
                                "moe_decode": dict(moe_gemm.MOE_DECODE), "moe_small": dict(moe_gemm.SMALL),
+                               "moe_mma": dict(moe_gemm.MOE_MMA),
                                "moe_gemv": dict(moe_gemm.MOE_GEMV)}
     print(f"launch shapes: {result['launch_shapes']}", flush=True)
 
@@ -156,7 +162,9 @@ def print_table(r: dict) -> None:
               f"  {m['timing']}  [{1e3 * m['ms_w4a16_eager']:.1f} / {1e3 * m['ms_bf16_eager']:.1f}]  {m['path']}"
               + (f" (sorted path {1e3 * m['ms_w4a16_sorted_graph']:.1f})" if m.get("ms_w4a16_sorted_graph") else "")
               + (f" (small on the matrix units {1e3 * m['ms_w4a16_small_matrix_unit_graph']:.1f})"
-                 if m.get("ms_w4a16_small_matrix_unit_graph") else ""))
+                 if m.get("ms_w4a16_small_matrix_unit_graph") else "")
+              + (f" (sorted on the register-fed matrix units {1e3 * m['ms_w4a16_sorted_mma_graph']:.1f})"
+                 if m.get("ms_w4a16_sorted_mma_graph") else ""))
     if r["moe"]:
         print(f"MoE baseline: {r['moe'][0]['baseline']}")
     print(f"host overhead: {r['host_overhead']}")

@@ -413,6 +413,27 @@ def test_moe_unused_experts_and_errors():
         moe_gemm.moe_experts(x, ids, weights, up, up)
 
 
+@pytest.mark.parametrize("launch", [(2, 2, 2), (1, 4, 0)])
+def test_moe_sorted_mma(launch):
+    # The sorted path on the register-fed matrix units (moe_gemm.MOE_MMA), forced: K of 3.125
+    # and 1.625 steps, scale bytes one at a time (K / 16 odd), rows not filling the last tile,
+    # runs of 1 to 10 assignments per expert.
+    n_exp, hid, inter, top_k, tokens = 8, 400, 208, 2, 37
+    up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=40, scale=0.1), scale_rule="4o6")
+    down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=41, scale=0.1))
+    x = _rand(tokens, hid, seed=42, dtype=torch.float16)
+    g = torch.Generator().manual_seed(43)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand((tokens, top_k), generator=g)
+    cfg = dict(moe_gemm.moe_mma_config(*launch), small=False)
+    got = moe_gemm.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE),
+                               cfg=cfg).cpu()
+    ref = moe_gemm.experts_reference(x.double(), ids, weights.double(), up.dequantize().double(),
+                                     down.dequantize().double())
+    assert got.dtype == torch.float16
+    assert float((got.double() - ref).norm() / ref.norm()) < 5e-3
+
+
 # --------------------------------------------------------------------------------------------
 # Launch-shape picks from benchmark sweeps (pure Python: the rows are what the sweeps record)
 # --------------------------------------------------------------------------------------------
@@ -479,6 +500,37 @@ def test_pick_moe_gemv_tile_and_threshold():
     got = moe_gemm.pick_gemv(rows, top_k=6, decode_tokens=8)
     # summed up to 8 tokens: 120 against 115 -> the second tile; it loses at 16 tokens
     assert got == {"max_assignments": 48, "BLOCK_M": 2, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1}
+
+
+def test_moe_config_paths_by_size_dtype_and_device():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    n_exp = 128
+    gemv_max = moe_gemm.MOE_GEMV["max_assignments"]
+    mma_max = int(moe_gemm.MOE_MMA["max_per_expert"] * n_exp)
+    assert moe_gemm.moe_config(gemv_max, n_exp, cuda).get("gemv")
+    assert moe_gemm.moe_config(gemv_max + 6, n_exp, cuda).get("mma")
+    assert moe_gemm.moe_config(mma_max, n_exp, cuda, torch.float16).get("mma")
+    beyond = moe_gemm.moe_config(mma_max + 6, n_exp, cuda)
+    assert not beyond.get("mma") and not beyond.get("gemv") and beyond["BLOCK_M"] in (16, 64)
+    for dtype, device in ((torch.float32, cuda), (torch.bfloat16, cpu)):  # fp32 or the interpreter: wgmma tiles
+        assert not moe_gemm.moe_config(gemv_max + 6, n_exp, device, dtype).get("mma")
+
+
+def test_pick_moe_mma_launch_and_reach():
+    rows = []
+    for t, wg, a, b in ((32, 400.0, 300.0, 290.0), (64, 500.0, 350.0, 340.0), (128, 560.0, 420.0, 600.0),
+                        (256, 640.0, 700.0, 710.0)):
+        rows.append({"tokens": t, "path": "sorted", "ms": wg})
+        rows.append({"tokens": t, "path": "sorted-mma", "launch": [2, 2, 2], "ms": a})
+        rows.append({"tokens": t, "path": "sorted-mma", "launch": [1, 2, 2], "ms": b})
+    # [1, 2, 2] is faster at 32 and 64 tokens but loses at 128; [2, 2, 2] wins up to 128
+    assert moe_gemm.pick_mma(rows, n_exp=128, top_k=6) == {"max_per_expert": 6.0, "rows": 2, "num_warps": 2,
+                                                           "prefetch": 2}
+    rows = [dict(r, ms=None) if r["path"] == "sorted-mma" and r["launch"] == [2, 2, 2] else r for r in rows]
+    assert moe_gemm.pick_mma(rows, n_exp=128, top_k=6) == {"max_per_expert": 3.0, "rows": 1, "num_warps": 2,
+                                                           "prefetch": 2}
+    rows = [dict(r, ms=1e9) if r["path"] == "sorted-mma" else r for r in rows]
+    assert moe_gemm.pick_mma(rows, n_exp=128, top_k=6)["max_per_expert"] == 0
 
 
 def test_pick_small_threshold_from_the_sorted_path():

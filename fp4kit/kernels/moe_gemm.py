@@ -32,6 +32,10 @@ Beyond, `_moe_sorted`, one launch per projection:
   intermediate in sorted order.
 - `_moe_down_kernel`, grid (E, H / BLOCK_N): the same walk over the intermediate; epilogue: round
   to the activation dtype, times the fp32 routing weight, stored per assignment in fp32.
+- with up to MOE_MMA["max_per_expert"] assignments per expert on average and 16-bit activations
+  on a GPU, `_moe_up_mma_kernel` / `_moe_down_mma_kernel` instead: the same walk 8 assignments
+  at a time on the register-fed matrix units (`w4a16_gemm._mma_accumulate`: the weight decoded
+  in registers into mma.sync's operand, no shared memory), the same epilogues.
 - the k slots of each token are summed in fp32 (fixed order) and cast to the activation dtype.
 
 Measured on an H200 against transformers' grouped_mm experts in bf16 (CUDA graphs, 128 experts,
@@ -56,7 +60,8 @@ from fp4kit.formats.errors import FormatError
 
 from .backend import cdiv, check_backend, interpreted, launch_options, next_power_of_2
 from .w4a16_gemm import (_ACT_DTYPES, DEQUANT, _accumulate, _gemv_accumulate, _gemv_k_tile, _relu2, _sm_count,
-                         check_weight, int64_activations, lut_tile, time_if_right, use_lut, with_maxnreg)
+                         check_weight, int64_activations, lut_tile, _mma_accumulate, _mma_fragments, _mma_lanes,
+                         _mma_rows, _mma_tables, time_if_right, use_lut, with_maxnreg)
 
 _WHAT = "kernels.moe_experts"
 
@@ -120,6 +125,82 @@ def _moe_down_kernel(
             y = acc.to(ACT_DTYPE).to(tl.float32) * route_w[None, :]
             tl.store(out_ptr + assignment[None, :].to(tl.int64) * H + n64[:, None], y,
                      mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _mma_columns(v0, v1, ROWS: tl.constexpr):
+    """Per-lane values of the lane's D columns 2c and 2c + 1 (`w4a16_gemm._mma_fragments` with one
+    activation tile) broadcast to the fragments' shape."""
+    v = tl.join(v0, v1)[:, :, None]
+    if ROWS == 2:
+        v = v[:, :, :, None]
+    return v
+
+
+@triton.jit
+def _moe_up_mma_kernel(
+    x4_ptr, order_ptr, offsets_ptr, wb_ptr, ws_ptr, gs_ptr, inter_ptr,
+    H, I, TOPK, stride_x4,
+    ROWS: tl.constexpr, WARPS: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """`_moe_up_kernel` on the register-fed matrix units (`w4a16_gemm._mma_accumulate`): a program
+    takes one expert and 16 * ROWS * WARPS of its output features, and walks the expert's run of
+    assignments 8 at a time (a lane's B column: the token row of one assignment; past the run,
+    the run's last, not stored)."""
+    e = tl.program_id(0)
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    if end > start:
+        g, c, warp, zero = _mma_lanes(WARPS, EMULATE)
+        row = tl.program_id(1) * (16 * ROWS * WARPS) + warp * (16 * ROWS) + g
+        wrows = _mma_rows(row, e * I, I, H)
+        tabs = _mma_tables(I + 0 * g, F16)
+        gs = tl.load(gs_ptr + e)
+        for m0 in range(start, end, 8):
+            token = tl.load(order_ptr + tl.minimum(m0 + g, end - 1)) // TOPK
+            xrow = token.to(tl.int64) * stride_x4
+            acc = _mma_accumulate(zero, x4_ptr, xrow, xrow, wb_ptr, ws_ptr, wrows, tabs, c, 0, H, 1, ROWS, F16,
+                                 EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE)
+            y, rows, pos = _mma_fragments(acc, row, m0 + 2 * c, 1, ROWS)
+            tl.store(inter_ptr + pos.to(tl.int64) * I + rows, _relu2(y * gs, inter_ptr.dtype.element_ty),
+                     mask=(pos < end) & (rows < I))
+
+
+@triton.jit
+def _moe_down_mma_kernel(
+    x4_ptr, order_ptr, offsets_ptr, weight_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr,
+    H, I, stride_x4,
+    ROWS: tl.constexpr, WARPS: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, ACT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """`_moe_down_kernel` on the register-fed matrix units: the up output's rows (x4_ptr, its
+    int64 view) in sorted order are the B columns; epilogue as `_moe_down_kernel`."""
+    e = tl.program_id(0)
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    if end > start:
+        g, c, warp, zero = _mma_lanes(WARPS, EMULATE)
+        row = tl.program_id(1) * (16 * ROWS * WARPS) + warp * (16 * ROWS) + g
+        wrows = _mma_rows(row, e * H, H, I)
+        tabs = _mma_tables(H + 0 * g, F16)
+        gs = tl.load(gs_ptr + e)
+        for m0 in range(start, end, 8):
+            xrow = tl.minimum(m0 + g, end - 1).to(tl.int64) * stride_x4
+            acc = _mma_accumulate(zero, x4_ptr, xrow, xrow, wb_ptr, ws_ptr, wrows, tabs, c, 0, I, 1, ROWS, F16,
+                                 EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE)
+            # The lane's two columns' assignments and routing weights, read in the lane's own
+            # layout and joined into the fragments' shape (`_mma_columns`).
+            p0 = m0 + 2 * c
+            a0 = tl.load(order_ptr + p0, mask=p0 < end, other=0)
+            a1 = tl.load(order_ptr + p0 + 1, mask=p0 + 1 < end, other=0)
+            r0 = tl.load(weight_ptr + a0, mask=p0 < end, other=0.0)
+            r1 = tl.load(weight_ptr + a1, mask=p0 + 1 < end, other=0.0)
+            y, rows, pos = _mma_fragments(acc, row, p0, 1, ROWS)
+            ok = (pos < end) & (rows < H)
+            dst = _mma_columns(a0.to(tl.int64) * H, a1.to(tl.int64) * H, ROWS)
+            route_w = _mma_columns(r0, r1, ROWS)
+            tl.store(out_ptr + dst + rows, (y * gs).to(ACT_DTYPE).to(tl.float32) * route_w, mask=ok)
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -288,14 +369,32 @@ SMALL = {"max_assignments": 48, "programs_per_sm": 2, "max_parts": 4}
 MOE_GEMV = {"max_assignments": 96, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 1, "num_stages": 1}
 
 
-def moe_config(assignments: int, n_experts: int, device: torch.device) -> dict:
-    """Decode sizes: the CUDA-core tiles (MOE_GEMV) up to their assignment count, else BLOCK_M =
-    16 on the matrix units; BLOCK_M follows the mean number of rows per expert beyond."""
+# Beyond the CUDA-core tiles, with up to MOE_MMA["max_per_expert"] assignments per expert on
+# average and 16-bit activations on a GPU, the sorted path runs on the register-fed matrix units
+# (`_moe_up_mma_kernel`, `_moe_down_mma_kernel`): weight-row tiles of 16 per warp, warps per
+# program and the L2 prefetch distance as the GEMM's MMA.
+MOE_MMA = {"max_per_expert": 8, "rows": 2, "num_warps": 2, "prefetch": 2}
+
+
+def moe_mma_config(rows: int | None = None, num_warps: int | None = None, prefetch: int | None = None) -> dict:
+    r = rows or MOE_MMA["rows"]
+    nw = num_warps or MOE_MMA["num_warps"]
+    return dict(mma=True, ROWS=r, num_warps=nw, BLOCK_M=8, BLOCK_N=16 * r * nw, BLOCK_K=128,
+                PREFETCH=MOE_MMA["prefetch"] if prefetch is None else prefetch)
+
+
+def moe_config(assignments: int, n_experts: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Decode sizes: the CUDA-core tiles (MOE_GEMV) up to their assignment count; then, for 16-bit
+    activations on a GPU, the register-fed matrix units (MOE_MMA) up to their rows per expert;
+    else BLOCK_M = 16 on the matrix units, BLOCK_M following the mean number of rows per expert."""
     if assignments <= MOE_GEMV["max_assignments"]:
         cfg = dict(gemv=True, **{k: v for k, v in MOE_GEMV.items() if k != "max_assignments"})
         if device.type != "cuda":  # the interpreter: fewer, larger programs; two rows each
             cfg.update(BLOCK_M=2, BLOCK_N=16, BLOCK_K=64)
         return cfg
+    if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and assignments <= MOE_MMA["max_per_expert"] * n_experts):
+        return moe_mma_config()
     return matrix_unit_config(assignments, n_experts, device)
 
 
@@ -390,6 +489,57 @@ def sweep_gemv(tokens=(1, 2, 4, 8, 16, 32, 64), n_exp=128, top_k=6, hid=2688, in
     return out
 
 
+def sweep_mma(tokens=(32, 64, 128, 256), n_exp=128, top_k=6, hid=2688, inter=1856,
+              launches=((1, 2, 2), (2, 1, 2), (2, 2, 2), (2, 4, 2), (2, 2, 0), (2, 2, 4))):
+    """CUDA-graph times of the sorted path on the register-fed matrix units for launch shapes
+    (weight tiles per warp, warps, L2 prefetch distance), and of the sorted path on wgmma at the
+    same token count, side by side, on Nano's experts; each checked first."""
+    up, down = _nano_experts(n_exp, hid, inter)
+    out = []
+    for t in tokens:
+        h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
+        base = matrix_unit_config(t * top_k, n_exp, h.device)
+        row = {"tokens": t, "path": "sorted"}
+        row.update(time_if_right(lambda: moe_experts(h, ids, w, up, down, cfg=dict(base, small=False)), ref))
+        out.append(row)
+        for launch in launches:
+            cfg = dict(moe_mma_config(*launch), small=False)
+            row = {"tokens": t, "path": "sorted-mma", "launch": list(launch)}
+            row.update(time_if_right(lambda: moe_experts(h, ids, w, up, down, cfg=dict(cfg)), ref))
+            out.append(row)
+    return out
+
+
+def pick_mma(rows, n_exp=128, top_k=6) -> dict:
+    """MOE_MMA: the launch shape with the smallest time summed over the token counts where the
+    register-fed path is used, and max_per_expert: the mean assignments per expert at the
+    largest token count up to which that shape beats the sorted wgmma path at every swept
+    count (0 if not at the first)."""
+    def ms(r):
+        return r["ms"] if r["ms"] is not None else float("inf")
+
+    base = {r["tokens"]: ms(r) for r in rows if r["path"] == "sorted"}
+    mma = [r for r in rows if r["path"] == "sorted-mma"]
+
+    def reach(launch):
+        times = {r["tokens"]: ms(r) for r in mma if tuple(r["launch"]) == launch}
+        up_to = 0
+        for t in sorted(base):
+            if not times.get(t, float("inf")) < base[t]:
+                break
+            up_to = t
+        return up_to
+
+    launches = {tuple(r["launch"]) for r in mma}
+    # The shape that wins furthest, then the fastest summed over the counts it is used for.
+    up_to = max(reach(launch) for launch in launches)
+    totals = {launch: sum(ms(r) for r in mma if tuple(r["launch"]) == launch and r["tokens"] <= up_to)
+              for launch in launches if reach(launch) == up_to}
+    rows_per_warp, warps, prefetch = min(totals, key=lambda launch: (totals[launch], launch))
+    return {"max_per_expert": top_k * up_to / n_exp, "rows": rows_per_warp, "num_warps": warps,
+            "prefetch": prefetch}
+
+
 def pick_gemv(rows, top_k=6, decode_tokens=8) -> dict:
     """MOE_GEMV: the tile with the smallest summed time up to `decode_tokens` tokens, and
     max_assignments: top_k times the largest token count up to which it beats the matrix-unit
@@ -469,13 +619,16 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     t, top_k = top_k_index.shape
     a = t * top_k
     x = hidden_states.contiguous()
-    cfg = dict(cfg or moe_config(a, n_exp, x.device))
+    cfg = dict(cfg or moe_config(a, n_exp, x.device, dtype))
     small = cfg.pop("small", a <= SMALL["max_assignments"] or cfg.get("gemv", False))
     lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(dtype, _moe_up_kernel)
     if a == 0:
         return torch.zeros_like(x)
     if not small and cfg.pop("gemv", False):
         raise ValueError(f"{_WHAT}: the CUDA-core tiles (gemv) run on the in-kernel-routing path only (small)")
+    if cfg.get("mma") and (small or dtype == torch.float32):
+        raise ValueError(f"{_WHAT}: the register-fed matrix units run on the sorted path only, for bf16/fp16 "
+                         f"activations on a GPU (got {dtype} on {x.device}, small={small})")
     run = _moe_small if small else _moe_sorted
     return run(x, top_k_index, top_k_weights.reshape(-1).to(torch.float32).contiguous(), up_proj, down_proj,
                cfg, lut)
@@ -556,6 +709,8 @@ def _moe_sorted(x, top_k_index, weights, up, down, cfg, lut):
     offsets = torch.searchsorted(sorted_ids, bounds)  # int64, read as is by the kernels
     ieee = dtype == torch.float32
     inter_act = torch.empty((a, inter), dtype=dtype, device=device)
+    if cfg.get("mma"):
+        return _moe_sorted_mma(x, top_k, weights, up, down, cfg, order, offsets, inter_act)
     _moe_up_kernel[(n_exp, cdiv(inter, cfg["BLOCK_N"]))](
         x, order, offsets, up.packed.view(torch.int32), up.block_scale.view(torch.uint8), up.global_scale,
         inter_act, hid, inter, top_k, IEEE=ieee, LUT=lut,
@@ -567,6 +722,36 @@ def _moe_sorted(x, top_k_index, weights, up, down, cfg, lut):
         EVEN_N=hid % cfg["BLOCK_N"] == 0, EVEN_K=inter % cfg["BLOCK_K"] == 0, ACT_DTYPE=_TL_DTYPES[dtype],
         **cfg, **launch_options())
     return per_slot.view(t, top_k, hid).sum(dim=1).to(dtype)
+
+
+def _mma_scales(w: nvfp4.NVFP4Tensor, k: int) -> tuple[torch.Tensor, bool]:
+    """A stack's scale bytes as the mma kernels read them: their int16 view (two blocks at a time)
+    where K / 16 is even and the bytes start 2-aligned, else the bytes."""
+    scales = w.block_scale.view(torch.uint8)
+    pairs = (k // 16) % 2 == 0 and scales.data_ptr() % 2 == 0
+    return (scales.view(torch.int16) if pairs else scales), pairs
+
+
+def _moe_sorted_mma(x, top_k, weights, up, down, cfg, order, offsets, inter_act):
+    """`_moe_sorted`'s two launches on the register-fed matrix units (16-bit activations)."""
+    n_exp, inter, hid = up.shape
+    a = order.numel()
+    t = a // top_k
+    x, x4 = int64_activations(x)
+    opts = dict(ROWS=cfg["ROWS"], WARPS=cfg["num_warps"], F16=x.dtype == torch.float16, PREFETCH=cfg["PREFETCH"],
+                EMULATE=interpreted(_moe_up_mma_kernel), num_warps=cfg["num_warps"], num_stages=1,
+                **launch_options())
+    up_scales, up_pairs = _mma_scales(up, hid)
+    _moe_up_mma_kernel[(n_exp, cdiv(inter, cfg["BLOCK_N"]))](
+        x4, order, offsets, up.packed.view(torch.int64), up_scales, up.global_scale, inter_act, hid, inter, top_k,
+        x.stride(0) // 4, EVEN_K=hid % 128 == 0, SCALE_PAIRS=up_pairs, **opts)
+    per_slot = torch.empty((a, hid), dtype=torch.float32, device=x.device)
+    down_scales, down_pairs = _mma_scales(down, inter)
+    _moe_down_mma_kernel[(n_exp, cdiv(hid, cfg["BLOCK_N"]))](
+        inter_act.view(torch.int64), order, offsets, weights, down.packed.view(torch.int64), down_scales,
+        down.global_scale, per_slot, hid, inter, inter // 4, EVEN_K=inter % 128 == 0, SCALE_PAIRS=down_pairs,
+        ACT_DTYPE=_TL_DTYPES[x.dtype], **opts)
+    return per_slot.view(t, top_k, hid).sum(dim=1).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -648,14 +833,18 @@ def bench(tokens=(1, 8, 64, 256, 2048), n_exp=128, top_k=6, hid=2688, inter=1856
             got = fp4().float()
             row["rel_diff_vs_bf16_weights"] = float((got - ref).norm() / ref.norm())
             a = t * top_k
-            row["path"] = ("small-gemv" if a <= MOE_GEMV["max_assignments"] else
-                           "small" if a <= SMALL["max_assignments"] else "sorted")
-            if row["path"] != "sorted":  # the matrix-unit paths at the same size, for the record
+            cfg = moe_config(a, n_exp, h.device)
+            row["path"] = ("small-gemv" if cfg.get("gemv") else "small" if a <= SMALL["max_assignments"] else
+                           "sorted-mma" if cfg.get("mma") else "sorted")
+            if row["path"] != "sorted":  # the wgmma paths at the same size, for the record
                 base = matrix_unit_config(a, n_exp, h.device)
                 row["ms_w4a16_sorted_graph"], _ = graph_time(
                     lambda: moe_experts(h, ids, w, up_q, down_q, cfg=dict(base, small=False)))
                 if row["path"] == "small-gemv":
                     row["ms_w4a16_small_matrix_unit_graph"], _ = graph_time(
                         lambda: moe_experts(h, ids, w, up_q, down_q, cfg=dict(base, small=True)))
+                if row["path"] != "sorted-mma":
+                    row["ms_w4a16_sorted_mma_graph"], _ = graph_time(
+                        lambda: moe_experts(h, ids, w, up_q, down_q, cfg=dict(moe_mma_config(), small=False)))
         rows.append(row)
     return rows

@@ -318,6 +318,7 @@ def test_w4a16_gemv_bf16(nk, m, monkeypatch):
     (1, None), (4, None), (8, None), (64, None), (300, None), (2048, None),  # 2048: the large-M launch shape
     (1, "sorted"), (64, "small"),  # each path where the other is the default (64: one program per expert)
     (1, "small-matrix-unit"), (64, "gemv"),  # the in-kernel-routing path on the other units
+    (1, "mma"), (8, "mma"), (17, "mma"), (64, "sorted"),  # the sorted path on the register-fed / wgmma units
 ])
 def test_moe_bf16_nano_shapes(tokens, path):
     n_exp, hid, inter, top_k = 128, 2688, 1856, 6
@@ -331,6 +332,8 @@ def test_moe_bf16_nano_shapes(tokens, path):
     if path == "gemv":
         cfg = dict(moe_gemm.moe_config(0, n_exp, x.device))
         assert cfg["gemv"]
+    elif path == "mma":
+        cfg = dict(moe_gemm.moe_mma_config(), small=False)
     elif path is not None:
         cfg = dict(moe_gemm.matrix_unit_config(tokens * top_k, n_exp, x.device), small=path != "sorted")
     got = moe_gemm.moe_experts(x, ids, weights, up, down, cfg=cfg)
@@ -341,6 +344,24 @@ def test_moe_bf16_nano_shapes(tokens, path):
     assert float((got.float() - ref).norm() / ref.norm()) < 1e-2
     torch_bf16 = moe_gemm.moe_experts(x, ids, weights, up, down, backend="torch")
     assert float((got.float() - torch_bf16.float()).norm() / torch_bf16.float().norm()) < 1e-2
+
+
+@pytest.mark.parametrize("launch", [(2, 2, 2), (1, 4, 0)])
+def test_moe_mma_fp16_ragged_shapes(launch):
+    # The sorted path on the register-fed matrix units with fp16 activations, hidden and
+    # intermediate sizes whose K is not a whole number of 128-steps and whose rows do not fill
+    # the last tile, one and two weight tiles per warp: against the reference in fp32.
+    n_exp, hid, inter, top_k, tokens = 8, 400, 208, 2, 37
+    up = kquant.quantize(_randn(n_exp, inter, hid, seed=60), scale_rule="4o6")
+    down = kquant.quantize(_randn(n_exp, hid, inter, seed=61), scale_rule="4o6")
+    x = _randn(tokens, hid, seed=62, scale=1.0).to(torch.float16)
+    g = torch.Generator(device=DEV).manual_seed(63)
+    ids = torch.stack([torch.randperm(n_exp, device=DEV, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand((tokens, top_k), device=DEV, generator=g)
+    got = moe_gemm.moe_experts(x, ids, weights, up, down, cfg=dict(moe_gemm.moe_mma_config(*launch), small=False))
+    ref = moe_gemm.experts_reference(x.float(), ids, weights, up.dequantize().float(), down.dequantize().float())
+    assert got.dtype == torch.float16
+    assert float((got.float() - ref).norm() / ref.norm()) < 5e-3
 
 
 # --------------------------------------------------------------------------------------------
