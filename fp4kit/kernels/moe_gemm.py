@@ -39,12 +39,14 @@ Beyond, `_moe_sorted`, one launch per projection:
 - the k slots of each token are summed in fp32 (fixed order) and cast to the activation dtype.
 
 Measured on an H200 against transformers' grouped_mm experts in bf16 (CUDA graphs, 128 experts,
-top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json): 5.35x at 1 token (23.8 us; the
-matrix-unit tiles of the same path took 41.2), 2.74x at 8 (142.0 us; 196.2), 1.81x at 64 (the
-sorted path), 1.60x at 256, 0.65x at 2048. On the CUDA cores the experts' weights stream at about
-1.5 TB/s at 8 tokens (about 41 experts of 5.6 MB); the matrix-unit tiles are instruction bound (about 6.5
-instructions per weight, `w4a16_gemm`), and from 32 tokens on they beat the CUDA cores, whose
-cost grows with every row of an expert.
+top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json, `bench_kernels.py --sweep-mma
+--sweep-moe-mma`): 4.93x at 1 token (24.4 us; the sorted path on the register-fed matrix units
+took 82.6), 2.57x at 8 (146.6 us; 138.3 on the register-fed units, 205.5 on wgmma), 2.69x at 64
+(the register-fed units; 537.4 us on wgmma against 361.7), 1.59x at 256 (wgmma), 0.65x at 2048.
+The register-fed units beat wgmma up to 128 tokens (about 6 assignments per expert) and lose at
+256 (sweep_moe_mma). On the CUDA cores the experts' weights stream at about 1.5 TB/s at 8 tokens
+(about 41 experts of 5.6 MB); the wgmma tiles are instruction bound (about 6.5 instructions per
+weight, `w4a16_gemm`).
 """
 
 from __future__ import annotations
@@ -371,9 +373,11 @@ MOE_GEMV = {"max_assignments": 96, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "
 
 # Beyond the CUDA-core tiles, with up to MOE_MMA["max_per_expert"] assignments per expert on
 # average and 16-bit activations on a GPU, the sorted path runs on the register-fed matrix units
-# (`_moe_up_mma_kernel`, `_moe_down_mma_kernel`): weight-row tiles of 16 per warp, warps per
-# program and the L2 prefetch distance as the GEMM's MMA.
-MOE_MMA = {"max_per_expert": 8, "rows": 2, "num_warps": 2, "prefetch": 2}
+# (`_moe_up_mma_kernel`, `_moe_down_mma_kernel`): weight-row tiles of 16 per warp (rows), warps
+# per program and the L2 prefetch distance, as in the GEMM's MMA. Picked by pick_mma from
+# sweep_moe_mma (benchmarks/results/kernels-h200.json): faster than the wgmma tiles up to 128
+# tokens (433.3 against 552.9 us), slower at 256 (685.3 against 626.1).
+MOE_MMA = {"max_per_expert": 6, "rows": 2, "num_warps": 4, "prefetch": 2}
 
 
 def moe_mma_config(rows: int | None = None, num_warps: int | None = None, prefetch: int | None = None) -> dict:
