@@ -413,6 +413,23 @@ def test_moe_unused_experts_and_errors():
         moe_gemm.moe_experts(x, ids, weights, up, up)
 
 
+def test_moe_mma_launch_defaults_to_the_sorted_path_when_small():
+    # A few assignments (the in-kernel-routing path's size) with the register-fed launch shape
+    # and no explicit path: the sorted path, which is the only one that runs it.
+    n_exp, hid, inter, top_k, tokens = 4, 128, 64, 2, 3
+    up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=44, scale=0.1))
+    down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=45, scale=0.1))
+    x = _rand(tokens, hid, seed=46, dtype=torch.float16)
+    ids = torch.tensor([[0, 2], [2, 3], [0, 1]])
+    weights = torch.rand((tokens, top_k), generator=torch.Generator().manual_seed(47))
+    assert tokens * top_k <= moe_gemm.SMALL["max_assignments"]
+    got = moe_gemm.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE),
+                               cfg=moe_gemm.moe_mma_config(1, 1, 0)).cpu()
+    ref = moe_gemm.experts_reference(x.double(), ids, weights.double(), up.dequantize().double(),
+                                     down.dequantize().double())
+    assert float((got.double() - ref).norm() / ref.norm()) < 5e-3
+
+
 @pytest.mark.parametrize("launch", [(2, 2, 2), (1, 4, 0)])
 def test_moe_sorted_mma(launch):
     # The sorted path on the register-fed matrix units (moe_gemm.MOE_MMA), forced: K of 3.125

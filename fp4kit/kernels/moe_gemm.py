@@ -396,6 +396,13 @@ def moe_config(assignments: int, n_experts: int, device: torch.device, dtype: to
         if device.type != "cuda":  # the interpreter: fewer, larger programs; two rows each
             cfg.update(BLOCK_M=2, BLOCK_N=16, BLOCK_K=64)
         return cfg
+    return beyond_gemv_config(assignments, n_experts, device, dtype)
+
+
+def beyond_gemv_config(assignments: int, n_experts: int, device: torch.device,
+                       dtype: torch.dtype = torch.bfloat16) -> dict:
+    """moe_config without the CUDA-core tiles: the register-fed matrix units (MOE_MMA) for 16-bit
+    activations on a GPU up to their assignments per expert, else the wgmma tiles."""
     if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
             and assignments <= MOE_MMA["max_per_expert"] * n_experts):
         return moe_mma_config()
@@ -475,13 +482,14 @@ def sweep_small(tokens=(1, 2, 4, 8, 64), n_exp=128, top_k=6, hid=2688, inter=185
 def sweep_gemv(tokens=(1, 2, 4, 8, 16, 32, 64), n_exp=128, top_k=6, hid=2688, inter=1856,
                tiles=((1, 4, 512, 1), (1, 8, 512, 1), (1, 4, 2048, 4), (1, 8, 2048, 4), (2, 8, 512, 1))):
     """CUDA-graph times of the CUDA-core tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps) on the
-    in-kernel-routing path, and of the matrix-unit default at the same token count, side by
-    side, on Nano's experts; each checked first."""
+    in-kernel-routing path, and of the default beyond them (`beyond_gemv_config`: the register-fed
+    or the wgmma matrix units) at the same token count, side by side, on Nano's experts; each
+    checked first."""
     up, down = _nano_experts(n_exp, hid, inter)
     out = []
     for t in tokens:
         h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
-        base = matrix_unit_config(t * top_k, n_exp, h.device)
+        base = beyond_gemv_config(t * top_k, n_exp, h.device, h.dtype)
         row = {"tokens": t, "path": "matrix-unit"}
         row.update(time_if_right(lambda: moe_experts(h, ids, w, up, down, cfg=dict(base)), ref))
         out.append(row)
@@ -547,7 +555,7 @@ def pick_mma(rows, n_exp=128, top_k=6) -> dict:
 def pick_gemv(rows, top_k=6, decode_tokens=8) -> dict:
     """MOE_GEMV: the tile with the smallest summed time up to `decode_tokens` tokens, and
     max_assignments: top_k times the largest token count up to which it beats the matrix-unit
-    default at every swept count (0 if not at the first)."""
+    default beyond the tiles at every swept count (0 if not at the first)."""
     def ms(r):
         return r["ms"] if r["ms"] is not None else float("inf")
 
@@ -624,7 +632,8 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     a = t * top_k
     x = hidden_states.contiguous()
     cfg = dict(cfg or moe_config(a, n_exp, x.device, dtype))
-    small = cfg.pop("small", a <= SMALL["max_assignments"] or cfg.get("gemv", False))
+    # The in-kernel-routing path by default up to its size (the register-fed units run sorted only).
+    small = cfg.pop("small", cfg.get("gemv", False) or (a <= SMALL["max_assignments"] and not cfg.get("mma")))
     lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(dtype, _moe_up_kernel)
     if a == 0:
         return torch.zeros_like(x)
