@@ -5,8 +5,9 @@ is that computation, `experts_reference`): up_proj [E, I, H] and down_proj [E, H
 stacks (one global scale per expert), router output as the model produces it (top-k expert ids
 [T, k] and fp32 weights [T, k]).
 
-Up to SMALL["max_assignments"] (token, slot) assignments (8 tokens at top-6; up to
-MOE_GEMV["max_assignments"], 16 tokens, on the CUDA cores), `_moe_small`, three launches and no
+Up to MOE_GEMV["max_assignments"] (token, slot) assignments (4 tokens at top-6, on the CUDA
+cores), and up to SMALL["max_assignments"] (8 tokens) where the register-fed matrix units below
+do not run (fp32 activations, Triton's interpreter), `_moe_small`, three launches and no
 host-side routing:
 - `_moe_small_kernel` for up_proj, grid (slots, I / BLOCK_N, K splits): each program reads the
   routed expert ids, finds its expert (with fewer assignments than experts, a program per
@@ -40,11 +41,12 @@ Beyond, `_moe_sorted`, one launch per projection:
 
 Measured on an H200 against transformers' grouped_mm experts in bf16 (CUDA graphs, 128 experts,
 top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json, `bench_kernels.py --sweep-mma
---sweep-moe-mma`): 4.93x at 1 token (24.4 us; the sorted path on the register-fed matrix units
-took 82.6), 2.57x at 8 (146.6 us; 138.3 on the register-fed units, 205.5 on wgmma), 2.69x at 64
-(the register-fed units; 537.4 us on wgmma against 361.7), 1.59x at 256 (wgmma), 0.65x at 2048.
-The register-fed units beat wgmma up to 128 tokens (about 6 assignments per expert) and lose at
-256 (sweep_moe_mma). On the CUDA cores the experts' weights stream at about 1.5 TB/s at 8 tokens
+--sweep-moe-mma --sweep-moe-gemv`): 5.24x at 1 token (24.4 us on the CUDA cores; the sorted path
+on the register-fed matrix units took 72.9), 2.79x at 8 (140.8 us, the register-fed units; 208.3
+on wgmma), 2.86x at 64 (338.1 us, the register-fed units; 540.3 on wgmma), 1.56x at 256 (wgmma),
+0.65x at 2048. The CUDA-core tiles win up to 4 tokens and the register-fed units from 8 to 128
+tokens (about 6 assignments per expert); they lose to wgmma at 256 (sweep_moe_gemv,
+sweep_moe_mma). On the CUDA cores the experts' weights stream at about 1.5 TB/s at 8 tokens
 (about 41 experts of 5.6 MB); the wgmma tiles are instruction bound (about 6.5 instructions per
 weight, `w4a16_gemm`).
 """
@@ -365,10 +367,10 @@ SMALL = {"max_assignments": 48, "programs_per_sm": 2, "max_parts": 4}
 # Up to MOE_GEMV["max_assignments"] assignments the in-kernel-routing path runs its projections
 # on the CUDA cores (`w4a16_gemm._gemv_accumulate`), BLOCK_M of an expert's rows at a time.
 # Picked on an H200 by `sweep_gemv` (scripts/bench_kernels.py --sweep-moe-gemv; sweep_moe_gemv in
-# benchmarks/results/kernels-sweeps-gemv-h200.json): one row, 4 output features and 512 of K per one-warp
-# program; faster than the matrix-unit tiles up to 16 tokens (287.5 against 307.7 us), slower
-# from 32 (588.2 against 431.6).
-MOE_GEMV = {"max_assignments": 96, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 1, "num_stages": 1}
+# benchmarks/results/kernels-h200.json): one row, 4 output features and 512 of K per one-warp
+# program; faster than the default beyond them (the register-fed matrix units, MOE_MMA) up to 4
+# tokens (77.3 against 100.8 us), slower from 8 (142.7 against 138.6; 285.4 against 200.8 at 16).
+MOE_GEMV = {"max_assignments": 24, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 1, "num_stages": 1}
 
 
 # Beyond the CUDA-core tiles, with up to MOE_MMA["max_per_expert"] assignments per expert on
@@ -376,7 +378,7 @@ MOE_GEMV = {"max_assignments": 96, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "
 # (`_moe_up_mma_kernel`, `_moe_down_mma_kernel`): weight-row tiles of 16 per warp (rows), warps
 # per program and the L2 prefetch distance, as in the GEMM's MMA. Picked by pick_mma from
 # sweep_moe_mma (benchmarks/results/kernels-h200.json): faster than the wgmma tiles up to 128
-# tokens (433.3 against 552.9 us), slower at 256 (685.3 against 626.1).
+# tokens (427.7 against 554.4 us), slower at 256 (700.0 against 638.7).
 MOE_MMA = {"max_per_expert": 6, "rows": 2, "num_warps": 4, "prefetch": 2}
 
 
@@ -847,8 +849,8 @@ def bench(tokens=(1, 8, 64, 256, 2048), n_exp=128, top_k=6, hid=2688, inter=1856
             row["rel_diff_vs_bf16_weights"] = float((got - ref).norm() / ref.norm())
             a = t * top_k
             cfg = moe_config(a, n_exp, h.device)
-            row["path"] = ("small-gemv" if cfg.get("gemv") else "small" if a <= SMALL["max_assignments"] else
-                           "sorted-mma" if cfg.get("mma") else "sorted")
+            row["path"] = ("small-gemv" if cfg.get("gemv") else "sorted-mma" if cfg.get("mma") else
+                           "small" if a <= SMALL["max_assignments"] else "sorted")
             if row["path"] != "sorted":  # the wgmma paths at the same size, for the record
                 base = matrix_unit_config(a, n_exp, h.device)
                 row["ms_w4a16_sorted_graph"], _ = graph_time(
