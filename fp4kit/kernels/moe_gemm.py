@@ -194,7 +194,10 @@ def _moe_down_mma_kernel(
             acc = _mma_accumulate(zero, x4_ptr, xrow, xrow, wb_ptr, ws_ptr, wrows, tabs, c, 0, I, 1, ROWS, F16,
                                  EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE)
             # The lane's two columns' assignments and routing weights, read in the lane's own
-            # layout and joined into the fragments' shape (`_mma_columns`).
+            # layout and joined into the fragments' shape (`_mma_columns`). Gathered in the
+            # fragments' layout instead (tl.load(order_ptr + pos)), the assignment ids came out
+            # wrong on an H200 (Triton 3.6; right in the interpreter): tests/gpu's MoE tests
+            # caught it.
             p0 = m0 + 2 * c
             a0 = tl.load(order_ptr + p0, mask=p0 < end, other=0)
             a1 = tl.load(order_ptr + p0 + 1, mask=p0 + 1 < end, other=0)
