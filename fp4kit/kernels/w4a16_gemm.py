@@ -39,15 +39,15 @@ and the last program of each tile to finish sums them in a fixed order in the sa
 multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1 (GEMV): 2.18x on 8192 x 8192 (15.4 us), 2.22x on 28672 x 8192, 1.77-1.83x
-on the Nano shapes and 131072 x 2688; M = 4 (mma): 1.77x, 1.66x, 1.29-1.34x and 2.02x; M = 16:
-0.88-1.27x; M = 64: 0.53-0.95x. The GEMV loop spends 4.5 SASS instructions per weight at one row
+the bf16 weight): M = 1 (GEMV): 2.22x on 8192 x 8192 (15.3 us), 2.17x on 28672 x 8192, 1.79-1.88x
+on the Nano shapes and 131072 x 2688; M = 4 (mma): 1.84x, 1.71x, 1.21x and 2.02x; M = 16:
+0.89-1.26x; M = 64: 0.50-0.91x. The GEMV loop spends 4.5 SASS instructions per weight at one row
 (fma, fp16-to-fp32 conversion, 0.9 of code decoding, loads and addresses), so at M = 1 both
 instruction issue (~9 us for 8192 x 8192) and memory (~9.4 us) are close to the time taken. The
 mma kernel's loop spends 3.6 per weight for up to 8 rows (5 byte permutes per 4 codes), but
-keeps fewer weight bytes in flight per thread: 19.1 us at two rows on 8192 x 8192 (sweep_mma),
-18.6 at four, more than the GEMV's one row. With a second activation tile (9-16 rows) it cost
-as much as the wgmma kernel in development runs, so MMA["max_m"] is 8.
+keeps fewer weight bytes in flight per thread: 18.6 us at two rows on 8192 x 8192 (sweep_mma),
+18.0 at four, more than the GEMV's one row. With a second activation tile (9-16 rows) it was not
+faster than the wgmma kernel on the Nano shapes in development runs, so MMA["max_m"] is 8.
 That kernel spends ~6.5 instructions per weight in its main loop: the table dequantization, then
 the tile written to shared memory and read back in the wgmma operand layout (8 STS.128, 8 LDSM,
 5 barriers per K step, read from the sm_90 PTX), address and mask arithmetic.
@@ -1242,9 +1242,9 @@ def _gemv_k_tile(k: int, cfg: dict) -> dict:
 # The register-fed matrix-unit kernel (`_mma_kernel`) for MMA["min_m"] to MMA["max_m"] rows of
 # bf16/fp16 activations on a GPU: weight-row tiles of 16 per warp ("rows"), warps per program,
 # the split-K target and the L2 prefetch distance in K steps. Picked on an H200 by `sweep_mma`
-# (scripts/bench_kernels.py --sweep-mma). One row stays on the CUDA-core GEMV (15.4 us on 8192 x
-# 8192; the mma kernel takes 19.1 at two rows); from 9 rows its second activation tile cost as
-# much as the wgmma kernel.
+# (scripts/bench_kernels.py --sweep-mma; benchmarks/results/kernels-h200.json). One row stays on
+# the CUDA-core GEMV (15.3 us on 8192 x 8192; the mma kernel takes 18.6 at two rows); from 9 rows
+# its second activation tile was not faster than the wgmma kernel on the Nano shapes.
 MMA = {"min_m": 2, "max_m": 8, "rows": 2, "num_warps": 2, "programs_per_sm": 4, "prefetch": 2}
 
 
