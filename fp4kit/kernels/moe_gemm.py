@@ -65,7 +65,7 @@ from fp4kit.formats.errors import FormatError
 from .backend import cdiv, check_backend, interpreted, launch_options, next_power_of_2
 from .w4a16_gemm import (_ACT_DTYPES, DEQUANT, _accumulate, _gemv_accumulate, _gemv_k_tile, _relu2, _sm_count,
                          check_weight, int64_activations, lut_tile, _mma_accumulate, _mma_fragments, _mma_lanes,
-                         _mma_rows, _mma_tables, time_if_right, use_lut, with_maxnreg)
+                         _mma_rows, _mma_tables, mma_scales, time_if_right, use_lut, with_maxnreg)
 
 _WHAT = "kernels.moe_experts"
 
@@ -142,6 +142,18 @@ def _mma_columns(v0, v1, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _mma_expert(gs_ptr, e, N, K, ROWS: tl.constexpr, WARPS: tl.constexpr, F16: tl.constexpr,
+                EMULATE: tl.constexpr):
+    """What `_moe_up_mma_kernel` / `_moe_down_mma_kernel` need of expert e's weight [N, K] (row
+    e * N of the stack) in this program: lanes g and c, zero accumulators, the lane's first weight
+    row, its rows' first blocks (`w4a16_gemm._mma_rows`), the decode tables and the global scale."""
+    g, c, warp, zero = _mma_lanes(WARPS, EMULATE)
+    row = tl.program_id(1) * (16 * ROWS * WARPS) + warp * (16 * ROWS) + g
+    return (g, c, zero, row, _mma_rows(row, e * N, N, K), _mma_tables(N + 0 * g, F16),
+            tl.load(gs_ptr + e))
+
+
+@triton.jit
 def _moe_up_mma_kernel(
     x4_ptr, order_ptr, offsets_ptr, wb_ptr, ws_ptr, gs_ptr, inter_ptr,
     H, I, TOPK, stride_x4,
@@ -156,11 +168,7 @@ def _moe_up_mma_kernel(
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
     if end > start:
-        g, c, warp, zero = _mma_lanes(WARPS, EMULATE)
-        row = tl.program_id(1) * (16 * ROWS * WARPS) + warp * (16 * ROWS) + g
-        wrows = _mma_rows(row, e * I, I, H)
-        tabs = _mma_tables(I + 0 * g, F16)
-        gs = tl.load(gs_ptr + e)
+        g, c, zero, row, wrows, tabs, gs = _mma_expert(gs_ptr, e, I, H, ROWS, WARPS, F16, EMULATE)
         for m0 in range(start, end, 8):
             token = tl.load(order_ptr + tl.minimum(m0 + g, end - 1)) // TOPK
             xrow = token.to(tl.int64) * stride_x4
@@ -184,11 +192,7 @@ def _moe_down_mma_kernel(
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
     if end > start:
-        g, c, warp, zero = _mma_lanes(WARPS, EMULATE)
-        row = tl.program_id(1) * (16 * ROWS * WARPS) + warp * (16 * ROWS) + g
-        wrows = _mma_rows(row, e * H, H, I)
-        tabs = _mma_tables(H + 0 * g, F16)
-        gs = tl.load(gs_ptr + e)
+        g, c, zero, row, wrows, tabs, gs = _mma_expert(gs_ptr, e, H, I, ROWS, WARPS, F16, EMULATE)
         for m0 in range(start, end, 8):
             xrow = tl.minimum(m0 + g, end - 1).to(tl.int64) * stride_x4
             acc = _mma_accumulate(zero, x4_ptr, xrow, xrow, wb_ptr, ws_ptr, wrows, tabs, c, 0, I, 1, ROWS, F16,
@@ -742,14 +746,6 @@ def _moe_sorted(x, top_k_index, weights, up, down, cfg, lut):
     return per_slot.view(t, top_k, hid).sum(dim=1).to(dtype)
 
 
-def _mma_scales(w: nvfp4.NVFP4Tensor, k: int) -> tuple[torch.Tensor, bool]:
-    """A stack's scale bytes as the mma kernels read them: their int16 view (two blocks at a time)
-    where K / 16 is even and the bytes start 2-aligned, else the bytes."""
-    scales = w.block_scale.view(torch.uint8)
-    pairs = (k // 16) % 2 == 0 and scales.data_ptr() % 2 == 0
-    return (scales.view(torch.int16) if pairs else scales), pairs
-
-
 def _moe_sorted_mma(x, top_k, weights, up, down, cfg, order, offsets, inter_act):
     """`_moe_sorted`'s two launches on the register-fed matrix units (16-bit activations)."""
     n_exp, inter, hid = up.shape
@@ -759,12 +755,12 @@ def _moe_sorted_mma(x, top_k, weights, up, down, cfg, order, offsets, inter_act)
     opts = dict(ROWS=cfg["ROWS"], WARPS=cfg["num_warps"], F16=x.dtype == torch.float16, PREFETCH=cfg["PREFETCH"],
                 EMULATE=interpreted(_moe_up_mma_kernel), num_warps=cfg["num_warps"], num_stages=1,
                 **launch_options())
-    up_scales, up_pairs = _mma_scales(up, hid)
+    up_scales, up_pairs = mma_scales(up)
     _moe_up_mma_kernel[(n_exp, cdiv(inter, cfg["BLOCK_N"]))](
         x4, order, offsets, up.packed.view(torch.int64), up_scales, up.global_scale, inter_act, hid, inter, top_k,
         x.stride(0) // 4, EVEN_K=hid % 128 == 0, SCALE_PAIRS=up_pairs, **opts)
     per_slot = torch.empty((a, hid), dtype=torch.float32, device=x.device)
-    down_scales, down_pairs = _mma_scales(down, inter)
+    down_scales, down_pairs = mma_scales(down)
     _moe_down_mma_kernel[(n_exp, cdiv(hid, cfg["BLOCK_N"]))](
         inter_act.view(torch.int64), order, offsets, weights, down.packed.view(torch.int64), down_scales,
         down.global_scale, per_slot, hid, inter, inter // 4, EVEN_K=inter % 128 == 0, SCALE_PAIRS=down_pairs,

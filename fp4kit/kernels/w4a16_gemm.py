@@ -1338,9 +1338,8 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     even = dict(EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0)
     if mma:
         x2, x4 = int64_activations(x2)
-        scales = w.block_scale.view(torch.uint8)
-        pairs = (k // 16) % 2 == 0 and scales.data_ptr() % 2 == 0
-        _mma_kernel[grid](x4, w.packed.view(torch.int64), scales.view(torch.int16) if pairs else scales,
+        scales, pairs = mma_scales(w)
+        _mma_kernel[grid](x4, w.packed.view(torch.int64), scales,
                           w.global_scale, out, part, counters, m, n, k, x2.stride(0) // 4, k_per_split,
                           TILES=cfg["BLOCK_M"] // 8, ROWS=cfg["BLOCK_N"] // (16 * cfg["num_warps"]),
                           WARPS=cfg["num_warps"], SPLIT=split,
@@ -1358,6 +1357,15 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
                             part, counters, m, n, k, x2.stride(0), k_per_split, SPLIT=split,
                             IEEE=x.dtype == torch.float32, LUT=lut, **even, **cfg, **launch_options())
     return out.reshape(*lead, n)
+
+
+def mma_scales(w: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, bool]:
+    """A weight's (or stack's) scale bytes as the mma kernels read them, and whether paired: their
+    int16 view (two blocks at a time) where K / 16 is even and the bytes start 2-aligned, else
+    the bytes."""
+    scales = w.block_scale.view(torch.uint8)
+    pairs = scales.shape[-1] % 2 == 0 and scales.data_ptr() % 2 == 0
+    return (scales.view(torch.int16) if pairs else scales), pairs
 
 
 def int64_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
