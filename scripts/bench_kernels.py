@@ -44,6 +44,9 @@ def main() -> None:
     parser.add_argument("--sweep-gemm", action="store_true", help="time the 2-16-row GEMM launch shapes")
     parser.add_argument("--sweep-mma", action="store_true",
                         help="time the register-fed matrix-unit GEMM's launch shapes (2-8 rows)")
+    parser.add_argument("--sweep-mma-wide", action="store_true",
+                        help="time the register-fed matrix-unit GEMM's two-tile launch shapes (9-16 rows) "
+                             "against the wgmma kernel and use them for the weights where they are faster")
     parser.add_argument("--sweep-moe-gemv", action="store_true",
                         help="time the MoE's CUDA-core tiles against its matrix-unit path and use them up to "
                              "the token count where they are faster")
@@ -83,6 +86,8 @@ def main() -> None:
         (args.sweep_moe_gemv, "sweep_moe_gemv", moe_gemm.sweep_gemv, moe_gemm.MOE_GEMV, moe_gemm.pick_gemv),
         (args.sweep_gemv, "sweep_gemv", w4a16_gemm.sweep_gemv, w4a16_gemm.GEMV, w4a16_gemm.pick_gemv),
         (args.sweep or args.sweep_mma, "sweep_mma", w4a16_gemm.sweep_mma, w4a16_gemm.MMA, w4a16_gemm.pick_mma),
+        (args.sweep or args.sweep_mma_wide, "sweep_mma_wide", w4a16_gemm.sweep_mma_wide, w4a16_gemm.MMA_WIDE,
+         w4a16_gemm.pick_mma_wide),
         (args.sweep or args.sweep_moe_mma, "sweep_moe_mma", moe_gemm.sweep_mma, moe_gemm.MOE_MMA,
          moe_gemm.pick_mma),
     )
@@ -93,6 +98,7 @@ def main() -> None:
             print(f"{key.replace('_', ' ')}: {json.dumps(result[key])}", flush=True)
     result["launch_shapes"] = {"quantize": dict(kquant.TUNING), "gemm_decode": dict(w4a16_gemm.DECODE),
                                "gemv": dict(w4a16_gemm.GEMV), "mma": dict(w4a16_gemm.MMA),
+                               "mma_wide": dict(w4a16_gemm.MMA_WIDE),
                                "gemm_mid": dict(w4a16_gemm.MID),
                                "moe_decode": dict(moe_gemm.MOE_DECODE), "moe_small": dict(moe_gemm.SMALL),
                                "moe_mma": dict(moe_gemm.MOE_MMA),
@@ -134,6 +140,8 @@ def main() -> None:
     print(f"host overhead: {result['host_overhead']}", flush=True)
     result["gemm"] = w4a16_gemm.bench()
     print_gemm(result["gemm"])
+    result["gemv_limits"] = w4a16_gemm.gemv_limits()
+    print_gemv_limits(result["gemv_limits"])
     result["moe"] = moe_gemm.bench()
 
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
@@ -151,11 +159,22 @@ def print_gemm(rows) -> None:
               f" {g['path']}  (arith dequant {1e3 * g['ms_w4a16_arith_dequant']:.1f})", flush=True)
 
 
+def print_gemv_limits(rows) -> None:
+    print("\nGEMV at M = 1, its parts (CUDA graph)     N      K   us(GEMV)  us(loop)  us(loads only)"
+          "  us(arithmetic only)  us(bf16)")
+    for g in rows:
+        parts = [g.get(key) for key in ("ms_loop", "ms_loads_only", "ms_arithmetic_only")]
+        text = "".join(f" {1e3 * t:{w}.1f}" if t is not None else f" {'-':>{w}s}" for t, w in zip(parts, (9, 15, 20)))
+        print(f"{'':38s}{g['N']:7d}{g['K']:7d} {1e3 * g['ms_gemv']:10.1f}{text} {1e3 * g['ms_bf16']:9.1f}", flush=True)
+
+
 def print_table(r: dict) -> None:
     print(f"\n{r['gpu']}  copy ceiling {r['copy_ceiling_tbps']:.2f} TB/s")
     if "quantize" in r:
         print_quantize(r["quantize"])
     print_gemm(r["gemm"])
+    if r.get("gemv_limits"):
+        print_gemv_limits(r["gemv_limits"])
     print("\nMoE (128 experts, top-6, H=2688, I=1856)  tokens  us(w4a16)  us(bf16)  speedup  timing  [eager]  path")
     for m in r["moe"]:
         print(f"{'':42s}{m['tokens']:7d} {1e3 * m['ms_w4a16']:10.1f} {1e3 * m['ms_bf16']:9.1f} {m['speedup_vs_bf16']:8.2f}"

@@ -477,6 +477,91 @@ def test_pick_mma_sums_over_problems():
     assert w4a16_gemm.pick_mma(rows) == {"num_warps": 2, "programs_per_sm": 4, "rows": 2, "prefetch": 2}
 
 
+def test_pick_mma_wide_launch_and_reach():
+    def row(n, m, kernel, t, launch=None):
+        r = {"N": n, "K": 1000, "M": m, "kernel": kernel, "ms": t}
+        if launch:
+            r.update(zip(("num_warps", "programs_per_sm", "rows", "prefetch"), launch))
+        return r
+
+    a, b = (1, 8, 2, 2), (2, 4, 2, 2)
+    rows = []
+    # wgmma, a, b per (N, M): a has the smaller sum; summed over M it wins at N >= 200 (at N = 400
+    # though it loses at M = 16), loses at N = 100
+    for n, m, base, ta, tb in ((100, 12, 5.0, 6.0, 4.0), (100, 16, 5.0, 6.0, 9.0), (200, 12, 9.0, 8.0, 9.5),
+                               (200, 16, 9.0, 8.5, 9.5), (400, 12, 20.0, 15.0, 18.0), (400, 16, 20.0, 21.0, 18.0)):
+        rows += [row(n, m, "matrix-unit", base), row(n, m, "mma", ta, a), row(n, m, "mma", tb, b)]
+    want = {"rows": 2, "num_warps": 1, "programs_per_sm": 8, "prefetch": 2}
+    assert w4a16_gemm.pick_mma_wide(rows) == dict(want, min_weights=200 * 1000)
+    # a loss on the middle shape in the sum: reach only from the largest
+    rows = [dict(r, ms=10.5) if r["kernel"] == "mma" and r["N"] == 200 and r["M"] == 16 and r["rows"] == 2
+            and r["num_warps"] == 1 else r for r in rows]
+    assert w4a16_gemm.pick_mma_wide(rows)["min_weights"] == 400 * 1000
+    # losing on the largest shape: never
+    slow = [dict(r, ms=30.0) if r["kernel"] == "mma" and r["N"] == 400 else r for r in rows]
+    assert w4a16_gemm.pick_mma_wide(slow) == dict(want, min_weights=None)
+    # a failed launch (None) never wins: b, which beats the wgmma kernel on the largest shape only
+    rows = [dict(r, ms=None) if r["kernel"] == "mma" and r["N"] == 400 and r["M"] == 12 and r["num_warps"] == 1
+            else r for r in rows]
+    assert w4a16_gemm.pick_mma_wide(rows) == {"rows": 2, "num_warps": 2, "programs_per_sm": 4, "prefetch": 2,
+                                              "min_weights": 400 * 1000}
+
+
+def test_mma_wide_routing(monkeypatch):
+    # 9-16 rows of 16-bit activations on a GPU go to the register-fed kernel's two activation tiles
+    # for weights of MMA_WIDE["min_weights"] elements or more; smaller weights, fp32 activations,
+    # 17 rows and the interpreter keep the wgmma kernel.
+    monkeypatch.setattr(w4a16_gemm, "_sm_count", lambda device: 132)
+    monkeypatch.setitem(w4a16_gemm.MMA_WIDE, "min_weights", 8192 * 8192)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    w = w4a16_gemm.MMA_WIDE
+    for m in (9, 12, 16):
+        cfg = w4a16_gemm.config(m, 8192, 8192, cuda, torch.float16)
+        assert cfg["mma"] and cfg["BLOCK_M"] == 16 and cfg["num_warps"] == w["num_warps"]
+        assert cfg["BLOCK_N"] == 16 * w["rows"] * w["num_warps"] and cfg["PREFETCH"] == w["prefetch"]
+        assert w4a16_gemm.path(m, 8192, 8192, cuda) == "mma"
+    for m, n, k, dtype, device in ((12, 3712, 2688, torch.bfloat16, cuda), (17, 8192, 8192, torch.bfloat16, cuda),
+                                   (12, 8192, 8192, torch.float32, cuda), (12, 8192, 8192, torch.float16, cpu)):
+        assert not w4a16_gemm.config(m, n, k, device, dtype).get("mma"), (m, n, k, dtype, device)
+    monkeypatch.setitem(w4a16_gemm.MMA_WIDE, "min_weights", None)
+    assert not w4a16_gemm.config(12, 8192, 8192, cuda).get("mma")
+
+
+@pytest.mark.parametrize("nk", [(32, 256), (16, 128)])
+def test_gemv_probe_parts(nk):
+    # The GEMV probe's three parts (`gemv_limits`): the whole loop is the GEMV's result bit for
+    # bit; the arithmetic-only part gives row n the result of row n % BLOCK_N; the loads-only part
+    # folds the weight's code words and scale bytes by xor per thread slot, then each fold's bytes,
+    # and sums them.
+    n, k = nk
+    wq = nvfp4.quantize(_rand(n, k, seed=40), scale_rule="4o6").to(DEVICE)
+    x = _rand(1, k, seed=41, dtype=torch.float16).to(DEVICE)
+    cfg = w4a16_gemm.config(1, n, k, torch.device(DEVICE), torch.float16)
+    if cfg.get("mma"):
+        cfg = dict(cfg, **{key: w4a16_gemm.GEMV["1"][key] for key in ("BLOCK_N", "num_warps")}, BLOCK_K=64)
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    gemv_cfg = dict(gemv=True, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"], num_stages=1,
+                    SPLIT=1, k_per_split=k)
+    y = w4a16_gemm.w4a16_matmul(x, wq, cfg=gemv_cfg)[0]
+    whole = w4a16_gemm.gemv_probe(x, wq, w4a16_gemm.PROBE_ALL, gemv_cfg)
+    assert torch.equal(whole.cpu().view(torch.int16), y.cpu().view(torch.int16))
+    arith = w4a16_gemm.gemv_probe(x, wq, w4a16_gemm.PROBE_ARITHMETIC, gemv_cfg)
+    assert torch.equal(arith.cpu().view(torch.int16), y.cpu()[torch.arange(n) % bn].view(torch.int16))
+    loads = w4a16_gemm.gemv_probe(x, wq, w4a16_gemm.PROBE_LOADS, gemv_cfg).cpu()
+    codes = wq.packed.cpu().view(torch.int64).view(n, k // bk, bk // 16)
+    scales = wq.block_scale.cpu().view(torch.uint8).to(torch.int64).view(n, k // bk, bk // 16)
+    fold = torch.zeros((n, bk // 16), dtype=torch.int64)
+    for step in range(k // bk):
+        fold ^= codes[:, step] ^ scales[:, step]
+    for shift in (32, 16, 8):
+        fold ^= fold >> shift
+    want = (fold & 0xFF).sum(dim=1).to(torch.float32).to(torch.float16)
+    assert want.abs().max() > 0 and torch.isfinite(want).all()
+    assert torch.equal(loads, want)
+    with pytest.raises(ValueError, match="GEMV probe takes one row and whole tiles"):
+        w4a16_gemm.gemv_probe(x, wq, w4a16_gemm.PROBE_ALL, dict(gemv_cfg, BLOCK_K=3 * k))
+
+
 def test_pick_gemv_max_m_stops_at_first_loss():
     def gemv(n, m, bn, t, pps=8):
         return {"N": n, "M": m, "kernel": "gemv", "tile": [m, bn, 2048, 4], "programs_per_sm": pps, "maxnreg": None,

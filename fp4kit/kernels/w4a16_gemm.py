@@ -634,6 +634,61 @@ def _gemv_kernel(
                      M * N, pid_s, SPLIT)
 
 
+# Parts of the GEMV's loop for `_gemv_probe_kernel`.
+PROBE_ALL, PROBE_LOADS, PROBE_ARITHMETIC = 0, 1, 2
+
+
+@triton.jit
+def _gemv_probe_kernel(x_ptr, x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, N, K,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LUT: tl.constexpr, PART: tl.constexpr):
+    """The GEMV's loop at one activation row (no split; N % BLOCK_N == 0, K % BLOCK_K == 0) with
+    part of its work left out, to place its time (`gemv_limits`). PART: PROBE_ALL, the whole loop
+    (`_gemv_accumulate`: `_gemv_kernel`'s result); PROBE_LOADS, the same weight loads with their
+    bits folded by xor instead of decoded (the memory traffic alone; each row gets the sum over
+    its thread slots of the fold's bytes xor-ed together); PROBE_ARITHMETIC, the whole
+    loop with every program reading the first BLOCK_N weight rows (a few KB that stay in cache:
+    the decoding and multiply-adds alone), so row n gets the result of row n % BLOCK_N."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    n64 = n.to(tl.int64)
+    if PART == 1:
+        fold = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.int64)
+        codes, sc = _load_blocks(wb_ptr, ws_ptr, n64, n_ok, 0, K, BLOCK_N, BLOCK_K, True, True)
+        for k0 in range(0, K, BLOCK_K):
+            codes_next, sc_next = _load_blocks(wb_ptr, ws_ptr, n64, n_ok, _ahead(k0, K, BLOCK_K, True), K, BLOCK_N,
+                                               BLOCK_K, True, True)
+            fold = fold ^ codes ^ sc.to(tl.int64)
+            codes, sc = codes_next, sc_next
+        fold = fold ^ (fold >> 32)  # every bit loaded reaches the low byte, which is summed
+        fold = fold ^ (fold >> 16)
+        fold = fold ^ (fold >> 8)
+        y = tl.sum(fold & 0xFF, axis=1).to(tl.float32)
+    else:
+        if PART == 2:
+            n64 = n64 % BLOCK_N
+        acc = tl.zeros((1, BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
+        acc = _gemv_accumulate(acc, x_ptr, x4_ptr, tl.zeros((1, 1), dtype=tl.int64), tl.arange(0, 1) < 1, wb_ptr,
+                               ws_ptr, tl.load(gs_ptr), n64, n_ok, K, 0, K, BLOCK_N, BLOCK_K, LUT, True, True)
+        y = tl.sum(tl.sum(acc, axis=2), axis=0) * 64.0
+    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def gemv_probe(x: torch.Tensor, w: nvfp4.NVFP4Tensor, part: int, cfg: dict) -> torch.Tensor:
+    """`_gemv_probe_kernel` on one row x [1, K] (bf16/fp16) with a GEMV launch shape cfg (`config`)."""
+    n, k = w.shape
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if x.shape != (1, k) or n % bn or k % bk:
+        raise ValueError(f"{_WHAT}: the GEMV probe takes one row and whole tiles, got x {tuple(x.shape)}, "
+                         f"W {tuple(w.shape)}, tile ({bn}, {bk})")
+    x2, x4 = int64_activations(x)
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    _gemv_probe_kernel[(n // bn,)](x2, x4, w.packed.view(torch.int64), w.block_scale.view(torch.uint8), w.global_scale,
+                                   out, n, k, BLOCK_N=bn, BLOCK_K=bk,
+                                   LUT=DEQUANT["lut"] and not interpreted(_gemv_probe_kernel), PART=part,
+                                   num_warps=cfg["num_warps"], num_stages=1, **launch_options())
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Few rows on the matrix units from registers: mma.sync fed by in-register decoding (inline PTX)
 # --------------------------------------------------------------------------------------------
@@ -1216,7 +1271,7 @@ MID = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "programs
 GEMV = {
     "max_m": 2,
     "1": {"BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "programs_per_sm": 4},
-    "2": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 1, "programs_per_sm": 4},
+    "2": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 1, "programs_per_sm": 8},
     "4": {"BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "programs_per_sm": 4},
 }
 
@@ -1248,6 +1303,14 @@ def _gemv_k_tile(k: int, cfg: dict) -> dict:
 MMA = {"min_m": 2, "max_m": 8, "rows": 2, "num_warps": 2, "programs_per_sm": 4, "prefetch": 2}
 
 
+# The same kernel with two activation tiles, for 9 (or MMA["max_m"] + 1) to MMA_WIDE["max_m"] rows of
+# 16-bit activations on a GPU, where the weight has at least MMA_WIDE["min_weights"] elements
+# (N * K; None: never): its launch shape and that reach picked on an H200 by `sweep_mma_wide` /
+# `pick_mma_wide` (scripts/bench_kernels.py --sweep-mma-wide), against the wgmma kernel, which
+# keeps the smaller weights (the Nano shapes).
+MMA_WIDE = {"max_m": 16, "min_weights": 8192 * 8192, "rows": 2, "num_warps": 1, "programs_per_sm": 8, "prefetch": 2}
+
+
 def mma_config(m: int, n: int, k: int, device: torch.device, num_warps: int | None = None,
                programs_per_sm: int | None = None, rows: int | None = None, prefetch: int | None = None) -> dict:
     """`_mma_kernel`'s launch shape: 8 or 16 activation rows per program (one or two mma tiles),
@@ -1263,12 +1326,18 @@ def mma_config(m: int, n: int, k: int, device: torch.device, num_warps: int | No
 
 def config(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Tile sizes and split-K for one problem: MMA["min_m"] to MMA["max_m"] rows of 16-bit
-    activations on a GPU, the register-fed matrix-unit kernel; else one to a few rows on the CUDA
+    activations on a GPU, the register-fed matrix-unit kernel (and up to MMA_WIDE["max_m"] rows
+    for weights of MMA_WIDE["min_weights"] elements or more); else one to a few rows on the CUDA
     cores (GEMV);
     decode-sized M streams the weight through many programs on the matrix units; large M uses
     big tiles. Chosen by rule (no autotuning at call time)."""
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and MMA["min_m"] <= m <= MMA["max_m"]:
-        return mma_config(m, n, k, device)
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        if MMA["min_m"] <= m <= MMA["max_m"]:
+            return mma_config(m, n, k, device)
+        wide = MMA_WIDE["min_weights"]
+        if max(MMA["max_m"], 8) < m <= MMA_WIDE["max_m"] and wide is not None and n * k >= wide:
+            return mma_config(m, n, k, device, MMA_WIDE["num_warps"], MMA_WIDE["programs_per_sm"], MMA_WIDE["rows"],
+                              MMA_WIDE["prefetch"])
     if m <= GEMV["max_m"]:
         bm = gemv_block_m(m)
         tile = GEMV[str(bm)]
@@ -1496,7 +1565,8 @@ def _sweep_problems(shapes, ms):
 
 
 def sweep_gemv(shapes=((8192, 8192), (3712, 2688), (2688, 3712)), ms=(1, 2, 4),
-               tiles=((1, 4, 2048, 4), (1, 8, 2048, 4), (1, 4, 512, 1), (1, 8, 512, 1), (2, 8, 2048, 4),
+               tiles=((1, 4, 2048, 4), (1, 8, 2048, 4), (1, 8, 1024, 2), (1, 16, 1024, 4), (1, 4, 512, 1),
+                      (1, 8, 512, 1), (2, 8, 2048, 4),
                       (2, 8, 512, 1), (4, 8, 2048, 4)),
                programs_per_sm=(4, 8), stages=(1,), maxnreg=(None,)):
     """CUDA-graph times of the CUDA-core kernel's launch shapes (BLOCK_M, BLOCK_N, BLOCK_K, warps)
@@ -1577,6 +1647,62 @@ def sweep_mma(shapes=((8192, 8192), (3712, 2688), (2688, 3712)), ms=(2, 4, 8),
     return out
 
 
+def sweep_mma_wide(shapes=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688)), ms=(12, 16),
+                   launch=((1, 8, 2, 2), (2, 4, 2, 2), (1, 8, 1, 2), (2, 8, 2, 2))):
+    """CUDA-graph times of `_mma_kernel`'s launch shapes with two activation tiles (warps, split-K
+    target, weight-row tiles per warp, prefetch distance) and of the wgmma kernel's launch shape at
+    the same M, side by side; each checked against an fp32 reference first."""
+    out = []
+    saved = MMA_WIDE["min_weights"]
+    try:
+        MMA_WIDE["min_weights"] = None  # config() then gives the wgmma kernel's launch shape
+        for n, k, m, wq, x, ref in _sweep_problems(shapes, ms):
+            base = config(m, n, k, x.device)
+            row = {"N": n, "K": k, "M": m, "kernel": "matrix-unit"}
+            row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=base), ref))
+            out.append(row)
+            for nw, pps, rows, pf in launch:
+                cfg = mma_config(m, n, k, x.device, nw, pps, rows, pf)
+                row = {"N": n, "K": k, "M": m, "kernel": "mma", "num_warps": nw, "programs_per_sm": pps, "rows": rows,
+                       "prefetch": pf}
+                row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=cfg), ref))
+                out.append(row)
+    finally:
+        MMA_WIDE["min_weights"] = saved
+    return out
+
+
+def pick_mma_wide(rows) -> dict:
+    """MMA_WIDE from `sweep_mma_wide`'s rows: the launch shape with the smallest summed time, and
+    min_weights, the smallest swept N * K from which that launch shape beats the wgmma kernel in
+    time summed over the swept M, on every swept size at least as large (shapes of one size
+    summed together; None if it does not on the largest)."""
+    def ms(r):
+        return r["ms"] if r["ms"] is not None else float("inf")
+
+    def key(r):
+        return r["num_warps"], r["programs_per_sm"], r["rows"], r["prefetch"]
+
+    totals = {}
+    for r in rows:
+        if r["kernel"] == "mma":
+            totals[key(r)] = totals.get(key(r), 0.0) + ms(r)
+    nw, pps, rows_, pf = best = min(totals, key=totals.get)
+    mma, base = {}, {}
+    for r in rows:
+        size = r["N"] * r["K"]
+        if r["kernel"] == "matrix-unit":
+            base[size] = base.get(size, 0.0) + ms(r)
+        elif key(r) == best:
+            mma[size] = mma.get(size, 0.0) + ms(r)
+    min_weights = None
+    for size in sorted(mma, reverse=True):
+        if not mma[size] < base[size]:
+            break
+        min_weights = size
+    return {"min_weights": min_weights, "rows": rows_, "num_warps": nw, "programs_per_sm": pps, "prefetch": pf}
+
+
 def pick_mma(rows) -> dict:
     """The MMA launch shape with the smallest summed sweep time."""
     totals = {}
@@ -1636,6 +1762,33 @@ def bench(nk=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 
                                                            return_mode="median")
             rows.append(row)
         del wb, wq
+    return rows
+
+
+def gemv_limits(shapes=((8192, 8192), (28672, 8192))) -> list:
+    """At one activation row, CUDA-graph times side by side: the GEMV (`w4a16_matmul`), its loop
+    alone and without one of its parts (`_gemv_probe_kernel`: the weight loads alone, the
+    arithmetic alone on cache-resident weights), and torch.matmul on the bf16 weight."""
+    from triton.testing import do_bench_cudagraph
+
+    from .quantize import quantize
+
+    rows = []
+    for n, k in shapes:
+        wq = quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02)
+        wb = wq.dequantize(torch.bfloat16)
+        x = torch.randn((1, k), dtype=torch.bfloat16, device="cuda")
+        cfg = config(1, n, k, x.device)
+        row = {"N": n, "K": k, "weight_bytes": wq.packed.numel() + wq.block_scale.numel(),
+               **{key: cfg[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT")}}
+        times = {"ms_gemv": lambda: w4a16_matmul(x, wq), "ms_bf16": lambda: torch.matmul(x, wb.T)}
+        if cfg.get("gemv") and cfg["SPLIT"] == 1:
+            times.update({f"ms_{name}": functools.partial(gemv_probe, x, wq, part, cfg)
+                          for name, part in (("loop", PROBE_ALL), ("loads_only", PROBE_LOADS),
+                                             ("arithmetic_only", PROBE_ARITHMETIC))})
+        for key, fn in times.items():
+            row[key] = do_bench_cudagraph(fn, rep=50, return_mode="median")
+        rows.append(row)
     return rows
 
 

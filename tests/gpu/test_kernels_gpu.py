@@ -241,7 +241,7 @@ def test_w4a16_matmul_bf16(nk, m, fused):
 
 @pytest.mark.parametrize("nk", [(3712, 2688), (200, 1856), (40, 2704)])
 @pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("launch", [(2, 4, 2, 2), (4, 8, 1, 0)])
+@pytest.mark.parametrize("launch", [(2, 4, 2, 2), (4, 8, 1, 0), (1, 8, 2, 2)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_w4a16_mma(nk, m, launch, dtype):
     # The register-fed matrix-unit kernel forced at 1-16 rows (one or two activation tiles), one
@@ -254,6 +254,33 @@ def test_w4a16_mma(nk, m, launch, dtype):
     cfg = w4a16_gemm.mma_config(m, n, k, x.device, *launch)
     for forced in (cfg, dict(cfg, SPLIT=1, k_per_split=-(-k // 128) * 128)):
         _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq, cfg=dict(forced)), x, wq, forced)
+
+
+@pytest.mark.parametrize("m", [9, 12, 16])
+def test_w4a16_mma_wide_route(m, monkeypatch):
+    # 9-16 rows go to the register-fed kernel's two activation tiles (w4a16_gemm.MMA_WIDE) for
+    # weights of at least min_weights elements: the default call takes that path and is right.
+    n, k = 1024, 2688
+    monkeypatch.setitem(w4a16_gemm.MMA_WIDE, "min_weights", n * k)
+    wq = kquant.quantize(_randn(n, k, seed=54), scale_rule="4o6")
+    x = _randn(m, k, seed=55, scale=1.0)
+    assert w4a16_gemm.path(m, n, k, x.device) == "mma"
+    _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq), x, wq)
+
+
+@pytest.mark.parametrize("nk", [(8192, 8192), (8192, 4096)])
+def test_gemv_probe_loop_is_the_gemv(nk):
+    # The GEMV probe's whole loop (`gemv_limits`) is the GEMV's own result, bit for bit, compiled.
+    n, k = nk
+    wq = kquant.quantize(_randn(n, k, seed=56) * 0.02, scale_rule="4o6")
+    x = _randn(1, k, seed=57, scale=1.0)
+    cfg = w4a16_gemm.config(1, n, k, x.device)
+    assert cfg["gemv"] and cfg["SPLIT"] == 1
+    y = w4a16_gemm.w4a16_matmul(x, wq)[0]
+    assert torch.equal(w4a16_gemm.gemv_probe(x, wq, w4a16_gemm.PROBE_ALL, cfg), y)
+    bn = cfg["BLOCK_N"]
+    arith = w4a16_gemm.gemv_probe(x, wq, w4a16_gemm.PROBE_ARITHMETIC, cfg)
+    assert torch.equal(arith, y[torch.arange(n, device=y.device) % bn])
 
 
 def test_w4a16_mma_odd_scale_offset_and_strided_rows():
