@@ -40,11 +40,11 @@ Beyond, `_moe_sorted`, one launch per projection:
 - the k slots of each token are summed in fp32 (fixed order) and cast to the activation dtype.
 
 Measured on an H200 against transformers' grouped_mm experts in bf16 (CUDA graphs, 128 experts,
-top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json, `bench_kernels.py --sweep-mma
---sweep-moe-mma --sweep-moe-gemv`): 5.24x at 1 token (24.4 us on the CUDA cores; the sorted path
-on the register-fed matrix units took 72.9), 2.79x at 8 (140.8 us, the register-fed units; 208.3
-on wgmma), 2.86x at 64 (338.1 us, the register-fed units; 540.3 on wgmma), 1.56x at 256 (wgmma),
-0.65x at 2048. The CUDA-core tiles win up to 4 tokens and the register-fed units from 8 to 128
+top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json, `bench_kernels.py`, launch shapes
+swept in benchmarks/results/kernels-sweeps-mma-wide-h200.json): 5.07x at 1 token (24.2 us on the
+CUDA cores; the sorted path on the register-fed matrix units took 74.5), 2.74x at 8 (146.7 us, the
+register-fed units; 213.0 on wgmma), 2.83x at 64 (334.8 us, the register-fed units; 527.0 on
+wgmma), 1.58x at 256 (wgmma), 0.66x at 2048. The CUDA-core tiles win up to 4 tokens and the register-fed units from 8 to 128
 tokens (about 6 assignments per expert); they lose to wgmma at 256 (sweep_moe_gemv,
 sweep_moe_mma). On the CUDA cores the experts' weights stream at about 1.5 TB/s at 8 tokens
 (about 41 experts of 5.6 MB); the wgmma tiles are instruction bound (about 6.5 instructions per
@@ -374,9 +374,10 @@ SMALL = {"max_assignments": 48, "programs_per_sm": 2, "max_parts": 4}
 # Up to MOE_GEMV["max_assignments"] assignments the in-kernel-routing path runs its projections
 # on the CUDA cores (`w4a16_gemm._gemv_accumulate`), BLOCK_M of an expert's rows at a time.
 # Picked on an H200 by `sweep_gemv` (scripts/bench_kernels.py --sweep-moe-gemv; sweep_moe_gemv in
-# benchmarks/results/kernels-h200.json): one row, 4 output features and 512 of K per one-warp
-# program; faster than the default beyond them (the register-fed matrix units, MOE_MMA) up to 4
-# tokens (77.3 against 100.8 us), slower from 8 (142.7 against 138.6; 285.4 against 200.8 at 16).
+# benchmarks/results/kernels-sweeps-mma-wide-h200.json): one row, 4 output features and 512 of K
+# per one-warp program; faster than the default beyond them (the register-fed matrix units,
+# MOE_MMA) up to 4 tokens (78.7 against 98.4 us), slower from 8 (147.4 against 133.9; 291.5 against
+# 196.9 at 16).
 MOE_GEMV = {"max_assignments": 24, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 1, "num_stages": 1}
 
 
@@ -384,8 +385,8 @@ MOE_GEMV = {"max_assignments": 24, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "
 # average and 16-bit activations on a GPU, the sorted path runs on the register-fed matrix units
 # (`_moe_up_mma_kernel`, `_moe_down_mma_kernel`): weight-row tiles of 16 per warp (rows), warps
 # per program and the L2 prefetch distance, as in the GEMM's MMA. Picked by pick_mma from
-# sweep_moe_mma (benchmarks/results/kernels-h200.json): faster than the wgmma tiles up to 128
-# tokens (427.7 against 554.4 us), slower at 256 (700.0 against 638.7).
+# sweep_moe_mma (benchmarks/results/kernels-sweeps-mma-wide-h200.json): faster than the wgmma tiles
+# up to 128 tokens (421.1 against 558.6 us), slower at 256 (718.6 against 635.1).
 MOE_MMA = {"max_per_expert": 6, "rows": 2, "num_warps": 4, "prefetch": 2}
 
 

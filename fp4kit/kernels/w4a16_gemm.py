@@ -39,16 +39,19 @@ and the last program of each tile to finish sums them in a fixed order in the sa
 multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1 (GEMV): 2.22x on 8192 x 8192 (15.3 us), 2.17x on 28672 x 8192, 1.79-1.88x
-on the Nano shapes and 131072 x 2688; M = 4 (mma): 1.84x, 1.71x, 1.21x and 2.02x; M = 16:
-0.89-1.26x; M = 64: 0.50-0.91x. The GEMV loop spends 4.5 SASS instructions per weight at one row
-(fma, fp16-to-fp32 conversion, 0.9 of code decoding, loads and addresses), so at M = 1 both
-instruction issue (~9 us for 8192 x 8192) and memory (~9.4 us) are close to the time taken. The
-mma kernel's loop spends 3.6 per weight for up to 8 rows (5 byte permutes per 4 codes), but
-keeps fewer weight bytes in flight per thread: 18.6 us at two rows on 8192 x 8192 (sweep_mma),
-18.0 at four, more than the GEMV's one row. With a second activation tile (9-16 rows) it was not
-faster than the wgmma kernel on the Nano shapes in development runs, so MMA["max_m"] is 8.
-That kernel spends ~6.5 instructions per weight in its main loop: the table dequantization, then
+the bf16 weight): M = 1 (GEMV): 2.17x on 8192 x 8192 (15.5 us), 2.21x on 28672 x 8192, 1.84-1.92x
+on the Nano shapes and 131072 x 2688; M = 4 (mma): 1.71x, 1.89x, 1.13x, 1.22x and 2.04x; M = 16:
+1.06-1.29x on the three large shapes (mma, two activation tiles), 0.79x and 0.95x on the Nano
+shapes (wgmma); M = 64: 0.53-0.94x. The GEMV loop spends 4.5 SASS instructions per weight at one
+row (fma, fp16-to-fp32 conversion, 0.9 of code decoding, loads and addresses), and that
+arithmetic sets its time: `gemv_limits` runs the loop with its weight loads alone and with its
+arithmetic alone on cache-resident weights, 8.0 and 13.8 us on 8192 x 8192 against 14.8 for the
+whole loop (35.0 and 43.7 against 48.6 on 28672 x 8192). The mma kernel's loop spends 3.6 per
+weight for up to 8 rows (5 byte permutes per 4 codes), but keeps fewer weight bytes in flight per
+thread: 17.7 us at two rows on 8192 x 8192 (sweep_mma), 18.3 at four, more than the GEMV's one
+row. With a second activation tile (9-16 rows) it beats the wgmma kernel from 8192 x 8192
+weights up but not on the Nano shapes (sweep_mma_wide; `MMA_WIDE`).
+The wgmma kernel spends ~6.5 instructions per weight in its main loop: the table dequantization, then
 the tile written to shared memory and read back in the wgmma operand layout (8 STS.128, 8 LDSM,
 5 barriers per K step, read from the sm_90 PTX), address and mask arithmetic.
 """
@@ -1297,9 +1300,9 @@ def _gemv_k_tile(k: int, cfg: dict) -> dict:
 # The register-fed matrix-unit kernel (`_mma_kernel`) for MMA["min_m"] to MMA["max_m"] rows of
 # bf16/fp16 activations on a GPU: weight-row tiles of 16 per warp ("rows"), warps per program,
 # the split-K target and the L2 prefetch distance in K steps. Picked on an H200 by `sweep_mma`
-# (scripts/bench_kernels.py --sweep-mma; benchmarks/results/kernels-h200.json). One row stays on
-# the CUDA-core GEMV (15.3 us on 8192 x 8192; the mma kernel takes 18.6 at two rows); from 9 rows
-# its second activation tile was not faster than the wgmma kernel on the Nano shapes.
+# (scripts/bench_kernels.py --sweep-mma; benchmarks/results/kernels-sweeps-mma-wide-h200.json).
+# One row stays on the CUDA-core GEMV (15.5 us on 8192 x 8192; the mma kernel takes 17.7 at two
+# rows); 9-16 rows: MMA_WIDE.
 MMA = {"min_m": 2, "max_m": 8, "rows": 2, "num_warps": 2, "programs_per_sm": 4, "prefetch": 2}
 
 
@@ -1307,7 +1310,9 @@ MMA = {"min_m": 2, "max_m": 8, "rows": 2, "num_warps": 2, "programs_per_sm": 4, 
 # 16-bit activations on a GPU, where the weight has at least MMA_WIDE["min_weights"] elements
 # (N * K; None: never): its launch shape and that reach picked on an H200 by `sweep_mma_wide` /
 # `pick_mma_wide` (scripts/bench_kernels.py --sweep-mma-wide), against the wgmma kernel, which
-# keeps the smaller weights (the Nano shapes).
+# keeps the smaller weights (the Nano shapes). The reach is summed over 12 and 16 rows per weight
+# size: 101.1 against 113.8 us at 16 rows on 28672 x 8192, 27.2 against 29.7 at 12 on 8192 x 8192;
+# 9.4 against 8.0 at 16 rows on 2688 x 3712 (benchmarks/results/kernels-sweeps-mma-wide-h200.json).
 MMA_WIDE = {"max_m": 16, "min_weights": 8192 * 8192, "rows": 2, "num_warps": 1, "programs_per_sm": 8, "prefetch": 2}
 
 
