@@ -15,9 +15,10 @@ scale): no re-layout, so a checkpoint tensor is used as loaded. Three kernels:
   hardware converts to fp16 exactly, then fp32; 7 bit operations per 8 codes). Each thread
   holds its blocks of all BLOCK_N weight rows and BLOCK_M activation rows, so nothing passes
   through shared memory in the loop.
-- MMA["min_m"] to MMA["max_m"] rows (2-8) of bf16/fp16 activations, the matrix units fed from
-  registers (`_mma_kernel`): each warp runs mma.sync m16n8k16 with the weight decoded by inline
-  PTX straight into the A fragment (`mma_asm`: byte-permute tables, sign, one paired multiply
+- MMA["min_m"] to MMA["max_m"] rows (2-8) of bf16/fp16 activations, and 9-16 rows on weights of
+  MMA_WIDE["min_weights"] elements or more, the matrix units fed from registers (`_mma_kernel`):
+  each warp runs mma.sync m16n8k16 with the weight decoded by inline PTX straight into the A
+  fragment (`mma_asm`: byte-permute tables, sign, one paired multiply
   by the block scale), the activations as the B fragment, the global scale applied to the fp32
   result. Its weights are E2M1 * scale exactly (bf16 and fp16 hold them) times the global
   scale: W.dequantize()'s fp32 values up to one rounding. The K order inside each mma is
