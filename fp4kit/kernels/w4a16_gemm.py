@@ -1645,11 +1645,19 @@ def sweep_mma(shapes=((8192, 8192), (3712, 2688), (2688, 3712)), ms=(2, 4, 8),
     per warp, prefetch distance), each checked against an fp32 reference first."""
     out = []
     for n, k, m, wq, x, ref in _sweep_problems(shapes, ms):
-        for nw, pps, rows, pf in launch:
-            cfg = mma_config(m, n, k, x.device, nw, pps, rows, pf)
-            row = {"N": n, "K": k, "M": m, "num_warps": nw, "programs_per_sm": pps, "rows": rows, "prefetch": pf}
-            row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=cfg), ref))
-            out.append(row)
+        out += _mma_launch_rows(n, k, m, wq, x, ref, launch)
+    return out
+
+
+def _mma_launch_rows(n, k, m, wq, x, ref, launch, **tag) -> list:
+    """One sweep row per `_mma_kernel` launch shape (warps, split-K target, weight-row tiles per
+    warp, prefetch distance) on one problem, with `tag`'s items, each timed if right."""
+    out = []
+    for nw, pps, rows, pf in launch:
+        cfg = mma_config(m, n, k, x.device, nw, pps, rows, pf)
+        row = {"N": n, "K": k, "M": m, **tag, "num_warps": nw, "programs_per_sm": pps, "rows": rows, "prefetch": pf}
+        row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=cfg), ref))
+        out.append(row)
     return out
 
 
@@ -1667,12 +1675,7 @@ def sweep_mma_wide(shapes=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 371
             row = {"N": n, "K": k, "M": m, "kernel": "matrix-unit"}
             row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=base), ref))
             out.append(row)
-            for nw, pps, rows, pf in launch:
-                cfg = mma_config(m, n, k, x.device, nw, pps, rows, pf)
-                row = {"N": n, "K": k, "M": m, "kernel": "mma", "num_warps": nw, "programs_per_sm": pps, "rows": rows,
-                       "prefetch": pf}
-                row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=cfg), ref))
-                out.append(row)
+            out += _mma_launch_rows(n, k, m, wq, x, ref, launch, kernel="mma")
     finally:
         MMA_WIDE["min_weights"] = saved
     return out
@@ -1689,11 +1692,8 @@ def pick_mma_wide(rows) -> dict:
     def key(r):
         return r["num_warps"], r["programs_per_sm"], r["rows"], r["prefetch"]
 
-    totals = {}
-    for r in rows:
-        if r["kernel"] == "mma":
-            totals[key(r)] = totals.get(key(r), 0.0) + ms(r)
-    nw, pps, rows_, pf = best = min(totals, key=totals.get)
+    launch = pick_mma([r for r in rows if r["kernel"] == "mma"])
+    best = key(launch)
     mma, base = {}, {}
     for r in rows:
         size = r["N"] * r["K"]
@@ -1706,7 +1706,7 @@ def pick_mma_wide(rows) -> dict:
         if not mma[size] < base[size]:
             break
         min_weights = size
-    return {"min_weights": min_weights, "rows": rows_, "num_warps": nw, "programs_per_sm": pps, "prefetch": pf}
+    return {"min_weights": min_weights, **launch}
 
 
 def pick_mma(rows) -> dict:
