@@ -288,13 +288,15 @@ def test_w4a16_gemv(dtype, m, nk, monkeypatch):
 
 @pytest.mark.parametrize("m", [1, 5, 9, 16])
 @pytest.mark.parametrize("nk", [(40, 256), (72, 400), (64, 224)])
-@pytest.mark.parametrize("launch", [(2, 4, 2, 0), (1, 8, 1, 0)])
+@pytest.mark.parametrize("launch", [(2, 4, 2, 0), (1, 8, 1, 0), (1, 1, 2, 0, 4), (2, 2, 1, 0, 2)])
 def test_w4a16_mma(m, nk, launch):
     # The register-fed matrix-unit kernel (w4a16_gemm.MMA), forced: on a GPU its inline PTX, here
     # its interpreter form (the same lanes, loads, K order and epilogue; the warp's mma.sync
     # emulated). One or two activation tiles (9, 16 rows) and weight tiles per warp, ragged N
     # (rows past N read the last one), K of 2, 3.125 (K / 16 odd: scale bytes one at a time)
-    # and 1.75 steps, split-K and not. Its weights are W.dequantize()'s fp32 values (E2M1 times
+    # and 1.75 steps, split-K and not; the K range shared by 2 or 4 groups of warps (runs of whole
+    # steps, the last one ragged or masked, groups left without a step where there are fewer
+    # steps than groups). Its weights are W.dequantize()'s fp32 values (E2M1 times
     # the scale exactly, the global scale applied to the sum): within fp32-accumulation error,
     # counted for tensor-core accumulation as in tests/gpu.
     n, k = nk
@@ -304,7 +306,7 @@ def test_w4a16_mma(m, nk, launch):
     ref = x.double() @ wdq.double().T
     bound = 2.0**-11 * ref.abs() + 4 * k * 2.0**-24 * (x.double().abs() @ wdq.double().abs().T)
     cfg = w4a16_gemm.mma_config(m, n, k, torch.device(DEVICE), *launch)
-    assert cfg["BLOCK_M"] == (8 if m <= 8 else 16)
+    assert cfg["BLOCK_M"] == (8 if m <= 8 else 16) and cfg["KWARPS"] == (launch[4] if len(launch) > 4 else 1)
     for forced in (cfg, dict(cfg, SPLIT=1, k_per_split=-(-k // 128) * 128)):
         y = w4a16_gemm.w4a16_matmul(x.to(DEVICE), wq.to(DEVICE), cfg=dict(forced)).cpu()
         assert y.dtype == torch.float16 and y.shape == (m, n)
@@ -312,7 +314,11 @@ def test_w4a16_mma(m, nk, launch):
 
 
 def test_mma_kernel_picks_and_refusals():
-    # Picked for 2-8 rows of 16-bit activations on a GPU only; fp32 activations are refused.
+    # Picked for 2-8 rows of 16-bit activations on a GPU only; fp32 activations are refused, and
+    # warps or K groups of warps that are not powers of 2 (a program's lanes are a power of 2).
+    for bad in ((3, 4, 2, 2, 1), (1, 4, 2, 2, 3)):
+        with pytest.raises(ValueError, match="powers of 2"):
+            w4a16_gemm.mma_config(4, 64, 256, torch.device("cpu"), *bad)
     n, k = 64, 256
     for m in (1, 2, 8, 9):
         assert not w4a16_gemm.config(m, n, k, torch.device("cpu"), torch.float16).get("mma")
@@ -466,15 +472,20 @@ def test_pick_decode_sums_over_shapes_and_keeps_register_cap():
 
 def test_pick_mma_sums_over_problems():
     def row(n, m, launch, t):
-        nw, pps, rows, pf = launch
-        return {"N": n, "K": n, "M": m, "num_warps": nw, "programs_per_sm": pps, "rows": rows, "prefetch": pf, "ms": t}
+        nw, pps, rows, pf, kw = launch
+        r = {"N": n, "K": n, "M": m, "num_warps": nw, "programs_per_sm": pps, "rows": rows, "prefetch": pf, "ms": t}
+        return r if kw is None else dict(r, kwarps=kw)
 
-    a, b = (2, 4, 2, 2), (4, 8, 1, 0)
-    # a: 1 + 5 = 6; b: 2 + 3 = 5 -> b; a failed launch (None) never wins
-    rows = [row(1, 2, a, 1.0), row(2, 4, a, 5.0), row(1, 2, b, 2.0), row(2, 4, b, 3.0)]
-    assert w4a16_gemm.pick_mma(rows) == {"num_warps": 4, "programs_per_sm": 8, "rows": 1, "prefetch": 0}
+    # a (a row of an older sweep, without K groups: 1), b, c: the same but for the K groups
+    a, b, c = (2, 4, 2, 2, None), (4, 8, 1, 0, 1), (4, 8, 1, 0, 4)
+    # a: 1 + 5 = 6; b: 2 + 3 = 5; c: 2 + 3.5 = 5.5 -> b; a failed launch (None) never wins
+    rows = [row(1, 2, a, 1.0), row(2, 4, a, 5.0), row(1, 2, b, 2.0), row(2, 4, b, 3.0), row(1, 2, c, 2.0),
+            row(2, 4, c, 3.5)]
+    assert w4a16_gemm.pick_mma(rows) == {"num_warps": 4, "programs_per_sm": 8, "rows": 1, "prefetch": 0, "kwarps": 1}
     rows[2]["ms"] = None
-    assert w4a16_gemm.pick_mma(rows) == {"num_warps": 2, "programs_per_sm": 4, "rows": 2, "prefetch": 2}
+    assert w4a16_gemm.pick_mma(rows) == {"num_warps": 4, "programs_per_sm": 8, "rows": 1, "prefetch": 0, "kwarps": 4}
+    rows[4]["ms"] = None
+    assert w4a16_gemm.pick_mma(rows) == {"num_warps": 2, "programs_per_sm": 4, "rows": 2, "prefetch": 2, "kwarps": 1}
 
 
 def test_pick_mma_wide_launch_and_reach():
@@ -491,7 +502,7 @@ def test_pick_mma_wide_launch_and_reach():
     for n, m, base, ta, tb in ((100, 12, 5.0, 6.0, 4.0), (100, 16, 5.0, 6.0, 9.0), (200, 12, 9.0, 8.0, 9.5),
                                (200, 16, 9.0, 8.5, 9.5), (400, 12, 20.0, 15.0, 18.0), (400, 16, 20.0, 21.0, 18.0)):
         rows += [row(n, m, "matrix-unit", base), row(n, m, "mma", ta, a), row(n, m, "mma", tb, b)]
-    want = {"rows": 2, "num_warps": 1, "programs_per_sm": 8, "prefetch": 2}
+    want = {"rows": 2, "num_warps": 1, "programs_per_sm": 8, "prefetch": 2, "kwarps": 1}
     assert w4a16_gemm.pick_mma_wide(rows) == dict(want, min_weights=200 * 1000)
     # a loss on the middle shape in the sum: reach only from the largest
     rows = [dict(r, ms=10.5) if r["kernel"] == "mma" and r["N"] == 200 and r["M"] == 16 and r["rows"] == 2
@@ -504,7 +515,7 @@ def test_pick_mma_wide_launch_and_reach():
     rows = [dict(r, ms=None) if r["kernel"] == "mma" and r["N"] == 400 and r["M"] == 12 and r["num_warps"] == 1
             else r for r in rows]
     assert w4a16_gemm.pick_mma_wide(rows) == {"rows": 2, "num_warps": 2, "programs_per_sm": 4, "prefetch": 2,
-                                              "min_weights": 400 * 1000}
+                                              "kwarps": 1, "min_weights": 400 * 1000}
 
 
 def test_mma_wide_routing(monkeypatch):

@@ -22,7 +22,10 @@ scale): no re-layout, so a checkpoint tensor is used as loaded. Three kernels:
   by the block scale), the activations as the B fragment, the global scale applied to the fp32
   result. Its weights are E2M1 * scale exactly (bf16 and fp16 hold them) times the global
   scale: W.dequantize()'s fp32 values up to one rounding. The K order inside each mma is
-  chosen so that every lane loads whole 16-blocks; L2 prefetch runs two K steps ahead. In
+  chosen so that every lane loads whole 16-blocks; L2 prefetch runs two K steps ahead. A
+  program's warps can also be stacked in K groups (`MMA["kwarps"]`) that share its K range and
+  add their sums in the program (a reduction over warps, fixed order) instead of splitting K
+  across programs. In
   Triton's interpreter the same kernel runs with the warp's mma.sync emulated
   (`_mma_step_emulated`), so CPU CI covers its loads, masks and epilogue.
 - More rows, the matrix units through shared memory (`_w4a16_kernel`): every weight the dot sees
@@ -1021,45 +1024,59 @@ def _mma_pointers(ws_ptr, wb_ptr, wrow_g, wrow_h, blk, SCALE_PAIRS: tl.constexpr
 @triton.jit
 def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, tabs, c, k_start, k_end,
                     TILES: tl.constexpr, ROWS: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr,
-                    SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr):
+                    SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr,
+                    KWARPS: tl.constexpr = 1, kw=0):
     """The 16 accumulators (`_mma_step`) += the K range [k_start, k_end) of W @ x^T, in K steps
     of 128; the next step's weights and activations are loaded before this one is decoded.
     wrows: first block of rows g, g + 8 (weight tile 0) and g + 16, g + 24 (tile 1); xrow0 /
-    xrow1: first int64 of the activation tiles' rows g; tabs: the decode tables (`_mma_tables`)."""
+    xrow1: first int64 of the activation tiles' rows g; tabs: the decode tables (`_mma_tables`).
+    KWARPS > 1: the range is cut into KWARPS runs of whole steps, one per warp group kw (a per-lane
+    tensor, 0 to KWARPS - 1); every group loops as many times as the longest run, a shorter run's
+    last steps masked (their codes and activations read as zero and add nothing)."""
     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = acc
     wrow_g, wrow_h, wrow_g2, wrow_h2 = wrows
     if SCALE_PAIRS:
         S_STEP: tl.constexpr = 4
     else:
         S_STEP: tl.constexpr = 8
-    blk = k_start // 16 + 2 * c
+    if KWARPS == 1:
+        k_stop = k_end
+        base = k_start + 0 * c
+        end = k_end + 0 * c
+    else:
+        run = tl.cdiv(tl.cdiv(k_end - k_start, 128), KWARPS) * 128
+        k_stop = k_start + run
+        base = k_start + kw * run
+        end = tl.minimum(base + run, k_end)
+    blk = base // 16 + 2 * c
     pg, ph, sg_p, sh_p = _mma_pointers(ws_ptr, wb_ptr, wrow_g, wrow_h, blk, SCALE_PAIRS)
     pg2, ph2, sg2_p, sh2_p = _mma_pointers(ws_ptr, wb_ptr, wrow_g2, wrow_h2, blk, SCALE_PAIRS)
-    kc = k_start + 32 * c
-    w0 = _mma_weights(pg, ph, sg_p, sh_p, kc < k_end, kc + 16 < k_end, EVEN_K, SCALE_PAIRS)
+    kc = base + 32 * c
+    w0 = _mma_weights(pg, ph, sg_p, sh_p, kc < end, kc + 16 < end, EVEN_K, SCALE_PAIRS)
     if ROWS == 2:
-        w1 = _mma_weights(pg2, ph2, sg2_p, sh2_p, kc < k_end, kc + 16 < k_end, EVEN_K, SCALE_PAIRS)
+        w1 = _mma_weights(pg2, ph2, sg2_p, sh2_p, kc < end, kc + 16 < end, EVEN_K, SCALE_PAIRS)
     else:
         w1 = w0  # unused
     q0 = x4_ptr + xrow0 + kc // 4
     q1 = x4_ptr + xrow1 + kc // 4
-    # Whole-step masks as per-lane tensors (the same value in every lane; Triton's interpreter
-    # takes no scalar masks, the compiler folds the 0 * c away).
-    x = _mma_x(q0, kc, k_end, k_start + 0 * c < k_end, EVEN_K)
+    # Whole-step masks as per-lane tensors (the same value in every lane of a warp group; Triton's
+    # interpreter takes no scalar masks, the compiler folds the 0 * c away).
+    x = _mma_x(q0, kc, end, base < end, EVEN_K)
     if TILES == 2:
-        y = _mma_x(q1, kc, k_end, k_start + 0 * c < k_end, EVEN_K)
+        y = _mma_x(q1, kc, end, base < end, EVEN_K)
     else:
         y = x  # unused
-    for k0 in range(k_start, k_end, 128):
+    for k0 in range(k_start, k_stop, 128):
         pg += 8
         ph += 8
         sg_p += S_STEP
         sh_p += S_STEP
         q0 += 32
-        k = k0 + 32 * c + 128
-        more = k0 + 128 + 0 * c < k_end
-        ok0 = more if EVEN_K else k < k_end
-        ok1 = more if EVEN_K else k + 16 < k_end
+        step = base + (k0 - k_start) + 128  # this group's next step
+        k = step + 32 * c
+        more = step < end
+        ok0 = more if EVEN_K else k < end
+        ok1 = more if EVEN_K else k + 16 < end
         nw0 = _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K, SCALE_PAIRS)
         if ROWS == 2:
             pg2 += 8
@@ -1070,16 +1087,16 @@ def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, tabs, c, k
         else:
             nw1 = nw0
         if PREFETCH > 0 and not EMULATE:  # L2 prefetch of the weights PREFETCH steps ahead of this load
-            ahead = k0 + 128 * (PREFETCH + 1) < k_end
+            ahead = step + 128 * PREFETCH < end
             _prefetch_l2(pg + 8 * PREFETCH, ahead)
             _prefetch_l2(ph + 8 * PREFETCH, ahead)
             if ROWS == 2:
                 _prefetch_l2(pg2 + 8 * PREFETCH, ahead)
                 _prefetch_l2(ph2 + 8 * PREFETCH, ahead)
-        nx = _mma_x(q0, k, k_end, more, EVEN_K)
+        nx = _mma_x(q0, k, end, more, EVEN_K)
         if TILES == 2:
             q1 += 32
-            ny = _mma_x(q1, k, k_end, more, EVEN_K)
+            ny = _mma_x(q1, k, end, more, EVEN_K)
         else:
             ny = nx
         d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _mma_step(
@@ -1146,10 +1163,47 @@ def _mma_rows(row, base, N, K):
 
 
 @triton.jit
+def _group_sum(a, KWARPS: tl.constexpr):
+    """[32 * warps * KWARPS] per-lane values (warp w of group kw at 32 * (kw * warps + w) + lane) ->
+    [32 * warps]: the sum over the KWARPS groups."""
+    return tl.sum(tl.reshape(a, (KWARPS, a.shape[0] // KWARPS)), axis=0)
+
+
+@triton.jit
+def _first_group(a, KWARPS: tl.constexpr):
+    """Group 0's per-lane values of a tensor that is the same in every group, in `_group_sum`'s
+    layout."""
+    return tl.max(tl.reshape(a, (KWARPS, a.shape[0] // KWARPS)), axis=0)
+
+
+@triton.jit
+def _sum_groups(acc, KWARPS: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr):
+    """`_group_sum` of each accumulator in use (`_mma_fragments` reads only those)."""
+    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = acc
+    d0, d1, d2, d3 = _group_sum(d0, KWARPS), _group_sum(d1, KWARPS), _group_sum(d2, KWARPS), _group_sum(d3, KWARPS)
+    if TILES == 2:
+        e0, e1 = _group_sum(e0, KWARPS), _group_sum(e1, KWARPS)
+        e2, e3 = _group_sum(e2, KWARPS), _group_sum(e3, KWARPS)
+    else:
+        e0, e1, e2, e3 = d0, d1, d2, d3  # unused
+    if ROWS == 2:
+        f0, f1 = _group_sum(f0, KWARPS), _group_sum(f1, KWARPS)
+        f2, f3 = _group_sum(f2, KWARPS), _group_sum(f3, KWARPS)
+    else:
+        f0, f1, f2, f3 = d0, d1, d2, d3  # unused
+    if ROWS == 2 and TILES == 2:
+        h0, h1 = _group_sum(h0, KWARPS), _group_sum(h1, KWARPS)
+        h2, h3 = _group_sum(h2, KWARPS), _group_sum(h3, KWARPS)
+    else:
+        h0, h1, h2, h3 = d0, d1, d2, d3  # unused
+    return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
+
+
+@triton.jit
 def _mma_kernel(x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, stride_x4, k_per_split,
                 TILES: tl.constexpr, ROWS: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr,
                 F16: tl.constexpr, EVEN_K: tl.constexpr, SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
-                EMULATE: tl.constexpr):
+                EMULATE: tl.constexpr, KWARPS: tl.constexpr = 1):
     """y = x @ W^T for up to 8 * TILES activation rows per program on the matrix units, the weight
     decoded in registers into mma.sync's A fragments (`mma_asm`); grid: N tiles of 16 * ROWS *
     WARPS rows (16 * ROWS per warp), activation row tiles, K splits. One element per thread: the
@@ -1161,19 +1215,22 @@ def _mma_kernel(x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
-    g, c, warp, zero = _mma_lanes(WARPS, EMULATE)
-    row = pid_n * (16 * ROWS * WARPS) + warp * (16 * ROWS) + g  # A rows g and g + 8 (+ 16 per tile)
+    g, c, warp, zero = _mma_lanes(WARPS * KWARPS, EMULATE)
+    row = pid_n * (16 * ROWS * WARPS) + (warp % WARPS) * (16 * ROWS) + g  # A rows g and g + 8 (+ 16 per tile)
     tok = pid_m * (8 * TILES) + g  # B column g: an activation row
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     wrows = _mma_rows(row, 0, N, K)
     xrow0 = tl.minimum(tok, M - 1).to(tl.int64) * stride_x4
     xrow1 = tl.minimum(tok + 8, M - 1).to(tl.int64) * stride_x4
-    d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _mma_accumulate(
-        zero, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, _mma_tables(N + 0 * g, F16), c, k_start, k_end,
-        TILES, ROWS, F16, EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE)
-    y, rows, toks = _mma_fragments((d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3), row,
-                                  pid_m * (8 * TILES) + 2 * c, TILES, ROWS)
+    acc = _mma_accumulate(zero, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, _mma_tables(N + 0 * g, F16), c, k_start,
+                          k_end, TILES, ROWS, F16, EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE, KWARPS, warp // WARPS)
+    col = pid_m * (8 * TILES) + 2 * c
+    if KWARPS > 1:  # the warp groups' partial sums added in a fixed order (a reduction over warps)
+        acc = _sum_groups(acc, KWARPS, TILES, ROWS)
+        row = _first_group(row, KWARPS)
+        col = _first_group(col, KWARPS)
+    y, rows, toks = _mma_fragments(acc, row, col, TILES, ROWS)
     y = y * tl.load(gs_ptr)
     off = toks.to(tl.int64) * N + rows
     ok = (toks < M) & (rows < N)
@@ -1300,11 +1357,19 @@ def _gemv_k_tile(k: int, cfg: dict) -> dict:
 
 # The register-fed matrix-unit kernel (`_mma_kernel`) for MMA["min_m"] to MMA["max_m"] rows of
 # bf16/fp16 activations on a GPU: weight-row tiles of 16 per warp ("rows"), warps per program,
-# the split-K target and the L2 prefetch distance in K steps. Picked on an H200 by `sweep_mma`
-# (scripts/bench_kernels.py --sweep-mma; benchmarks/results/kernels-sweeps-mma-wide-h200.json).
+# the split-K target, the L2 prefetch distance in K steps and the K groups of warps ("kwarps":
+# groups that share a program's K range, their sums added in the program). Picked on an H200 by
+# `sweep_mma` (scripts/bench_kernels.py --sweep-mma; benchmarks/results/kernels-sweeps-mma-wide-h200.json).
 # One row stays on the CUDA-core GEMV (15.5 us on 8192 x 8192; the mma kernel takes 17.7 at two
 # rows); 9-16 rows: MMA_WIDE.
-MMA = {"min_m": 2, "max_m": 8, "rows": 2, "num_warps": 2, "programs_per_sm": 4, "prefetch": 2}
+# The K groups stay at 1, against the summed pick of the sweep that added them
+# (benchmarks/results/kernels-sweeps-mma-kwarps-h200.json: 1 warp, 4 groups, split-K target 1,
+# 96.5 against 101.0 us summed). That pick is 6-13% faster on 8192 x 8192 and 3712 x 2688 but
+# 11-13% slower on 2688 x 3712 at 2-8 rows (7.0-7.6 against 6.2-6.8 us), where that file's bench
+# (run with the pick) has 1.06x over bf16 at 4 rows against 1.22x in kernels-h200.json; at 4 rows
+# on 131072 x 2688 it has 90.7 us against 84.4. With 84 weight tiles and that split-K target,
+# 2688 x 3712 runs 84 programs on 132 multiprocessors.
+MMA = {"min_m": 2, "max_m": 8, "rows": 2, "num_warps": 2, "programs_per_sm": 4, "prefetch": 2, "kwarps": 1}
 
 
 # The same kernel with two activation tiles, for 9 (or MMA["max_m"] + 1) to MMA_WIDE["max_m"] rows of
@@ -1314,18 +1379,24 @@ MMA = {"min_m": 2, "max_m": 8, "rows": 2, "num_warps": 2, "programs_per_sm": 4, 
 # keeps the smaller weights (the Nano shapes). The reach is summed over 12 and 16 rows per weight
 # size: 101.1 against 113.8 us at 16 rows on 28672 x 8192, 27.2 against 29.7 at 12 on 8192 x 8192;
 # 9.4 against 8.0 at 16 rows on 2688 x 3712 (benchmarks/results/kernels-sweeps-mma-wide-h200.json).
-MMA_WIDE = {"max_m": 16, "min_weights": 8192 * 8192, "rows": 2, "num_warps": 1, "programs_per_sm": 8, "prefetch": 2}
+MMA_WIDE = {"max_m": 16, "min_weights": 8192 * 8192, "rows": 2, "num_warps": 1, "programs_per_sm": 8, "prefetch": 2,
+            "kwarps": 1}
 
 
 def mma_config(m: int, n: int, k: int, device: torch.device, num_warps: int | None = None,
-               programs_per_sm: int | None = None, rows: int | None = None, prefetch: int | None = None) -> dict:
+               programs_per_sm: int | None = None, rows: int | None = None, prefetch: int | None = None,
+               kwarps: int | None = None) -> dict:
     """`_mma_kernel`'s launch shape: 8 or 16 activation rows per program (one or two mma tiles),
-    16 or 32 weight rows per warp (`rows` mma tiles), K steps of 128, split-K to about
-    programs_per_sm programs per multiprocessor."""
+    16 or 32 weight rows per warp (`rows` mma tiles), num_warps warps side by side on the weight
+    rows, each `kwarps` times over (groups that share the program's K range, their sums added in
+    the program), K steps of 128, split-K to about programs_per_sm programs per multiprocessor."""
     nw = num_warps or MMA["num_warps"]
     r = rows or MMA["rows"]
+    kw = kwarps or MMA["kwarps"]
+    if kw & (kw - 1) or nw & (nw - 1):
+        raise ValueError(f"{_WHAT}: warps ({nw}) and K groups ({kw}) must be powers of 2")
     cfg = dict(mma=True, BLOCK_M=8 if m <= 8 else 16, BLOCK_N=16 * r * nw, BLOCK_K=128, num_warps=nw, num_stages=1,
-               PREFETCH=MMA["prefetch"] if prefetch is None else prefetch)
+               PREFETCH=MMA["prefetch"] if prefetch is None else prefetch, KWARPS=kw)
     cfg.update(_split(m, n, k, cfg, device, programs_per_sm or MMA["programs_per_sm"]))
     return cfg
 
@@ -1343,7 +1414,7 @@ def config(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = to
         wide = MMA_WIDE["min_weights"]
         if max(MMA["max_m"], 8) < m <= MMA_WIDE["max_m"] and wide is not None and n * k >= wide:
             return mma_config(m, n, k, device, MMA_WIDE["num_warps"], MMA_WIDE["programs_per_sm"], MMA_WIDE["rows"],
-                              MMA_WIDE["prefetch"])
+                              MMA_WIDE["prefetch"], MMA_WIDE["kwarps"])
     if m <= GEMV["max_m"]:
         bm = gemv_block_m(m)
         tile = GEMV[str(bm)]
@@ -1419,7 +1490,8 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
                           TILES=cfg["BLOCK_M"] // 8, ROWS=cfg["BLOCK_N"] // (16 * cfg["num_warps"]),
                           WARPS=cfg["num_warps"], SPLIT=split,
                           F16=x.dtype == torch.float16, EVEN_K=k % 128 == 0, SCALE_PAIRS=pairs,
-                          PREFETCH=cfg["PREFETCH"], EMULATE=interpreted(_mma_kernel), num_warps=cfg["num_warps"],
+                          PREFETCH=cfg["PREFETCH"], EMULATE=interpreted(_mma_kernel), KWARPS=cfg.get("KWARPS", 1),
+                          num_warps=cfg["num_warps"] * cfg.get("KWARPS", 1),
                           num_stages=1, **launch_options())
     elif gemv:
         x2, x4 = int64_activations(x2)
@@ -1640,9 +1712,11 @@ def pick_gemv(rows) -> dict:
 
 def sweep_mma(shapes=((8192, 8192), (3712, 2688), (2688, 3712)), ms=(2, 4, 8),
               launch=((2, 4, 2, 2), (4, 4, 2, 2), (8, 2, 2, 2), (2, 8, 2, 2), (4, 8, 1, 2), (4, 2, 1, 2),
-                      (2, 4, 2, 0))):
+                      (2, 4, 2, 0), (1, 1, 2, 2, 4), (2, 1, 2, 2, 4), (1, 2, 2, 2, 4), (1, 1, 2, 2, 8),
+                      (1, 2, 2, 2, 2))):
     """CUDA-graph times of `_mma_kernel`'s launch shapes (warps, split-K target, weight-row tiles
-    per warp, prefetch distance), each checked against an fp32 reference first."""
+    per warp, prefetch distance[, K groups of warps]), each checked against an fp32 reference
+    first."""
     out = []
     for n, k, m, wq, x, ref in _sweep_problems(shapes, ms):
         out += _mma_launch_rows(n, k, m, wq, x, ref, launch)
@@ -1651,11 +1725,14 @@ def sweep_mma(shapes=((8192, 8192), (3712, 2688), (2688, 3712)), ms=(2, 4, 8),
 
 def _mma_launch_rows(n, k, m, wq, x, ref, launch, **tag) -> list:
     """One sweep row per `_mma_kernel` launch shape (warps, split-K target, weight-row tiles per
-    warp, prefetch distance) on one problem, with `tag`'s items, each timed if right."""
+    warp, prefetch distance, optionally the K groups of warps: 1 if not given) on one problem, with
+    `tag`'s items, each timed if right."""
     out = []
-    for nw, pps, rows, pf in launch:
-        cfg = mma_config(m, n, k, x.device, nw, pps, rows, pf)
-        row = {"N": n, "K": k, "M": m, **tag, "num_warps": nw, "programs_per_sm": pps, "rows": rows, "prefetch": pf}
+    for nw, pps, rows, pf, *groups in launch:
+        kw = groups[0] if groups else 1
+        cfg = mma_config(m, n, k, x.device, nw, pps, rows, pf, kw)
+        row = {"N": n, "K": k, "M": m, **tag, "num_warps": nw, "programs_per_sm": pps, "rows": rows, "prefetch": pf,
+               "kwarps": kw}
         row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=cfg), ref))
         out.append(row)
     return out
@@ -1690,7 +1767,7 @@ def pick_mma_wide(rows) -> dict:
         return r["ms"] if r["ms"] is not None else float("inf")
 
     def key(r):
-        return r["num_warps"], r["programs_per_sm"], r["rows"], r["prefetch"]
+        return r["num_warps"], r["programs_per_sm"], r["rows"], r["prefetch"], r.get("kwarps", 1)
 
     launch = pick_mma([r for r in rows if r["kernel"] == "mma"])
     best = key(launch)
@@ -1710,13 +1787,13 @@ def pick_mma_wide(rows) -> dict:
 
 
 def pick_mma(rows) -> dict:
-    """The MMA launch shape with the smallest summed sweep time."""
+    """The MMA launch shape with the smallest summed sweep time (rows without "kwarps": 1)."""
     totals = {}
     for r in rows:
-        key = (r["num_warps"], r["programs_per_sm"], r["rows"], r["prefetch"])
+        key = (r["num_warps"], r["programs_per_sm"], r["rows"], r["prefetch"], r.get("kwarps", 1))
         totals[key] = totals.get(key, 0.0) + (r["ms"] if r["ms"] is not None else float("inf"))
-    nw, pps, rows_, pf = min(totals, key=totals.get)
-    return {"num_warps": nw, "programs_per_sm": pps, "rows": rows_, "prefetch": pf}
+    nw, pps, rows_, pf, kw = min(totals, key=totals.get)
+    return {"num_warps": nw, "programs_per_sm": pps, "rows": rows_, "prefetch": pf, "kwarps": kw}
 
 
 def path(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:

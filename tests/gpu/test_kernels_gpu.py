@@ -241,13 +241,14 @@ def test_w4a16_matmul_bf16(nk, m, fused):
 
 @pytest.mark.parametrize("nk", [(3712, 2688), (200, 1856), (40, 2704)])
 @pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("launch", [(2, 4, 2, 2), (4, 8, 1, 0), (1, 8, 2, 2)])
+@pytest.mark.parametrize("launch", [(2, 4, 2, 2), (4, 8, 1, 0), (1, 8, 2, 2), (1, 1, 2, 2, 4), (2, 2, 1, 2, 8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_w4a16_mma(nk, m, launch, dtype):
     # The register-fed matrix-unit kernel forced at 1-16 rows (one or two activation tiles), one
-    # or two weight tiles per warp, with and without L2 prefetch: ragged N (200, 40: rows past N
-    # read the last row), ragged K (1856 = 14.5 steps, 2704 = 169 blocks: masked steps, scale
-    # bytes one at a time), split-K and not.
+    # or two weight tiles per warp, with and without L2 prefetch, the K range shared by 4 or 8
+    # groups of warps (summed in the program) or not: ragged N (200, 40: rows past N read the
+    # last row), ragged K (1856 = 14.5 steps, 2704 = 169 blocks: masked steps, scale bytes one at
+    # a time), split-K and not.
     n, k = nk
     wq = kquant.quantize(_randn(n, k, seed=50) * 4, scale_rule="4o6")
     x = _randn(m, k, seed=51, scale=1.0).to(dtype)
