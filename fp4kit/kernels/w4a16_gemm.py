@@ -1177,25 +1177,23 @@ def _first_group(a, KWARPS: tl.constexpr):
 
 
 @triton.jit
+def _group_sum4(a0, a1, a2, a3, KWARPS: tl.constexpr):
+    """`_group_sum` of one D fragment's four accumulators."""
+    return _group_sum(a0, KWARPS), _group_sum(a1, KWARPS), _group_sum(a2, KWARPS), _group_sum(a3, KWARPS)
+
+
+@triton.jit
 def _sum_groups(acc, KWARPS: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr):
-    """`_group_sum` of each accumulator in use (`_mma_fragments` reads only those)."""
+    """`_group_sum` of each accumulator in use (`_mma_fragments` reads only those; the others
+    pass through)."""
     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = acc
-    d0, d1, d2, d3 = _group_sum(d0, KWARPS), _group_sum(d1, KWARPS), _group_sum(d2, KWARPS), _group_sum(d3, KWARPS)
+    d0, d1, d2, d3 = _group_sum4(d0, d1, d2, d3, KWARPS)
     if TILES == 2:
-        e0, e1 = _group_sum(e0, KWARPS), _group_sum(e1, KWARPS)
-        e2, e3 = _group_sum(e2, KWARPS), _group_sum(e3, KWARPS)
-    else:
-        e0, e1, e2, e3 = d0, d1, d2, d3  # unused
+        e0, e1, e2, e3 = _group_sum4(e0, e1, e2, e3, KWARPS)
     if ROWS == 2:
-        f0, f1 = _group_sum(f0, KWARPS), _group_sum(f1, KWARPS)
-        f2, f3 = _group_sum(f2, KWARPS), _group_sum(f3, KWARPS)
-    else:
-        f0, f1, f2, f3 = d0, d1, d2, d3  # unused
-    if ROWS == 2 and TILES == 2:
-        h0, h1 = _group_sum(h0, KWARPS), _group_sum(h1, KWARPS)
-        h2, h3 = _group_sum(h2, KWARPS), _group_sum(h3, KWARPS)
-    else:
-        h0, h1, h2, h3 = d0, d1, d2, d3  # unused
+        f0, f1, f2, f3 = _group_sum4(f0, f1, f2, f3, KWARPS)
+        if TILES == 2:
+            h0, h1, h2, h3 = _group_sum4(h0, h1, h2, h3, KWARPS)
     return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
 
 
@@ -1485,13 +1483,14 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     if mma:
         x2, x4 = int64_activations(x2)
         scales, pairs = mma_scales(w)
+        kwarps = cfg.get("KWARPS", 1)
         _mma_kernel[grid](x4, w.packed.view(torch.int64), scales,
                           w.global_scale, out, part, counters, m, n, k, x2.stride(0) // 4, k_per_split,
                           TILES=cfg["BLOCK_M"] // 8, ROWS=cfg["BLOCK_N"] // (16 * cfg["num_warps"]),
                           WARPS=cfg["num_warps"], SPLIT=split,
                           F16=x.dtype == torch.float16, EVEN_K=k % 128 == 0, SCALE_PAIRS=pairs,
-                          PREFETCH=cfg["PREFETCH"], EMULATE=interpreted(_mma_kernel), KWARPS=cfg.get("KWARPS", 1),
-                          num_warps=cfg["num_warps"] * cfg.get("KWARPS", 1),
+                          PREFETCH=cfg["PREFETCH"], EMULATE=interpreted(_mma_kernel), KWARPS=kwarps,
+                          num_warps=cfg["num_warps"] * kwarps,
                           num_stages=1, **launch_options())
     elif gemv:
         x2, x4 = int64_activations(x2)
@@ -1766,17 +1765,14 @@ def pick_mma_wide(rows) -> dict:
     def ms(r):
         return r["ms"] if r["ms"] is not None else float("inf")
 
-    def key(r):
-        return r["num_warps"], r["programs_per_sm"], r["rows"], r["prefetch"], r.get("kwarps", 1)
-
     launch = pick_mma([r for r in rows if r["kernel"] == "mma"])
-    best = key(launch)
+    best = _mma_launch_key(launch)
     mma, base = {}, {}
     for r in rows:
         size = r["N"] * r["K"]
         if r["kernel"] == "matrix-unit":
             base[size] = base.get(size, 0.0) + ms(r)
-        elif key(r) == best:
+        elif _mma_launch_key(r) == best:
             mma[size] = mma.get(size, 0.0) + ms(r)
     min_weights = None
     for size in sorted(mma, reverse=True):
@@ -1786,11 +1782,17 @@ def pick_mma_wide(rows) -> dict:
     return {"min_weights": min_weights, **launch}
 
 
+def _mma_launch_key(r: dict) -> tuple:
+    """(warps, split-K target, rows, prefetch, K groups) of a sweep row or launch shape; rows of
+    sweeps without K groups have 1."""
+    return r["num_warps"], r["programs_per_sm"], r["rows"], r["prefetch"], r.get("kwarps", 1)
+
+
 def pick_mma(rows) -> dict:
-    """The MMA launch shape with the smallest summed sweep time (rows without "kwarps": 1)."""
+    """The MMA launch shape with the smallest summed sweep time."""
     totals = {}
     for r in rows:
-        key = (r["num_warps"], r["programs_per_sm"], r["rows"], r["prefetch"], r.get("kwarps", 1))
+        key = _mma_launch_key(r)
         totals[key] = totals.get(key, 0.0) + (r["ms"] if r["ms"] is not None else float("inf"))
     nw, pps, rows_, pf, kw = min(totals, key=totals.get)
     return {"num_warps": nw, "programs_per_sm": pps, "rows": rows_, "prefetch": pf, "kwarps": kw}
