@@ -9,7 +9,8 @@ matrix-unit kernels' table dequantization (every byte value in every position of
 block steps, against NVFP4Tensor.dequantize: table layout, selectors, sign trick, interleave),
 the CUDA-core kernels' block decode (every byte value in every position of a 16-code block,
 against the E2M1 value table), and the register-fed mma kernel's K step (`mma_asm`: fragment
-layout, K order, decoding and block scales, against x @ dequantized W^T).
+layout, K order, decoding and block scales, against x @ dequantized W^T; and its A and B
+operands one by one for every scale byte and code).
 """
 from __future__ import annotations
 
@@ -144,13 +145,15 @@ _MMA = re.compile(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)\.\1\
                   r"\{([^}]*)\}, \{([^}]*)\}, \{([^}]*)\}, \{([^}]*)\}")
 
 
-def run_ptx_warp(asm: str, operands: list[dict[int, int]]) -> list[dict[int, int]]:
+def run_ptx_warp(asm: str, operands: list[dict[int, int]], record: list | None = None,
+                 exact: bool = True) -> list[dict[int, int]]:
     """Executes `asm` on a warp: operands[l] are lane l's $n; every line runs on all 32 lanes
     before the next. mma.sync m16n8k16 (row A, column B) gathers the fragments by the PTX ISA's
     layout (lane 4g + c: A[g][2c..2c+1], A[g+8][2c..], A[g][2c+8..], A[g+8][2c+8..];
     B[2c..2c+1][g], B[2c+8..][g]; C/D[g][2c..2c+1], C/D[g+8][2c..]) and computes D = A @ B + C
     exactly, which must be an fp32 value (the tests keep every sum exact, so any summation
-    order the hardware uses gives the same)."""
+    order the hardware uses gives the same; exact=False lifts that check, for tests that read
+    only the operands). With `record`, each mma's A and B are appended to it."""
     lanes = [{f"${k}": v for k, v in ops.items()} for ops in operands]
     for line in _lines(asm):
         m = _MMA.fullmatch(line)
@@ -174,8 +177,10 @@ def run_ptx_warp(asm: str, operands: list[dict[int, int]]) -> list[dict[int, int
                 B[2 * q + 8 + j, g] = _half_value(regs[b[1]] >> (16 * j), kind)
                 C[g, 2 * q + j] = _bits_f32(regs[c[j]])
                 C[g + 8, 2 * q + j] = _bits_f32(regs[c[2 + j]])
+        if record is not None:
+            record.append((A, B))
         D = A @ B + C
-        assert np.array_equal(D.astype(np.float32).astype(np.float64), D), "an inexact sum"
+        assert not exact or np.array_equal(D.astype(np.float32).astype(np.float64), D), "an inexact sum"
         for lane, regs in enumerate(lanes):
             g, q = lane // 4, lane % 4
             for j in range(2):
@@ -275,6 +280,30 @@ def _int64_at(b: np.ndarray, byte: int) -> int:
     return int(b[byte:byte + 8].view("<u8")[0])
 
 
+def _mma_lane_operands(step, packed, scale, xb, rows, tiles, n_acc, acc):
+    """Each lane's operands of `mma_asm` for K step `step`, as `_mma_kernel` loads them."""
+    ops = []
+    for lane in range(32):
+        gg, c = lane // 4, lane % 4
+        blk = step * 8 + 2 * c
+        o = {n_acc + i: acc[lane][i] for i in range(n_acc)}
+        nxt = 2 * n_acc
+        codes, scales = [], []
+        for r in range(rows):
+            for row in (16 * r + gg, 16 * r + gg + 8):
+                codes += [_int64_at(packed[row], 8 * blk), _int64_at(packed[row], 8 * blk + 8)]
+                scales.append(int(scale[row, blk]) | int(scale[row, blk + 1]) << 8)
+        for v in codes + scales:
+            o[nxt] = v
+            nxt += 1
+        for t in range(tiles):
+            for s in range(8):
+                o[nxt] = _int64_at(xb[8 * t + gg], 2 * (step * 128 + 32 * c + 4 * s))
+                nxt += 1
+        ops.append(o)
+    return ops
+
+
 @pytest.mark.parametrize("tiles,rows,kind", [(2, 2, "bf16"), (1, 1, "bf16"), (2, 1, "f16"), (1, 2, "f16")])
 def test_mma_step_every_byte_in_every_position(tiles, rows, kind):
     # The register-fed matrix-unit kernel's K steps on a warp: 16 * rows weight rows, K = 1024
@@ -296,30 +325,11 @@ def test_mma_step_every_byte_in_every_position(tiles, rows, kind):
                           torch.tensor(1.0))
     want = x.double() @ w.dequantize(torch.float32).double().T  # exact: E2M1 * scale * 1.0
     xb = x.view(torch.int16).numpy().view(np.uint8)  # [m, 2k] bytes
-    th0, _, tl0, _ = g._MMA_TABLES[kind]
     asm = g.mma_asm(tiles, rows, kind)
     n_acc = 4 * tiles * rows
     acc = [[0] * n_acc for _ in range(32)]
     for step in range(k // 128):
-        ops = []
-        for lane in range(32):
-            gg, c = lane // 4, lane % 4
-            blk = step * 8 + 2 * c
-            o = {n_acc + i: acc[lane][i] for i in range(n_acc)}
-            nxt = 2 * n_acc
-            codes, scales = [], []
-            for r in range(rows):
-                for row in (16 * r + gg, 16 * r + gg + 8):
-                    codes += [_int64_at(packed[row], 8 * blk), _int64_at(packed[row], 8 * blk + 8)]
-                    scales.append(int(scale[row, blk]) | int(scale[row, blk + 1]) << 8)
-            for v in codes + scales + [th0, tl0]:
-                o[nxt] = v
-                nxt += 1
-            for t in range(tiles):
-                for s in range(8):
-                    o[nxt] = _int64_at(xb[8 * t + gg], 2 * (step * 128 + 32 * c + 4 * s))
-                    nxt += 1
-            ops.append(o)
+        ops = _mma_lane_operands(step, packed, scale, xb, rows, tiles, n_acc, acc)
         out = run_ptx_warp(asm, ops)
         acc = [[out[lane][i] for i in range(n_acc)] for lane in range(32)]
     got = np.zeros((m, n))
@@ -331,8 +341,51 @@ def test_mma_step_every_byte_in_every_position(tiles, rows, kind):
                 for i in range(4):
                     row = 16 * r + gg + 8 * (i // 2)
                     tok = 8 * t + 2 * c + i % 2
-                    got[tok, row] = _bits_f32(acc[lane][base + i])
+                    got[tok, row] = _bits_f32(acc[lane][base + i]) * g.MMA_UNSCALE.value
     assert np.array_equal(got, want.numpy())
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+def test_mma_operands_every_scale_and_code(kind):
+    # The A and B fragments `mma_asm` hands to each mma.sync, read back from the emulated warp:
+    # A must be E2M1(code) * scale * 2^-7 exactly (fp4kit.formats' values) for every E4M3 scale
+    # byte 0x00-0x7E (subnormal scales and 448 included) and every code, and B the activations
+    # at the K offsets of the documented K order (mma s: codes j, j + 4 | j + 1, j + 5 of word
+    # s // 2 of the lane's 32 codes, j = 2(s % 2)).
+    from fp4kit.formats.constants import E2M1_VALUES
+
+    n, k, m = 16, 1024, 8
+    rng = np.random.default_rng(3)
+    nblk = n * k // 16
+    codes = np.stack([rng.permutation(16) for _ in range(nblk)]).astype(np.uint8)  # every code per block
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(n, k // 2)
+    scale = (np.arange(nblk) % 127).astype(np.uint8).reshape(n, k // 16)
+    rng.shuffle(scale.reshape(-1))
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float16
+    x = torch.from_numpy(rng.integers(-4, 5, (m, k)).astype(np.float32)).to(dtype)
+    xb = x.view(torch.int16).numpy().view(np.uint8)
+    wq = codes.reshape(n, k).astype(np.int64)
+    sv = torch.from_numpy(scale.copy()).view(torch.float8_e4m3fn).double().numpy()
+    want_w = np.array(E2M1_VALUES, dtype=np.float64)[wq] * np.repeat(sv, 16, axis=1) * 2.0 ** -7
+    asm = g.mma_asm(1, 1, kind)
+    acc = [[0] * 4 for _ in range(32)]
+    seen = set()
+    for step in range(k // 128):
+        record = []
+        run_ptx_warp(asm, _mma_lane_operands(step, packed, scale, xb, 1, 1, 4, acc), record, exact=False)
+        assert len(record) == 8
+        for s, (A, B) in enumerate(record):
+            j = 2 * (s % 2)
+            for c in range(4):
+                base = step * 128 + 32 * c + 8 * (s // 2)
+                ks = [base + j, base + j + 4, base + j + 1, base + j + 5]  # slots 2c, 2c+1, 2c+8, 2c+9
+                slots = [2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9]
+                for gg in range(8):
+                    for row in (gg, gg + 8):
+                        assert [A[row, sl] for sl in slots] == [want_w[row, kk] for kk in ks], (kind, step, s, row)
+                        seen.update((int(scale[row, kk // 16]), int(wq[row, kk])) for kk in ks)
+                    assert [B[sl, gg] for sl in slots] == [float(x[gg, kk]) for kk in ks]
+    assert seen == {(sc, cd) for sc in range(127) for cd in range(16)}
 
 
 _LANE_ID_CHECK = """

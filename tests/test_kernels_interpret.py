@@ -470,22 +470,40 @@ def test_pick_decode_sums_over_shapes_and_keeps_register_cap():
     assert "maxnreg" not in w4a16_gemm.pick_decode(rows)
 
 
-def test_pick_mma_sums_over_problems():
+def test_split_count_balances_long_k_only():
+    # About programs_per_sm programs per multiprocessor; with balance (0.9, 16) a split count
+    # that leaves the busiest multiprocessors with a program more than most is raised while a
+    # split's K range keeps 16 K tiles: 448 tiles of 64 K tiles on 132 multiprocessors fill 448 / 528
+    # of 4 slots each -> 2 splits (896 / 924). Balanced counts stay; short K is not split further.
+    sc = w4a16_gemm.split_count
+    assert sc(448, 64, 132, 4) == 1 and sc(448, 64, 132, 4, (0.9, 16)) == 2
+    assert sc(128, 64, 132, 4) == sc(128, 64, 132, 4, (0.9, 16)) == 4  # 512 of 528
+    assert sc(58, 21, 132, 4) == sc(58, 21, 132, 4, (0.9, 16)) == 9  # 21 K tiles: nothing to spare
+    assert sc(448, 30, 132, 4, (0.9, 16)) == 1  # 2 splits would be 15 K tiles each
+    assert sc(448, 31, 132, 4, (0.9, 16)) == 2  # 16 and 15
+    assert sc(1000, 8, 132, 4, (0.9, 1)) == 1  # more tiles than wanted programs: one split
+    # a share never reached: the first count stays
+    assert sc(133, 64, 132, 1, (1.0, 64)) == 1
+
+
+def test_pick_mma_sums_relative_times_over_problems():
     def row(n, m, launch, t):
         nw, pps, rows, pf, kw = launch
         r = {"N": n, "K": n, "M": m, "num_warps": nw, "programs_per_sm": pps, "rows": rows, "prefetch": pf, "ms": t}
         return r if kw is None else dict(r, kwarps=kw)
 
-    # a (a row of an older sweep, without K groups: 1), b, c: the same but for the K groups
+    # a (a row of an older sweep, without K groups: 1), b, c: the same but for the K groups.
+    # Problems 1 (small) and 2 (large). Summed times would pick b (10.9 against 11.0); relative
+    # to each problem's best: a 1 + 10/9 = 2.11, b 1.9 + 1 = 2.9, c 1.2 + 9.5/9 = 2.26 -> a.
     a, b, c = (2, 4, 2, 2, None), (4, 8, 1, 0, 1), (4, 8, 1, 0, 4)
-    # a: 1 + 5 = 6; b: 2 + 3 = 5; c: 2 + 3.5 = 5.5 -> b; a failed launch (None) never wins
-    rows = [row(1, 2, a, 1.0), row(2, 4, a, 5.0), row(1, 2, b, 2.0), row(2, 4, b, 3.0), row(1, 2, c, 2.0),
-            row(2, 4, c, 3.5)]
-    assert w4a16_gemm.pick_mma(rows) == {"num_warps": 4, "programs_per_sm": 8, "rows": 1, "prefetch": 0, "kwarps": 1}
-    rows[2]["ms"] = None
+    rows = [row(1, 2, a, 1.0), row(2, 4, a, 10.0), row(1, 2, b, 1.9), row(2, 4, b, 9.0), row(1, 2, c, 1.2),
+            row(2, 4, c, 9.5)]
+    assert w4a16_gemm.pick_mma(rows) == {"num_warps": 2, "programs_per_sm": 4, "rows": 2, "prefetch": 2, "kwarps": 1}
+    # a failed launch (None) never wins: without a, problem 1's best is c's 1.2: b 2.58, c 2.06
+    rows[0]["ms"] = None
     assert w4a16_gemm.pick_mma(rows) == {"num_warps": 4, "programs_per_sm": 8, "rows": 1, "prefetch": 0, "kwarps": 4}
     rows[4]["ms"] = None
-    assert w4a16_gemm.pick_mma(rows) == {"num_warps": 2, "programs_per_sm": 4, "rows": 2, "prefetch": 2, "kwarps": 1}
+    assert w4a16_gemm.pick_mma(rows) == {"num_warps": 4, "programs_per_sm": 8, "rows": 1, "prefetch": 0, "kwarps": 1}
 
 
 def test_pick_mma_wide_launch_and_reach():

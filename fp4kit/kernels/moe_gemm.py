@@ -41,10 +41,10 @@ Beyond, `_moe_sorted`, one launch per projection:
 
 Measured on an H200 against transformers' grouped_mm experts in bf16 (CUDA graphs, 128 experts,
 top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json, `bench_kernels.py`, launch shapes
-swept in benchmarks/results/kernels-sweeps-mma-wide-h200.json): 5.07x at 1 token (24.2 us on the
-CUDA cores; the sorted path on the register-fed matrix units took 74.5), 2.74x at 8 (146.7 us, the
-register-fed units; 213.0 on wgmma), 2.83x at 64 (334.8 us, the register-fed units; 527.0 on
-wgmma), 1.58x at 256 (wgmma), 0.66x at 2048. The CUDA-core tiles win up to 4 tokens and the register-fed units from 8 to 128
+swept in benchmarks/results/kernels-sweeps-mma-wide-h200.json): 4.91x at 1 token (24.3 us on the
+CUDA cores; the sorted path on the register-fed matrix units took 63.7), 3.04x at 8 (139.9 us, the
+register-fed units; 222.3 on wgmma), 2.84x at 64 (339.0 us, the register-fed units; 539.3 on
+wgmma), 1.59x at 256 (wgmma), 0.65x at 2048. The CUDA-core tiles win up to 4 tokens and the register-fed units from 8 to 128
 tokens (about 6 assignments per expert); they lose to wgmma at 256 (sweep_moe_gemv,
 sweep_moe_mma). On the CUDA cores the experts' weights stream at about 1.5 TB/s at 8 tokens
 (about 41 experts of 5.6 MB); the wgmma tiles are instruction bound (about 6.5 instructions per
@@ -65,7 +65,7 @@ from fp4kit.formats.errors import FormatError
 from .backend import cdiv, check_backend, interpreted, launch_options, next_power_of_2
 from .w4a16_gemm import (_ACT_DTYPES, DEQUANT, _accumulate, _gemv_accumulate, _gemv_k_tile, _relu2, _sm_count,
                          check_weight, int64_activations, lut_tile, _mma_accumulate, _mma_fragments, _mma_lanes,
-                         _mma_rows, _mma_tables, mma_scales, time_if_right, use_lut, with_maxnreg)
+                         _mma_rows, MMA_UNSCALE, mma_scales, time_if_right, use_lut, with_maxnreg)
 
 _WHAT = "kernels.moe_experts"
 
@@ -142,15 +142,14 @@ def _mma_columns(v0, v1, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _mma_expert(gs_ptr, e, N, K, ROWS: tl.constexpr, WARPS: tl.constexpr, F16: tl.constexpr,
-                EMULATE: tl.constexpr):
+def _mma_expert(gs_ptr, e, N, K, ROWS: tl.constexpr, WARPS: tl.constexpr, EMULATE: tl.constexpr):
     """What `_moe_up_mma_kernel` / `_moe_down_mma_kernel` need of expert e's weight [N, K] (row
     e * N of the stack) in this program: lanes g and c, zero accumulators, the lane's first weight
-    row, its rows' first blocks (`w4a16_gemm._mma_rows`), the decode tables and the global scale."""
+    row, its rows' first blocks (`w4a16_gemm._mma_rows`), and the factor of the fp32 sums: the
+    global scale times `w4a16_gemm.MMA_UNSCALE`."""
     g, c, warp, zero = _mma_lanes(WARPS, EMULATE)
     row = tl.program_id(1) * (16 * ROWS * WARPS) + warp * (16 * ROWS) + g
-    return (g, c, zero, row, _mma_rows(row, e * N, N, K), _mma_tables(N + 0 * g, F16),
-            tl.load(gs_ptr + e))
+    return g, c, zero, row, _mma_rows(row, e * N, N, K), tl.load(gs_ptr + e) * MMA_UNSCALE
 
 
 @triton.jit
@@ -168,11 +167,11 @@ def _moe_up_mma_kernel(
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
     if end > start:
-        g, c, zero, row, wrows, tabs, gs = _mma_expert(gs_ptr, e, I, H, ROWS, WARPS, F16, EMULATE)
+        g, c, zero, row, wrows, gs = _mma_expert(gs_ptr, e, I, H, ROWS, WARPS, EMULATE)
         for m0 in range(start, end, 8):
             token = tl.load(order_ptr + tl.minimum(m0 + g, end - 1)) // TOPK
             xrow = token.to(tl.int64) * stride_x4
-            acc = _mma_accumulate(zero, x4_ptr, xrow, xrow, wb_ptr, ws_ptr, wrows, tabs, c, 0, H, 1, ROWS, F16,
+            acc = _mma_accumulate(zero, x4_ptr, xrow, xrow, wb_ptr, ws_ptr, wrows, c, 0, H, 1, ROWS, F16,
                                  EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE)
             y, rows, pos = _mma_fragments(acc, row, m0 + 2 * c, 1, ROWS)
             tl.store(inter_ptr + pos.to(tl.int64) * I + rows, _relu2(y * gs, inter_ptr.dtype.element_ty),
@@ -192,10 +191,10 @@ def _moe_down_mma_kernel(
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
     if end > start:
-        g, c, zero, row, wrows, tabs, gs = _mma_expert(gs_ptr, e, H, I, ROWS, WARPS, F16, EMULATE)
+        g, c, zero, row, wrows, gs = _mma_expert(gs_ptr, e, H, I, ROWS, WARPS, EMULATE)
         for m0 in range(start, end, 8):
             xrow = tl.minimum(m0 + g, end - 1).to(tl.int64) * stride_x4
-            acc = _mma_accumulate(zero, x4_ptr, xrow, xrow, wb_ptr, ws_ptr, wrows, tabs, c, 0, I, 1, ROWS, F16,
+            acc = _mma_accumulate(zero, x4_ptr, xrow, xrow, wb_ptr, ws_ptr, wrows, c, 0, I, 1, ROWS, F16,
                                  EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE)
             # The lane's two columns' assignments and routing weights, read in the lane's own
             # layout and joined into the fragments' shape (`_mma_columns`). Gathered in the

@@ -37,7 +37,7 @@ Why the bytes are the reference's (read with `fp4kit/formats/nvfp4.py` beside th
   to Triton's float8 cast, so the interpreter and every GPU give the same round-to-nearest-even,
   saturating at 448 (scales are clamped to [2^-9, 448] first, as the reference does).
 Measured on an H200 (benchmarks/results/kernels-h200.json, Nano expert stacks, bf16, CUDA
-graphs): 1.52 TB/s plain and 1.03 TB/s 4/6 for the two launches; 1.79 and 1.12 TB/s for the one
+graphs): 1.52 TB/s plain and 1.04 TB/s 4/6 for the two launches; 1.78 and 1.12 TB/s for the one
 launch with a given global amax (the copy ceiling is 4.24 TB/s; the amax pass alone takes
 0.29 ms of the plain rule's 1.08). The quantize kernel is bound by instruction issue: its fast
 path is about 35 (plain) and 54 (4/6) SASS instructions per element, and 0.78 ms for 638 M

@@ -18,11 +18,14 @@ scale): no re-layout, so a checkpoint tensor is used as loaded. Three kernels:
 - MMA["min_m"] to MMA["max_m"] rows (2-8) of bf16/fp16 activations, and 9-16 rows on weights of
   MMA_WIDE["min_weights"] elements or more, the matrix units fed from registers (`_mma_kernel`):
   each warp runs mma.sync m16n8k16 with the weight decoded by inline PTX straight into the A
-  fragment (`mma_asm`: byte-permute tables, sign, one paired multiply
-  by the block scale), the activations as the B fragment, the global scale applied to the fp32
-  result. Its weights are E2M1 * scale exactly (bf16 and fp16 hold them) times the global
-  scale: W.dequantize()'s fp32 values up to one rounding. The K order inside each mma is
-  chosen so that every lane loads whole 16-blocks; L2 prefetch runs two K steps ahead. A
+  fragment (`mma_asm`: per pair of codes 16 bits apart, one shift puts both signs and another
+  both magnitudes where a 16-bit float's bits read as the E2M1 value times a power of 2, two
+  masks merge them, one paired multiply by the block scale), the activations as the B fragment,
+  the global scale applied to the fp32 result. Its weights are E2M1 * scale * 2^-7 exactly
+  (bf16 and fp16 hold them; the epilogue multiplies by 2^7 and the global scale):
+  W.dequantize()'s fp32 values up to one rounding. The K order inside each mma is chosen so
+  that every lane loads whole 16-blocks and pairs its codes cheaply; L2 prefetch runs two K
+  steps ahead. A
   program's warps can also be stacked in K groups (`MMA["kwarps"]`) that share its K range and
   add their sums in the program (a reduction over warps, fixed order) instead of splitting K
   across programs. In
@@ -39,22 +42,25 @@ scale): no re-layout, so a checkpoint tensor is used as loaded. Three kernels:
 
 Split-K keeps the GPU full when N / BLOCK_N alone is too few programs: the partials are fp32,
 and the last program of each tile to finish sums them in a fixed order in the same launch
-(`_store_split`). Above LARGE_M rows the weight is dequantized once by the same helper and
-multiplied by torch.matmul.
+(`_store_split`); the mma kernel also splits long K ranges further where that spreads its
+programs evenly over the multiprocessors (`split_count`). Above LARGE_M rows the weight is
+dequantized once by the same helper and multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1 (GEMV): 2.17x on 8192 x 8192 (15.5 us), 2.21x on 28672 x 8192, 1.84-1.92x
-on the Nano shapes and 131072 x 2688; M = 4 (mma): 1.71x, 1.89x, 1.13x, 1.22x and 2.04x; M = 16:
-1.06-1.29x on the three large shapes (mma, two activation tiles), 0.79x and 0.95x on the Nano
-shapes (wgmma); M = 64: 0.53-0.94x. The GEMV loop spends 4.5 SASS instructions per weight at one
-row (fma, fp16-to-fp32 conversion, 0.9 of code decoding, loads and addresses), and that
+the bf16 weight): M = 1 (GEMV): 2.17x on 8192 x 8192 (15.2 us) and on 28672 x 8192, 1.71-1.83x
+on the Nano shapes and 131072 x 2688; M = 4 (mma): 1.78x, 1.82x, 1.27x, 1.22x and 2.09x; M =
+16: 1.09-1.19x on the three large shapes (mma, two activation tiles), 0.88x and 0.94x on the
+Nano shapes (wgmma); M = 64: 0.50-0.96x. The GEMV loop spends 4.5 SASS instructions per weight
+at one row (fma, fp16-to-fp32 conversion, 0.9 of code decoding, loads and addresses), and that
 arithmetic sets its time: `gemv_limits` runs the loop with its weight loads alone and with its
-arithmetic alone on cache-resident weights, 8.0 and 13.8 us on 8192 x 8192 against 14.8 for the
-whole loop (35.0 and 43.7 against 48.6 on 28672 x 8192). The mma kernel's loop spends 3.6 per
-weight for up to 8 rows (5 byte permutes per 4 codes), but keeps fewer weight bytes in flight per
-thread: 17.7 us at two rows on 8192 x 8192 (sweep_mma), 18.3 at four, more than the GEMV's one
-row. With a second activation tile (9-16 rows) it beats the wgmma kernel from 8192 x 8192
-weights up but not on the Nano shapes (sweep_mma_wide; `MMA_WIDE`).
+arithmetic alone on cache-resident weights, 8.1 and 13.8 us on 8192 x 8192 against 15.0 for the
+whole loop (34.4 and 43.3 against 47.6 on 28672 x 8192). The mma kernel's loop spends 3.6 SASS
+instructions per weight for up to 8 rows, 1.5 of them on the integer ALU pipe (two logic
+operations per pair of codes, shifts, the activations' byte permutes; the left shifts go to the
+FMA pipe as IMAD), but keeps fewer weight bytes in flight per thread: 18.0 us at two rows on
+8192 x 8192 (sweep_mma in the same file), 19.6 at four, more than the GEMV's one row. With a
+second activation tile (9-16 rows) it beats the wgmma kernel from 8192 x 8192 weights up but
+not on the Nano shapes (sweep_mma_wide; `MMA_WIDE`).
 The wgmma kernel spends ~6.5 instructions per weight in its main loop: the table dequantization, then
 the tile written to shared memory and read back in the wgmma operand layout (8 STS.128, 8 LDSM,
 5 barriers per K step, read from the sm_90 PTX), address and mask arithmetic.
@@ -704,19 +710,24 @@ def gemv_probe(x: torch.Tensor, w: nvfp4.NVFP4Tensor, part: int, cfg: dict) -> t
 # straight into the A fragment's registers (no shared memory, no layout conversion). Lane
 # l = 4g + c holds A rows g and g + 8 and B column g (PTX ISA fragment layout).
 # The order of K inside a mma is free as long as A and B agree; it is chosen so that each lane
-# reads whole 16-blocks: in a K step of 128 (8 mma) lane c owns K offsets 32c..32c+31 (blocks
-# 2c, 2c+1) of both its rows, and mma s gives it offsets 32c + 4s .. 32c + 4s + 3 (A columns
-# 2c, 2c+1 and 2c+8, 2c+9; B rows likewise, the activation's 4 values at those offsets).
-# A's values are E2M1(code) * float(scale), exact in bf16 and fp16 (2 and 4 significant bits;
-# 2^-10 to 2688); the global scale multiplies the fp32 result. Decoding: per 4 codes (16 bits
-# of a word), byte permutes through the magnitude tables (high and low bytes of the 8 values),
-# the sign as in `_DEQUANT_ASM`, an interleave to two value pairs, and one paired multiply by
-# the block scale each (mul.rn.{bf16x2,f16x2}: the product is exact).
-_MMA_TABLES = {
-    # E2M1 magnitudes 0, .5, 1, 1.5 | 2, 3, 4, 6: high bytes (entries 0-3, 4-7), low bytes (same)
-    "bf16": (0x3F3F3F00, 0x40404040, 0xC0800000, 0xC0804000),
-    "f16": (0x3E3C3800, 0x46444240, 0x00000000, 0x00000000),
-}
+# reads whole 16-blocks and decodes with few integer instructions: in a K step of 128 (8 mma)
+# lane c owns K offsets 32c..32c+31 (blocks 2c, 2c+1) of both its rows, a word of 8 codes per
+# two mma. Mma s takes word s // 2 (K offsets k = 32c + 8(s // 2) onwards) and in it the code
+# pairs (j, j + 4) and (j + 1, j + 5), j = 2(s % 2): A columns (2c, 2c + 1) and (2c + 8, 2c + 9)
+# of each row; the B fragment pairs the activations at the same offsets, (x[k + j], x[k + j + 4])
+# and (x[k + j + 1], x[k + j + 5]), one byte permute each from the two 4-value loads.
+# Decoding: codes j and j + 4 of a word sit 16 bits apart, as the two halves of a 16-bit pair do,
+# so one shift puts both signs at bits 15 and 31 and another both magnitudes (3 bits) at the
+# top of the exponent field's low bits: bits 6-8 for bf16, 9-11 for fp16, where the bits read as
+# E2M1 * 2^-126 (bf16) or E2M1 * 2^-14 (fp16), subnormal for code 1; two masks merge them (two
+# logic instructions per pair). One paired multiply by the block scale times 2^119 (bf16) or
+# 2^7 (fp16) then gives A = E2M1 * scale * 2^-7 exactly (at most 6 significant bits, at least
+# 2^-17: normal in bf16, possibly subnormal in fp16, which mma.sync takes as it is). The fp32
+# sums are thus 2^-7 times those of E2M1 * scale, and the epilogue multiplies by the global
+# scale times 2^7 (`MMA_UNSCALE`).
+MMA_UNSCALE = tl.constexpr(128.0)
+_MMA_SCALE_BIAS = {"bf16": 0x7B000000, "f16": 0x58005800}  # 2^119 (fp32), (2^7, 2^7) (fp16x2)
+_MMA_MAG = {"bf16": (6, 0x01C001C0), "f16": (9, 0x0E000E00)}  # magnitude bit position, mask
 
 
 def mma_asm(tiles: int, rows: int, kind: str) -> str:
@@ -727,74 +738,71 @@ def mma_asm(tiles: int, rows: int, kind: str) -> str:
     Operands (R = rows, T = tiles): $0..$(4RT-1) the fp32 accumulators out (D fragment order,
     weight tile r and activation tile t at 4(rT + t)), then in: the accumulators; per weight tile
     the lane's codes of row g (blocks 2c, 2c+1: two int64) and of row g + 8; per weight tile the
-    two scale bytes of row g (blocks 2c, 2c+1, low 16 bits) and of row g + 8; the entries 0-3 of
-    the high- and low-byte tables (registers: `_mma_tables`); per activation tile, 8 int64 of
-    activations (mma s: the 4 values at K offset 32c + 4s of row g of the tile).
+    two scale bytes of row g (blocks 2c, 2c+1, low 16 bits) and of row g + 8; per activation tile,
+    8 int64 of activations (the 4 values at K offset 32c + 4i, i = 0..7). The accumulators come
+    out as 2^-7 times the products' sums (see above).
     """
     n_acc = 4 * tiles * rows
     w_in = 2 * n_acc
     s_in = w_in + 4 * rows
-    tab_in = s_in + 2 * rows
-    x_in = tab_in + 2
-    _, th1, _, tl1 = _MMA_TABLES[kind]
+    x_in = s_in + 2 * rows
+    mag_at, mag_mask = _MMA_MAG[kind]
     words = [f"w{r}{h}" for r in range(rows) for h in "gh"]
     lines = [
         "{",
-        ".reg .b32 " + ", ".join(f"{w}<4>, m{w}, n{w}" for w in words) + ";",
+        ".reg .b32 " + ", ".join(f"{w}<4>" for w in words) + ";",
         ".reg .b32 " + ", ".join(f"s{w}<2>" for w in words) + ";",
-        ".reg .b32 ha, la, sa, a<4>, b<2>, fs, th1, tl1, zero, neg;",
+        ".reg .b32 " + ", ".join(f"x{t}q<4>" for t in range(tiles)) + ";",
+        ".reg .b32 " + ", ".join(f"b{t}f<2>" for t in range(tiles)) + ";",
+        ".reg .b32 sg, mg, fs, bias, a<4>;",
         ".reg .b16 e<2>;",
         ".reg .f32 f<2>;",
-        f"mov.b32 th1, {th1:#010x};", f"mov.b32 tl1, {tl1:#010x};",
-        "mov.b32 zero, 0;", "mov.b32 neg, 0x80808080;",
     ]
     if kind == "f16":
-        lines.append("mov.b32 la, 0;")
+        lines.append(f"mov.b32 bias, {_MMA_SCALE_BIAS['f16']:#010x};")
     lines += [f"mov.f32 ${i}, ${n_acc + i};" for i in range(n_acc)]
     for i, w in enumerate(words):
         lines += [f"mov.b64 {{{w}0, {w}1}}, ${w_in + 2 * i};", f"mov.b64 {{{w}2, {w}3}}, ${w_in + 2 * i + 1};"]
-        # the two block scales as value pairs (s, s): E4M3 -> fp16 exactly, then the dtype
+        # the two block scales (times the bias) as value pairs (s, s): E4M3 -> fp16 exactly
         lines += [f"mov.b32 {{e0, e1}}, ${s_in + i};", "cvt.rn.f16x2.e4m3x2 fs, e0;"]
         if kind == "bf16":
             lines += ["mov.b32 {e0, e1}, fs;", "cvt.f32.f16 f0, e0;", "cvt.f32.f16 f1, e1;",
+                      f"mul.rn.f32 f0, f0, 0f{_MMA_SCALE_BIAS['bf16']:08X};",
+                      f"mul.rn.f32 f1, f1, 0f{_MMA_SCALE_BIAS['bf16']:08X};",
                       f"cvt.rn.bf16x2.f32 s{w}0, f0, f0;", f"cvt.rn.bf16x2.f32 s{w}1, f1, f1;"]
         else:
-            lines += [f"prmt.b32 s{w}0, fs, fs, 0x1010;", f"prmt.b32 s{w}1, fs, fs, 0x3232;"]
+            lines += ["mul.rn.f16x2 fs, fs, bias;",
+                      f"prmt.b32 s{w}0, fs, fs, 0x1010;", f"prmt.b32 s{w}1, fs, fs, 0x3232;"]
     shape = "m16n8k16.row.col.f32.{0}.{0}.f32".format(kind)
-    th0, tl0 = f"${tab_in}", f"${tab_in + 1}"
     for s in range(8):
+        word, half = s // 2, s % 2
+        for t in range(tiles):
+            if half == 0:  # the word's 8 activations: two int64 of 4
+                lines += [f"mov.b64 {{x{t}q0, x{t}q1}}, ${x_in + 8 * t + 2 * word};",
+                          f"mov.b64 {{x{t}q2, x{t}q3}}, ${x_in + 8 * t + 2 * word + 1};"]
+            lines += [f"prmt.b32 b{t}f0, x{t}q{half}, x{t}q{half + 2}, 0x5410;",
+                      f"prmt.b32 b{t}f1, x{t}q{half}, x{t}q{half + 2}, 0x7632;"]
         for r in range(rows):
-            for word, lo, hi in ((f"w{r}g", "a0", "a2"), (f"w{r}h", "a1", "a3")):
-                # m: the code magnitudes (selector nibbles), n: the sign selectors (see
-                # _DEQUANT_ASM); prmt reads the low 16 bits (4 codes): the upper half is shifted down.
-                sel, sgn = f"m{word}", f"n{word}"
-                if s % 2 == 0:
-                    lines += [f"and.b32 {sel}, {word}{s // 2}, 0x77777777;", f"shr.u32 {sgn}, {word}{s // 2}, 1;"]
-                else:
-                    lines += [f"shr.u32 {sel}, {sel}, 16;", f"shr.u32 {sgn}, {sgn}, 16;"]
-                lines += [f"prmt.b32 ha, {th0}, th1, {sel};"]
-                if kind == "bf16":  # fp16's low bytes are all zero
-                    lines.append(f"prmt.b32 la, {tl0}, tl1, {sel};")
-                lines += [
-                    f"prmt.b32 sa, zero, neg, {sgn};",
-                    "and.b32 sa, sa, 0x80808080;",
-                    "or.b32 ha, ha, sa;",
-                    f"prmt.b32 {lo}, la, ha, 0x5140;",
-                    f"prmt.b32 {hi}, la, ha, 0x7362;",
-                    f"mul.rn.{kind}x2 {lo}, {lo}, s{word}{s // 4};",
-                    f"mul.rn.{kind}x2 {hi}, {hi}, s{word}{s // 4};",
-                ]
+            for w, lo, hi in ((f"w{r}g", "a0", "a2"), (f"w{r}h", "a1", "a3")):
+                q = f"{w}{word}"
+                for j, dst in ((2 * half, lo), (2 * half + 1, hi)):
+                    # signs of codes j, j + 4 to bits 15, 31; magnitudes to mag_at.. and 16 up
+                    lines.append(f"shl.b32 sg, {q}, {12 - 4 * j};" if j < 3 else f"mov.b32 sg, {q};")
+                    shift = mag_at - 4 * j
+                    lines.append(f"shl.b32 mg, {q}, {shift};" if shift >= 0 else f"shr.u32 mg, {q}, {-shift};")
+                    lines += [f"and.b32 mg, mg, {mag_mask:#010x};", "and.b32 sg, sg, 0x80008000;",
+                              f"or.b32 {dst}, sg, mg;",
+                              f"mul.rn.{kind}x2 {dst}, {dst}, s{w}{word // 2};"]
             for t in range(tiles):
                 d = ", ".join(f"${4 * (r * tiles + t) + i}" for i in range(4))
-                lines += [f"mov.b64 {{b0, b1}}, ${x_in + 8 * t + s};",
-                          f"mma.sync.aligned.{shape} {{{d}}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{{d}}};"]
+                lines.append(f"mma.sync.aligned.{shape} {{{d}}}, {{a0, a1, a2, a3}}, {{b{t}f0, b{t}f1}}, {{{d}}};")
     lines.append("}")
     return "\n".join(lines)
 
 
 def _mma_constraints(tiles: int, rows: int) -> str:
     n_acc = 4 * tiles * rows
-    return ",".join(["=f"] * n_acc + ["f"] * n_acc + ["l"] * (4 * rows) + ["r"] * (2 * rows + 2) + ["l"] * (8 * tiles))
+    return ",".join(["=f"] * n_acc + ["f"] * n_acc + ["l"] * (4 * rows) + ["r"] * (2 * rows) + ["l"] * (8 * tiles))
 
 
 _MMA_ASM = {(t, r, k): tl.constexpr(mma_asm(t, r, k)) for t in (1, 2) for r in (1, 2) for k in ("bf16", "f16")}
@@ -877,18 +885,23 @@ def _mma_x(q, k, k_end, more, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _emu_weights(codes, scales, s: tl.constexpr):
-    """[threads, 4]: E2M1 * scale of the codes mma s takes from a lane's two blocks of one row
-    (codes: the block s // 4, int64; scales: the two scale bytes)."""
-    shift = (16 * (s % 4) + 4 * tl.arange(0, 4)).to(tl.int64)
+    """[threads, 4]: the A values mma s takes from a lane's two blocks of one row (codes: the
+    block s // 4, int64; scales: the two scale bytes), E2M1 * scale * 2^-7 as `mma_asm` makes
+    them: codes j, j + 4, j + 1, j + 5 of word s // 2 (j = 2(s % 2))."""
+    j = 8 * ((s // 2) % 2) + 2 * (s % 2)
+    shift = (4 * (j + tl.arange(0, 4) // 2 + 4 * (tl.arange(0, 4) % 2))).to(tl.int64)
     code = ((codes[:, None] >> shift[None, :]) & 0xF).to(tl.int32)
     scale = _e4m3_decode((scales >> (8 * (s // 4))) & 0xFF)
-    return _e2m1_bits(code, 0) * 8.507059173023462e37 * scale[:, None]  # 2^126: E2M1 exactly
+    return _e2m1_bits(code, 0) * 6.646139978924579e35 * scale[:, None]  # 2^119: E2M1 * 2^-7 exactly
 
 
 @triton.jit
-def _emu_x(q, F16: tl.constexpr):
-    """[threads, 4]: the 4 16-bit activations of an int64, as fp32."""
-    bits = ((q[:, None] >> (16 * tl.arange(0, 4)).to(tl.int64)[None, :]) & 0xFFFF).to(tl.int32)
+def _emu_x(qa, qb, half: tl.constexpr, F16: tl.constexpr):
+    """[threads, 4]: the activations paired with `_emu_weights`' slots, from the two int64 of a
+    word's 8 (qa: values 0-3, qb: 4-7), as fp32: values j, j + 4, j + 1, j + 5 (j = 2 * half)."""
+    i = 2 * half + tl.arange(0, 4) // 2
+    q = tl.where((tl.arange(0, 4) % 2 == 0)[None, :], qa[:, None], qb[:, None])
+    bits = ((q >> (16 * i).to(tl.int64)[None, :]) & 0xFFFF).to(tl.int32)
     if F16:
         v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     else:
@@ -923,18 +936,19 @@ def _emu_tile(a0, a1, a2, a3, wg, wh, xs, WARPS: tl.constexpr):
 def _mma_step_emulated(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0, w1, x, y,
                        TILES: tl.constexpr, ROWS: tl.constexpr, F16: tl.constexpr):
     """`_mma_step` in Triton's interpreter: the same operands per lane, the same K order (mma s:
-    codes 4s..4s+3 of the lane's 32 and the activations at 32c + 4s), the cross-lane products of
-    mma.sync summed in fp32 (the order differs from the matrix units'; exact per-lane values)."""
+    codes j, j + 4, j + 1, j + 5 of word s // 2 of the lane's four, j = 2(s % 2), and the
+    activations at those offsets), the same values (E2M1 * scale * 2^-7), the cross-lane products
+    of mma.sync summed in fp32 (the order differs from the matrix units'; exact per-lane values)."""
     g0, g1, k0, k1, sg, sk = w0
     g2, g3, k2, k3, sg2, sk2 = w1
     W: tl.constexpr = d0.shape[0] // 32
     for s in tl.static_range(8):
         wg = _emu_weights(g0 if s < 4 else g1, sg, s)
         wh = _emu_weights(k0 if s < 4 else k1, sk, s)
-        xs = _emu_x(x[s], F16)
+        xs = _emu_x(x[2 * (s // 2)], x[2 * (s // 2) + 1], s % 2, F16)
         d0, d1, d2, d3 = _emu_tile(d0, d1, d2, d3, wg, wh, xs, W)
         if TILES == 2:
-            ys = _emu_x(y[s], F16)
+            ys = _emu_x(y[2 * (s // 2)], y[2 * (s // 2) + 1], s % 2, F16)
             e0, e1, e2, e3 = _emu_tile(e0, e1, e2, e3, wg, wh, ys, W)
         if ROWS == 2:
             wg2 = _emu_weights(g2 if s < 4 else g3, sg2, s)
@@ -946,10 +960,10 @@ def _mma_step_emulated(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h
 
 
 @triton.jit
-def _mma_step(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0, w1, tabs, x, y,
+def _mma_step(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0, w1, x, y,
               TILES: tl.constexpr, ROWS: tl.constexpr, F16: tl.constexpr, EMULATE: tl.constexpr):
     """One K step (`mma_asm`): accumulators d (weight tile 0, activation tile 0), e (0, 1), f (1, 0),
-    h (1, 1); w0 / w1: the weight tiles' codes and scales (`_mma_weights`); tabs: the tables;
+    h (1, 1); w0 / w1: the weight tiles' codes and scales (`_mma_weights`);
     x / y: the activation tiles' 8 int64 each. Unused tiles pass through. EMULATE: Triton's
     interpreter (`_mma_step_emulated`)."""
     if EMULATE:
@@ -957,7 +971,6 @@ def _mma_step(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0
                                   TILES, ROWS, F16)
     g0, g1, k0, k1, sg, sk = w0
     g2, g3, k2, k3, sg2, sk2 = w1
-    th0, tl0 = tabs
     x0, x1, x2, x3, x4, x5, x6, x7 = x
     y0, y1, y2, y3, y4, y5, y6, y7 = y
     # operands in `mma_asm`'s order; the dtype picks the asm (a compile-time choice). Not pure:
@@ -965,23 +978,23 @@ def _mma_step(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0
     # in another layout (see `_thread_ids`).
     if ROWS == 1:
         if TILES == 1:
-            args = [d0, d1, d2, d3, g0, g1, k0, k1, sg, sk, th0, tl0, x0, x1, x2, x3, x4, x5, x6, x7]
+            args = [d0, d1, d2, d3, g0, g1, k0, k1, sg, sk, x0, x1, x2, x3, x4, x5, x6, x7]
             d0, d1, d2, d3 = tl.inline_asm_elementwise(
                 _MMA_F16_11 if F16 else _MMA_BF16_11, _MMA_C11, args, dtype=(tl.float32,) * 4, is_pure=False, pack=1)
         else:
-            args = [d0, d1, d2, d3, e0, e1, e2, e3, g0, g1, k0, k1, sg, sk, th0, tl0,
+            args = [d0, d1, d2, d3, e0, e1, e2, e3, g0, g1, k0, k1, sg, sk,
                     x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7]
             d0, d1, d2, d3, e0, e1, e2, e3 = tl.inline_asm_elementwise(
                 _MMA_F16_21 if F16 else _MMA_BF16_21, _MMA_C21, args, dtype=(tl.float32,) * 8, is_pure=False, pack=1)
     else:
         if TILES == 1:
-            args = [d0, d1, d2, d3, f0, f1, f2, f3, g0, g1, k0, k1, g2, g3, k2, k3, sg, sk, sg2, sk2, th0, tl0,
+            args = [d0, d1, d2, d3, f0, f1, f2, f3, g0, g1, k0, k1, g2, g3, k2, k3, sg, sk, sg2, sk2,
                     x0, x1, x2, x3, x4, x5, x6, x7]
             d0, d1, d2, d3, f0, f1, f2, f3 = tl.inline_asm_elementwise(
                 _MMA_F16_12 if F16 else _MMA_BF16_12, _MMA_C12, args, dtype=(tl.float32,) * 8, is_pure=False, pack=1)
         else:
             args = [d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3,
-                    g0, g1, k0, k1, g2, g3, k2, k3, sg, sk, sg2, sk2, th0, tl0,
+                    g0, g1, k0, k1, g2, g3, k2, k3, sg, sk, sg2, sk2,
                     x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7]
             d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = tl.inline_asm_elementwise(
                 _MMA_F16_22 if F16 else _MMA_BF16_22, _MMA_C22, args, dtype=(tl.float32,) * 16, is_pure=False,
@@ -1022,14 +1035,39 @@ def _mma_pointers(ws_ptr, wb_ptr, wrow_g, wrow_h, blk, SCALE_PAIRS: tl.constexpr
 
 
 @triton.jit
-def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, tabs, c, k_start, k_end,
+def _mma_load(pg, ph, sg_p, sh_p, pg2, ph2, sg2_p, sh2_p, q0, q1, step, c, end, TILES: tl.constexpr,
+              ROWS: tl.constexpr, EVEN_K: tl.constexpr, SCALE_PAIRS: tl.constexpr):
+    """The lane's operands of the K step starting at `step` (pointers at that step): codes and
+    scales of weight tiles 0 and 1 (`_mma_weights`; tile 0's again where ROWS == 1), activations
+    of tiles 0 and 1 (`_mma_x`; tile 0's again where TILES == 1). Past `end` they read as zero
+    (whole-step masks as per-lane tensors, the same value in every lane of a warp group:
+    Triton's interpreter takes no scalar masks)."""
+    k = step + 32 * c
+    more = step < end
+    ok0 = more if EVEN_K else k < end
+    ok1 = more if EVEN_K else k + 16 < end
+    w0 = _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K, SCALE_PAIRS)
+    if ROWS == 2:
+        w1 = _mma_weights(pg2, ph2, sg2_p, sh2_p, ok0, ok1, EVEN_K, SCALE_PAIRS)
+    else:
+        w1 = w0  # unused
+    x = _mma_x(q0, k, end, more, EVEN_K)
+    if TILES == 2:
+        y = _mma_x(q1, k, end, more, EVEN_K)
+    else:
+        y = x  # unused
+    return w0, w1, x, y
+
+
+@triton.jit
+def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, c, k_start, k_end,
                     TILES: tl.constexpr, ROWS: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr,
                     SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr,
                     KWARPS: tl.constexpr = 1, kw=0):
     """The 16 accumulators (`_mma_step`) += the K range [k_start, k_end) of W @ x^T, in K steps
     of 128; the next step's weights and activations are loaded before this one is decoded.
     wrows: first block of rows g, g + 8 (weight tile 0) and g + 16, g + 24 (tile 1); xrow0 /
-    xrow1: first int64 of the activation tiles' rows g; tabs: the decode tables (`_mma_tables`).
+    xrow1: first int64 of the activation tiles' rows g.
     KWARPS > 1: the range is cut into KWARPS runs of whole steps, one per warp group kw (a per-lane
     tensor, 0 to KWARPS - 1); every group loops as many times as the longest run, a shorter run's
     last steps masked (their codes and activations read as zero and add nothing)."""
@@ -1051,41 +1089,24 @@ def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, tabs, c, k
     blk = base // 16 + 2 * c
     pg, ph, sg_p, sh_p = _mma_pointers(ws_ptr, wb_ptr, wrow_g, wrow_h, blk, SCALE_PAIRS)
     pg2, ph2, sg2_p, sh2_p = _mma_pointers(ws_ptr, wb_ptr, wrow_g2, wrow_h2, blk, SCALE_PAIRS)
-    kc = base + 32 * c
-    w0 = _mma_weights(pg, ph, sg_p, sh_p, kc < end, kc + 16 < end, EVEN_K, SCALE_PAIRS)
-    if ROWS == 2:
-        w1 = _mma_weights(pg2, ph2, sg2_p, sh2_p, kc < end, kc + 16 < end, EVEN_K, SCALE_PAIRS)
-    else:
-        w1 = w0  # unused
-    q0 = x4_ptr + xrow0 + kc // 4
-    q1 = x4_ptr + xrow1 + kc // 4
-    # Whole-step masks as per-lane tensors (the same value in every lane of a warp group; Triton's
-    # interpreter takes no scalar masks, the compiler folds the 0 * c away).
-    x = _mma_x(q0, kc, end, base < end, EVEN_K)
-    if TILES == 2:
-        y = _mma_x(q1, kc, end, base < end, EVEN_K)
-    else:
-        y = x  # unused
+    q0 = x4_ptr + xrow0 + (base + 32 * c) // 4
+    q1 = x4_ptr + xrow1 + (base + 32 * c) // 4
+    w0, w1, x, y = _mma_load(pg, ph, sg_p, sh_p, pg2, ph2, sg2_p, sh2_p, q0, q1, base, c, end, TILES, ROWS, EVEN_K,
+                             SCALE_PAIRS)
     for k0 in range(k_start, k_stop, 128):
         pg += 8
         ph += 8
         sg_p += S_STEP
         sh_p += S_STEP
+        pg2 += 8
+        ph2 += 8
+        sg2_p += S_STEP
+        sh2_p += S_STEP
         q0 += 32
+        q1 += 32
         step = base + (k0 - k_start) + 128  # this group's next step
-        k = step + 32 * c
-        more = step < end
-        ok0 = more if EVEN_K else k < end
-        ok1 = more if EVEN_K else k + 16 < end
-        nw0 = _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K, SCALE_PAIRS)
-        if ROWS == 2:
-            pg2 += 8
-            ph2 += 8
-            sg2_p += S_STEP
-            sh2_p += S_STEP
-            nw1 = _mma_weights(pg2, ph2, sg2_p, sh2_p, ok0, ok1, EVEN_K, SCALE_PAIRS)
-        else:
-            nw1 = nw0
+        nw0, nw1, nx, ny = _mma_load(pg, ph, sg_p, sh_p, pg2, ph2, sg2_p, sh2_p, q0, q1, step, c, end, TILES, ROWS,
+                                     EVEN_K, SCALE_PAIRS)
         if PREFETCH > 0 and not EMULATE:  # L2 prefetch of the weights PREFETCH steps ahead of this load
             ahead = step + 128 * PREFETCH < end
             _prefetch_l2(pg + 8 * PREFETCH, ahead)
@@ -1093,29 +1114,11 @@ def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, tabs, c, k
             if ROWS == 2:
                 _prefetch_l2(pg2 + 8 * PREFETCH, ahead)
                 _prefetch_l2(ph2 + 8 * PREFETCH, ahead)
-        nx = _mma_x(q0, k, end, more, EVEN_K)
-        if TILES == 2:
-            q1 += 32
-            ny = _mma_x(q1, k, end, more, EVEN_K)
-        else:
-            ny = nx
         d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = _mma_step(
-            d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0, w1, tabs, x, y, TILES, ROWS, F16,
+            d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3, w0, w1, x, y, TILES, ROWS, F16,
             EMULATE)
         w0, w1, x, y = nw0, nw1, nx, ny
     return d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3
-
-
-@triton.jit
-def _mma_tables(n, F16: tl.constexpr):
-    """The entries 0-3 of the high- and low-byte tables (`_MMA_TABLES`) as values the compiler
-    cannot see as constants (n >= 0, so n >> 31 is 0): they then stay in registers through the
-    loop instead of being rematerialized before each byte permute."""
-    z = n >> 31
-    if F16:
-        return z | 0x3E3C3800, z
-    else:
-        return z | 0x3F3F3F00, z | -0x3F800000  # 0xC0800000
 
 
 @triton.jit
@@ -1221,15 +1224,15 @@ def _mma_kernel(x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N
     wrows = _mma_rows(row, 0, N, K)
     xrow0 = tl.minimum(tok, M - 1).to(tl.int64) * stride_x4
     xrow1 = tl.minimum(tok + 8, M - 1).to(tl.int64) * stride_x4
-    acc = _mma_accumulate(zero, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, _mma_tables(N + 0 * g, F16), c, k_start,
-                          k_end, TILES, ROWS, F16, EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE, KWARPS, warp // WARPS)
+    acc = _mma_accumulate(zero, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, c, k_start, k_end, TILES, ROWS, F16,
+                          EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE, KWARPS, warp // WARPS)
     col = pid_m * (8 * TILES) + 2 * c
     if KWARPS > 1:  # the warp groups' partial sums added in a fixed order (a reduction over warps)
         acc = _sum_groups(acc, KWARPS, TILES, ROWS)
         row = _first_group(row, KWARPS)
         col = _first_group(col, KWARPS)
     y, rows, toks = _mma_fragments(acc, row, col, TILES, ROWS)
-    y = y * tl.load(gs_ptr)
+    y = y * (tl.load(gs_ptr) * MMA_UNSCALE)
     off = toks.to(tl.int64) * N + rows
     ok = (toks < M) & (rows < N)
     if SPLIT == 1:
@@ -1300,15 +1303,44 @@ def _sm_count(device: torch.device) -> int:
     return 4  # interpreter: small grids
 
 
-def _split(m: int, n: int, k: int, cfg: dict, device: torch.device, programs_per_sm: int | None = None) -> dict:
+def _split(m: int, n: int, k: int, cfg: dict, device: torch.device, programs_per_sm: int | None = None,
+           balance: tuple[float, int] | None = None) -> dict:
     """Split K until there are about `programs_per_sm` (default DECODE's) programs per
-    multiprocessor (never below one K tile)."""
+    multiprocessor (never below one K tile); with `balance`, more splits where that evens the
+    programs out over the multiprocessors (`split_count`)."""
     tiles = cdiv(n, cfg["BLOCK_N"]) * cdiv(m, cfg["BLOCK_M"])
     k_blocks = cdiv(k, cfg["BLOCK_K"])
-    want = (programs_per_sm or DECODE["programs_per_sm"]) * _sm_count(device)
-    split = max(1, min(k_blocks, want // tiles)) if tiles < want else 1
+    split = split_count(tiles, k_blocks, _sm_count(device), programs_per_sm or DECODE["programs_per_sm"], balance)
     k_per_split = cdiv(k_blocks, split) * cfg["BLOCK_K"]
     return {"SPLIT": cdiv(k, k_per_split), "k_per_split": k_per_split}
+
+
+def split_count(tiles: int, k_blocks: int, sms: int, programs_per_sm: int,
+                balance: tuple[float, int] | None = None) -> int:
+    """K splits for `tiles` output tiles of k_blocks K tiles on `sms` multiprocessors: about
+    programs_per_sm programs per multiprocessor. balance = (least share, fewest K tiles per
+    split): where the programs fill less than that share of the multiprocessors' slots for them
+    (programs / (sms * ceil(programs / sms)): the busiest multiprocessors set the time), the
+    next split counts are tried while a split's K range (k_per_split) keeps at least that many
+    K tiles, and the first that fills it is taken (else the first count stays)."""
+    want = programs_per_sm * sms
+    split = max(1, min(k_blocks, want // tiles)) if tiles < want else 1
+    if balance is None:
+        return split
+
+    def share(s: int) -> float:
+        programs = tiles * cdiv(k_blocks, cdiv(k_blocks, s))  # splits as k_per_split rounds them
+        return programs / (sms * cdiv(programs, sms))
+
+    least, fewest = balance
+    if share(split) >= least:
+        return split
+    for more in range(split + 1, k_blocks + 1):
+        if cdiv(k_blocks, more) < fewest:
+            break
+        if share(more) >= least:
+            return more
+    return split
 
 
 # Decode launch shape (M <= 16), picked on an H200 by `sweep` (scripts/bench_kernels.py --sweep-gemm:
@@ -1355,19 +1387,18 @@ def _gemv_k_tile(k: int, cfg: dict) -> dict:
 
 # The register-fed matrix-unit kernel (`_mma_kernel`) for MMA["min_m"] to MMA["max_m"] rows of
 # bf16/fp16 activations on a GPU: weight-row tiles of 16 per warp ("rows"), warps per program,
-# the split-K target, the L2 prefetch distance in K steps and the K groups of warps ("kwarps":
-# groups that share a program's K range, their sums added in the program). Picked on an H200 by
-# `sweep_mma` (scripts/bench_kernels.py --sweep-mma; benchmarks/results/kernels-sweeps-mma-wide-h200.json).
-# One row stays on the CUDA-core GEMV (15.5 us on 8192 x 8192; the mma kernel takes 17.7 at two
-# rows); 9-16 rows: MMA_WIDE.
-# The K groups stay at 1, against the summed pick of the sweep that added them
-# (benchmarks/results/kernels-sweeps-mma-kwarps-h200.json: 1 warp, 4 groups, split-K target 1,
-# 96.5 against 101.0 us summed). That pick is 6-13% faster on 8192 x 8192 and 3712 x 2688 but
-# 11-13% slower on 2688 x 3712 at 2-8 rows (7.0-7.6 against 6.2-6.8 us), where that file's bench
-# (run with the pick) has 1.06x over bf16 at 4 rows against 1.22x in kernels-h200.json; at 4 rows
-# on 131072 x 2688 it has 90.7 us against 84.4. With 84 weight tiles and that split-K target,
-# 2688 x 3712 runs 84 programs on 132 multiprocessors.
-MMA = {"min_m": 2, "max_m": 8, "rows": 2, "num_warps": 2, "programs_per_sm": 4, "prefetch": 2, "kwarps": 1}
+# the split-K target, the L2 prefetch distance in K steps, the K groups of warps ("kwarps":
+# groups that share a program's K range, their sums added in the program) and the split-K
+# balance (`split_count`). Picked on an H200 by `sweep_mma` over the five bench shapes at 2, 4
+# and 8 rows (scripts/bench_kernels.py --sweep-mma; benchmarks/results/kernels-h200.json, whose
+# bench ran with the pick): on average 1.025 times each problem's fastest swept launch shape,
+# against 1.075 for split-K target 8 and 1.09 for the best with K groups (1 warp, 4 groups,
+# target 2). The balance (0.9, 16) splits 28672 x 8192 in two at 2-8 rows (448 weight tiles
+# would leave the busiest multiprocessors a fourth program where most have three): 58.1 us at
+# four rows, 1.82x bf16. One row stays on the CUDA-core GEMV (15.2 us on 8192 x 8192; the mma
+# kernel takes 18.0 at two rows); 9-16 rows: MMA_WIDE.
+MMA = {"min_m": 2, "max_m": 8, "rows": 2, "num_warps": 2, "programs_per_sm": 4, "prefetch": 2, "kwarps": 1,
+       "balance": (0.9, 16)}
 
 
 # The same kernel with two activation tiles, for 9 (or MMA["max_m"] + 1) to MMA_WIDE["max_m"] rows of
@@ -1395,7 +1426,7 @@ def mma_config(m: int, n: int, k: int, device: torch.device, num_warps: int | No
         raise ValueError(f"{_WHAT}: warps ({nw}) and K groups ({kw}) must be powers of 2")
     cfg = dict(mma=True, BLOCK_M=8 if m <= 8 else 16, BLOCK_N=16 * r * nw, BLOCK_K=128, num_warps=nw, num_stages=1,
                PREFETCH=MMA["prefetch"] if prefetch is None else prefetch, KWARPS=kw)
-    cfg.update(_split(m, n, k, cfg, device, programs_per_sm or MMA["programs_per_sm"]))
+    cfg.update(_split(m, n, k, cfg, device, programs_per_sm or MMA["programs_per_sm"], MMA["balance"]))
     return cfg
 
 
@@ -1709,7 +1740,7 @@ def pick_gemv(rows) -> dict:
     return out
 
 
-def sweep_mma(shapes=((8192, 8192), (3712, 2688), (2688, 3712)), ms=(2, 4, 8),
+def sweep_mma(shapes=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688)), ms=(2, 4, 8),
               launch=((2, 4, 2, 2), (4, 4, 2, 2), (8, 2, 2, 2), (2, 8, 2, 2), (4, 8, 1, 2), (4, 2, 1, 2),
                       (2, 4, 2, 0), (1, 1, 2, 2, 4), (2, 1, 2, 2, 4), (1, 2, 2, 2, 4), (1, 1, 2, 2, 8),
                       (1, 2, 2, 2, 2))):
@@ -1789,11 +1820,20 @@ def _mma_launch_key(r: dict) -> tuple:
 
 
 def pick_mma(rows) -> dict:
-    """The MMA launch shape with the smallest summed sweep time."""
+    """The MMA launch shape closest to each problem's fastest: the smallest sum over the swept
+    problems (N, K, M) of its time over the problem's best time (a launch shape that failed on
+    a problem never wins). Relative times, so that the largest weights do not outvote the
+    others."""
+    best = {}
+    for r in rows:
+        if r["ms"] is not None:
+            p = (r["N"], r["K"], r["M"])
+            best[p] = min(best.get(p, float("inf")), r["ms"])
     totals = {}
     for r in rows:
         key = _mma_launch_key(r)
-        totals[key] = totals.get(key, 0.0) + (r["ms"] if r["ms"] is not None else float("inf"))
+        t = r["ms"] / best[r["N"], r["K"], r["M"]] if r["ms"] is not None else float("inf")
+        totals[key] = totals.get(key, 0.0) + t
     nw, pps, rows_, pf, kw = min(totals, key=totals.get)
     return {"num_warps": nw, "programs_per_sm": pps, "rows": rows_, "prefetch": pf, "kwarps": kw}
 

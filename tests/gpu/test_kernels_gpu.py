@@ -257,6 +257,28 @@ def test_w4a16_mma(nk, m, launch, dtype):
         _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq, cfg=dict(forced)), x, wq, forced)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_mma_weights_exact_every_scale_code_and_position(dtype):
+    # The mma kernel's in-register weights on the hardware, read out one by one: one-hot
+    # activation rows pick single weights, so each output is E2M1(code) * scale exactly (global
+    # scale 1), in bf16 and fp16 alike. 2032 blocks give each E4M3 scale byte 0x00-0x7E every
+    # code at every one of the 16 positions of a block (in fp16 the smallest in-register values
+    # are subnormal).
+    n, k = 254, 128
+    b = torch.arange(n * k // 16, device=DEV)
+    pos = torch.arange(16, device=DEV)
+    codes = ((pos[None, :] + (b // 127)[:, None]) % 16).to(torch.uint8)  # [blocks, 16]
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(n, k // 2)
+    scale = (b % 127).to(torch.uint8).reshape(n, k // 16).view(torch.float8_e4m3fn)
+    wq = nvfp4.NVFP4Tensor(packed, scale, torch.tensor(1.0, device=DEV))
+    want = wq.dequantize(torch.float32).T  # [k, n]
+    eye = torch.eye(k, device=DEV, dtype=dtype)
+    for m0 in range(0, k, 8):
+        cfg = w4a16_gemm.mma_config(8, n, k, eye.device)
+        y = w4a16_gemm.w4a16_matmul(eye[m0:m0 + 8], wq, cfg=cfg)
+        assert torch.equal(y.float(), want[m0:m0 + 8]), m0
+
+
 @pytest.mark.parametrize("m", [9, 12, 16])
 def test_w4a16_mma_wide_route(m, monkeypatch):
     # 9-16 rows go to the register-fed kernel's two activation tiles (w4a16_gemm.MMA_WIDE) for
