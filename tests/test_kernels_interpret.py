@@ -515,7 +515,7 @@ def test_pick_mma_wide_launch_and_reach():
 
     a, b = (1, 8, 2, 2), (2, 4, 2, 2)
     rows = []
-    # wgmma, a, b per (N, M): a has the smaller sum; summed over M it wins at N >= 200 (at N = 400
+    # wgmma, a, b per (N, M): a is nearer each problem's best; summed over M it wins at N >= 200 (at N = 400
     # though it loses at M = 16), loses at N = 100
     for n, m, base, ta, tb in ((100, 12, 5.0, 6.0, 4.0), (100, 16, 5.0, 6.0, 9.0), (200, 12, 9.0, 8.0, 9.5),
                                (200, 16, 9.0, 8.5, 9.5), (400, 12, 20.0, 15.0, 18.0), (400, 16, 20.0, 21.0, 18.0)):

@@ -44,11 +44,11 @@ top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json, `bench_kernels.py`,
 swept in benchmarks/results/kernels-sweeps-mma-wide-h200.json): 4.91x at 1 token (24.3 us on the
 CUDA cores; the sorted path on the register-fed matrix units took 63.7), 3.04x at 8 (139.9 us, the
 register-fed units; 222.3 on wgmma), 2.84x at 64 (339.0 us, the register-fed units; 539.3 on
-wgmma), 1.59x at 256 (wgmma), 0.65x at 2048. The CUDA-core tiles win up to 4 tokens and the register-fed units from 8 to 128
-tokens (about 6 assignments per expert); they lose to wgmma at 256 (sweep_moe_gemv,
-sweep_moe_mma). On the CUDA cores the experts' weights stream at about 1.5 TB/s at 8 tokens
-(about 41 experts of 5.6 MB); the wgmma tiles are instruction bound (about 6.5 instructions per
-weight, `w4a16_gemm`).
+wgmma), 1.59x at 256 (wgmma), 0.65x at 2048. The CUDA-core tiles win up to 4 tokens and the
+register-fed units from 8 to 128 tokens (about 6 assignments per expert); they lose to wgmma at
+256 (sweep_moe_gemv, sweep_moe_mma). On the CUDA cores the experts' weights stream at about 1.5
+TB/s at 8 tokens (about 41 experts of 5.6 MB); the wgmma tiles are instruction bound (about 6.5
+instructions per weight, `w4a16_gemm`).
 """
 
 from __future__ import annotations

@@ -787,10 +787,13 @@ def mma_asm(tiles: int, rows: int, kind: str) -> str:
                 q = f"{w}{word}"
                 for j, dst in ((2 * half, lo), (2 * half + 1, hi)):
                     # signs of codes j, j + 4 to bits 15, 31; magnitudes to mag_at.. and 16 up
-                    lines.append(f"shl.b32 sg, {q}, {12 - 4 * j};" if j < 3 else f"mov.b32 sg, {q};")
+                    sign = q
+                    if j < 3:
+                        lines.append(f"shl.b32 sg, {q}, {12 - 4 * j};")
+                        sign = "sg"
                     shift = mag_at - 4 * j
                     lines.append(f"shl.b32 mg, {q}, {shift};" if shift >= 0 else f"shr.u32 mg, {q}, {-shift};")
-                    lines += [f"and.b32 mg, mg, {mag_mask:#010x};", "and.b32 sg, sg, 0x80008000;",
+                    lines += [f"and.b32 mg, mg, {mag_mask:#010x};", f"and.b32 sg, {sign}, 0x80008000;",
                               f"or.b32 {dst}, sg, mg;",
                               f"mul.rn.{kind}x2 {dst}, {dst}, s{w}{word // 2};"]
             for t in range(tiles):
@@ -1789,8 +1792,8 @@ def sweep_mma_wide(shapes=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 371
 
 
 def pick_mma_wide(rows) -> dict:
-    """MMA_WIDE from `sweep_mma_wide`'s rows: the launch shape with the smallest summed time, and
-    min_weights, the smallest swept N * K from which that launch shape beats the wgmma kernel in
+    """MMA_WIDE from `sweep_mma_wide`'s rows: the launch shape `pick_mma` takes from its mma rows,
+    and min_weights, the smallest swept N * K from which that launch shape beats the wgmma kernel in
     time summed over the swept M, on every swept size at least as large (shapes of one size
     summed together; None if it does not on the largest)."""
     def ms(r):
