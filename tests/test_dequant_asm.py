@@ -395,12 +395,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fp4kit.kernels import w4a16_gemm as g
 out = []
-for tiles, rows, kind, even_k, kwarps in json.loads(sys.argv[1]):
+for tiles, rows, kind, even_k, kwarps, vec in json.loads(sys.argv[1]):
     sig = {"x4_ptr": "*i64", "wb_ptr": "*i64", "ws_ptr": "*i16", "gs_ptr": "*fp32", "out_ptr": "*" + {"bf16": "bf16", "f16": "fp16"}[kind],
            "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_x4": "i32",
            "k_per_split": "i32"}
     const = {"TILES": tiles, "ROWS": rows, "WARPS": 2, "SPLIT": 4, "F16": kind == "f16", "EVEN_K": even_k,
-             "SCALE_PAIRS": True, "PREFETCH": 2, "EMULATE": False, "KWARPS": kwarps}
+             "SCALE_PAIRS": True, "PREFETCH": 2, "EMULATE": False, "KWARPS": kwarps, "VEC": vec}
     sig.update({k: "constexpr" for k in const})
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
     src = ASTSource(fn=g._mma_kernel, signature=sig, constexprs=const, attrs=attrs)
@@ -415,7 +415,8 @@ def test_mma_kernel_keeps_lane_ids_with_their_threads():
     # The mma kernel's values stand for lanes: the lane ids must be read once, by the threads that
     # hold the operands, and moved where other layouts need them (never recomputed there, where
     # other threads would read other lane ids), and each K step's warp-wide asm must run once;
-    # also with the warps in K groups, whose sums are added across warps.
+    # also with the warps in K groups, whose sums are added across warps, and with the 16-byte
+    # loads (VEC) or without.
     # Compiled for sm_90 (no GPU needed; in a fresh process, as the tests here decorate the
     # kernels for the interpreter) and read from the Triton GPU IR.
     import json
@@ -423,11 +424,12 @@ def test_mma_kernel_keeps_lane_ids_with_their_threads():
     import subprocess
     import sys
 
-    cases = [(1, 2, "bf16", True, 1), (2, 2, "f16", False, 1), (1, 1, "bf16", False, 1), (2, 2, "bf16", True, 4)]
+    cases = [(1, 2, "bf16", True, 1, True), (2, 2, "f16", False, 1, False), (1, 1, "bf16", False, 1, True),
+             (2, 2, "bf16", True, 4, False), (2, 1, "f16", True, 1, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _LANE_ID_CHECK, json.dumps(cases)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    for (tiles, rows, _, _, _), (lane_ids, mma) in zip(cases, json.loads(run.stdout.strip().splitlines()[-1])):
+    for (tiles, rows, *_), (lane_ids, mma) in zip(cases, json.loads(run.stdout.strip().splitlines()[-1])):
         assert lane_ids == 1
         assert mma == 8 * tiles * rows  # one asm op per K step: its 8 mma per weight and activation tile

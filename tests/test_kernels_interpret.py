@@ -313,6 +313,24 @@ def test_w4a16_mma(m, nk, launch):
         assert torch.all((y.double() - ref).abs() <= bound), forced["SPLIT"]
 
 
+def test_mma_vec_needs_aligned_rows_and_k_multiple_of_32():
+    # 16-byte loads only where every address they read is 16-byte aligned, and never in the
+    # interpreter (which runs the kernels' emulation instead of their PTX).
+    k = 2688
+    packed = torch.zeros(64, k // 2, dtype=torch.uint8)
+    x = torch.zeros(4, k, dtype=torch.bfloat16)
+    x4 = x.view(torch.int64)
+    compiled = object()  # anything but an interpreted kernel
+    assert packed.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
+    assert w4a16_gemm.mma_vec(packed, x4, k // 4, k, compiled)
+    assert not w4a16_gemm.mma_vec(packed, x4, k // 4 + 1, k, compiled)  # rows 8 bytes off
+    assert not w4a16_gemm.mma_vec(packed.view(-1)[8:], x4, k // 4, k, compiled)
+    assert not w4a16_gemm.mma_vec(packed, x4.view(-1)[1:], k // 4, k, compiled)
+    assert not w4a16_gemm.mma_vec(packed, x4, k // 4, k + 16, compiled)  # K % 32 == 16
+    if w4a16_gemm.interpreted(w4a16_gemm._mma_kernel):
+        assert not w4a16_gemm.mma_vec(packed, x4, k // 4, k, w4a16_gemm._mma_kernel)
+
+
 def test_mma_kernel_picks_and_refusals():
     # Picked for 2-8 rows of 16-bit activations on a GPU only; fp32 activations are refused, and
     # warps or K groups of warps that are not powers of 2 (a program's lanes are a power of 2).

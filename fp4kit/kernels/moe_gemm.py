@@ -41,10 +41,10 @@ Beyond, `_moe_sorted`, one launch per projection:
 
 Measured on an H200 against transformers' grouped_mm experts in bf16 (CUDA graphs, 128 experts,
 top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json, `bench_kernels.py`, launch shapes
-swept in benchmarks/results/kernels-sweeps-mma-wide-h200.json): 4.91x at 1 token (24.3 us on the
-CUDA cores; the sorted path on the register-fed matrix units took 63.7), 3.04x at 8 (139.9 us, the
-register-fed units; 222.3 on wgmma), 2.84x at 64 (339.0 us, the register-fed units; 539.3 on
-wgmma), 1.59x at 256 (wgmma), 0.65x at 2048. The CUDA-core tiles win up to 4 tokens and the
+swept in benchmarks/results/kernels-sweeps-mma-wide-h200.json): 5.34x at 1 token (23.4 us on the
+CUDA cores; the sorted path on the register-fed matrix units took 62.1), 2.78x at 8 (128.5 us, the
+register-fed units; 193.1 on wgmma), 2.89x at 64 (326.8 us, the register-fed units; 526.9 on
+wgmma), 1.53x at 256 (wgmma), 0.66x at 2048. The CUDA-core tiles win up to 4 tokens and the
 register-fed units from 8 to 128 tokens (about 6 assignments per expert); they lose to wgmma at
 256 (sweep_moe_gemv, sweep_moe_mma). On the CUDA cores the experts' weights stream at about 1.5
 TB/s at 8 tokens (about 41 experts of 5.6 MB); the wgmma tiles are instruction bound (about 6.5
@@ -65,7 +65,7 @@ from fp4kit.formats.errors import FormatError
 from .backend import cdiv, check_backend, interpreted, launch_options, next_power_of_2
 from .w4a16_gemm import (_ACT_DTYPES, DEQUANT, _accumulate, _gemv_accumulate, _gemv_k_tile, _relu2, _sm_count,
                          check_weight, int64_activations, lut_tile, _mma_accumulate, _mma_fragments, _mma_lanes,
-                         _mma_rows, MMA_UNSCALE, mma_scales, time_if_right, use_lut, with_maxnreg)
+                         _mma_rows, MMA_UNSCALE, mma_scales, mma_vec, time_if_right, use_lut, with_maxnreg)
 
 _WHAT = "kernels.moe_experts"
 
@@ -157,12 +157,12 @@ def _moe_up_mma_kernel(
     x4_ptr, order_ptr, offsets_ptr, wb_ptr, ws_ptr, gs_ptr, inter_ptr,
     H, I, TOPK, stride_x4,
     ROWS: tl.constexpr, WARPS: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr,
-    SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr,
+    SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr, VEC: tl.constexpr = False,
 ):
     """`_moe_up_kernel` on the register-fed matrix units (`w4a16_gemm._mma_accumulate`): a program
     takes one expert and 16 * ROWS * WARPS of its output features, and walks the expert's run of
     assignments 8 at a time (a lane's B column: the token row of one assignment; past the run,
-    the run's last, not stored)."""
+    the run's last, not stored). VEC: 16-byte loads (`w4a16_gemm.mma_vec`)."""
     e = tl.program_id(0)
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
@@ -172,7 +172,7 @@ def _moe_up_mma_kernel(
             token = tl.load(order_ptr + tl.minimum(m0 + g, end - 1)) // TOPK
             xrow = token.to(tl.int64) * stride_x4
             acc = _mma_accumulate(zero, x4_ptr, xrow, xrow, wb_ptr, ws_ptr, wrows, c, 0, H, 1, ROWS, F16,
-                                 EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE)
+                                 EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE, 1, 0, VEC)
             y, rows, pos = _mma_fragments(acc, row, m0 + 2 * c, 1, ROWS)
             tl.store(inter_ptr + pos.to(tl.int64) * I + rows, _relu2(y * gs, inter_ptr.dtype.element_ty),
                      mask=(pos < end) & (rows < I))
@@ -184,9 +184,11 @@ def _moe_down_mma_kernel(
     H, I, stride_x4,
     ROWS: tl.constexpr, WARPS: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr,
     SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, ACT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+    VEC: tl.constexpr = False,
 ):
     """`_moe_down_kernel` on the register-fed matrix units: the up output's rows (x4_ptr, its
-    int64 view) in sorted order are the B columns; epilogue as `_moe_down_kernel`."""
+    int64 view) in sorted order are the B columns; epilogue as `_moe_down_kernel`. VEC: 16-byte
+    loads (`w4a16_gemm.mma_vec`)."""
     e = tl.program_id(0)
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
@@ -195,7 +197,7 @@ def _moe_down_mma_kernel(
         for m0 in range(start, end, 8):
             xrow = tl.minimum(m0 + g, end - 1).to(tl.int64) * stride_x4
             acc = _mma_accumulate(zero, x4_ptr, xrow, xrow, wb_ptr, ws_ptr, wrows, c, 0, I, 1, ROWS, F16,
-                                 EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE)
+                                 EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE, 1, 0, VEC)
             # The lane's two columns' assignments and routing weights, read in the lane's own
             # layout and joined into the fragments' shape (`_mma_columns`). Gathered in the
             # fragments' layout instead (tl.load(order_ptr + pos)), the assignment ids came out
@@ -758,13 +760,15 @@ def _moe_sorted_mma(x, top_k, weights, up, down, cfg, order, offsets, inter_act)
     up_scales, up_pairs = mma_scales(up)
     _moe_up_mma_kernel[(n_exp, cdiv(inter, cfg["BLOCK_N"]))](
         x4, order, offsets, up.packed.view(torch.int64), up_scales, up.global_scale, inter_act, hid, inter, top_k,
-        x.stride(0) // 4, EVEN_K=hid % 128 == 0, SCALE_PAIRS=up_pairs, **opts)
+        x.stride(0) // 4, EVEN_K=hid % 128 == 0, SCALE_PAIRS=up_pairs,
+        VEC=mma_vec(up.packed, x4, x.stride(0) // 4, hid, _moe_up_mma_kernel), **opts)
     per_slot = torch.empty((a, hid), dtype=torch.float32, device=x.device)
     down_scales, down_pairs = mma_scales(down)
     _moe_down_mma_kernel[(n_exp, cdiv(hid, cfg["BLOCK_N"]))](
         inter_act.view(torch.int64), order, offsets, weights, down.packed.view(torch.int64), down_scales,
         down.global_scale, per_slot, hid, inter, inter // 4, EVEN_K=inter % 128 == 0, SCALE_PAIRS=down_pairs,
-        ACT_DTYPE=_TL_DTYPES[x.dtype], **opts)
+        VEC=mma_vec(down.packed, inter_act, inter // 4, inter, _moe_down_mma_kernel), ACT_DTYPE=_TL_DTYPES[x.dtype],
+        **opts)
     return per_slot.view(t, top_k, hid).sum(dim=1).to(x.dtype)
 
 

@@ -47,18 +47,21 @@ programs evenly over the multiprocessors (`split_count`). Above LARGE_M rows the
 dequantized once by the same helper and multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1 (GEMV): 2.17x on 8192 x 8192 (15.2 us) and on 28672 x 8192, 1.71-1.83x
-on the Nano shapes and 131072 x 2688; M = 4 (mma): 1.78x, 1.82x, 1.27x, 1.22x and 2.09x; M =
-16: 1.09-1.19x on the three large shapes (mma, two activation tiles), 0.88x and 0.94x on the
-Nano shapes (wgmma); M = 64: 0.50-0.96x. The GEMV loop spends 4.5 SASS instructions per weight
-at one row (fma, fp16-to-fp32 conversion, 0.9 of code decoding, loads and addresses), and that
+the bf16 weight): M = 1 (GEMV): 2.23x on 8192 x 8192 (15.4 us), 2.20x on 28672 x 8192, 1.77-1.92x
+on the Nano shapes and 131072 x 2688; M = 4 (mma): 2.00x, 1.96x, 1.37x, 1.49x and 2.14x; M = 16:
+1.44-1.85x on the three large shapes (mma, two activation tiles), 0.89x and 0.95x on the Nano
+shapes (wgmma); M = 64: 0.53-0.98x. The GEMV loop spends 4.5 SASS instructions per weight at one
+row (fma, fp16-to-fp32 conversion, 0.9 of code decoding, loads and addresses), and that
 arithmetic sets its time: `gemv_limits` runs the loop with its weight loads alone and with its
-arithmetic alone on cache-resident weights, 8.1 and 13.8 us on 8192 x 8192 against 15.0 for the
-whole loop (34.4 and 43.3 against 47.6 on 28672 x 8192). The mma kernel's loop spends 3.6 SASS
-instructions per weight for up to 8 rows, 1.5 of them on the integer ALU pipe (two logic
-operations per pair of codes, shifts, the activations' byte permutes; the left shifts go to the
-FMA pipe as IMAD), but keeps fewer weight bytes in flight per thread: 18.0 us at two rows on
-8192 x 8192 (sweep_mma in the same file), 19.6 at four, more than the GEMV's one row. With a
+arithmetic alone on cache-resident weights, 8.0 and 13.8 us on 8192 x 8192 against 15.0 for the
+whole loop (35.5 and 43.7 against 48.3 on 28672 x 8192). The mma kernel's loop spends 3.5-3.9
+SASS instructions per weight (one or two weight tiles per warp), about 1.5 of them on the
+integer ALU pipe (two logic operations per pair of codes, shifts, the activations' byte
+permutes; the left shifts go to the FMA pipe as IMAD). Each lane reads its codes and
+activations 16 bytes at a time (`_load16`, where `mma_vec` finds them aligned): with 8-byte
+loads a warp's load touched every 32-byte sector it read twice, and at 16 rows the L1 was the
+busiest unit. 2-8 rows cost little more than two do (sweep_mma in the same file, the pick: 17.0,
+17.5 and 19.9 us at 2, 4 and 8 rows on 8192 x 8192), still more than the GEMV's one row. With a
 second activation tile (9-16 rows) it beats the wgmma kernel from 8192 x 8192 weights up but
 not on the Nano shapes (sweep_mma_wide; `MMA_WIDE`).
 The wgmma kernel spends ~6.5 instructions per weight in its main loop: the table dequantization, then
@@ -833,13 +836,50 @@ def _thread_ids(t, EMULATE: tl.constexpr):
     return lane, tid // 32
 
 
+# Two int64 from 16 bytes at a 16-byte aligned address ($2) where $3 != 0, else zeros: one
+# 128-bit load through the read-only path. The mma kernels' lanes read their codes and
+# activations 16 bytes at a time with it (`VEC`): a warp's load instruction then covers whole
+# 32-byte sectors of each row it touches, where two 8-byte loads each touched the same sectors
+# for half their bytes (and the L1 limited the kernels at 16 activation rows).
+_LOAD16_ASM = tl.constexpr("""
+{
+.reg .pred p;
+setp.ne.u32 p, $3, 0;
+mov.b64 $0, 0;
+mov.b64 $1, 0;
+@p ld.global.nc.v2.b64 {$0, $1}, [$2];
+}
+""")
+
+
 @triton.jit
-def _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K: tl.constexpr, SCALE_PAIRS: tl.constexpr):
+def _load16(ptr, ok):
+    """(ptr[0], ptr[1]) of an int64 pointer 16-byte aligned where ok, else (0, 0) (CUDA only)."""
+    return tl.inline_asm_elementwise(_LOAD16_ASM, "=l,=l,l,r", [ptr, ok.to(tl.int32)], dtype=(tl.int64, tl.int64),
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K: tl.constexpr, SCALE_PAIRS: tl.constexpr,
+                 VEC: tl.constexpr = False):
     """The lane's weights of a K step: codes of its two blocks (int64 each) in rows g (pg) and
     g + 8 (ph), and their two scale bytes per row in an int32 (sg_p, sh_p: one int16 each with
     SCALE_PAIRS, else two bytes). ok0 / ok1: the blocks are before the end of the range (with
-    EVEN_K the whole step, the same in every lane; masked blocks read as zero otherwise)."""
-    if EVEN_K:
+    EVEN_K the whole step, the same in every lane; masked blocks read as zero otherwise).
+    VEC: each row's two blocks in one 16-byte load (`_load16`; pg, ph 16-byte aligned, and
+    K % 32 == 0, so ok1 is ok0)."""
+    if VEC:
+        wg0, wg1 = _load16(pg, ok0)
+        wh0, wh1 = _load16(ph, ok0)
+        if SCALE_PAIRS:
+            sg = tl.load(sg_p, mask=ok0, other=0).to(tl.int32)
+            sh = tl.load(sh_p, mask=ok0, other=0).to(tl.int32)
+        else:
+            sg = (tl.load(sg_p, mask=ok0, other=0).to(tl.int32)
+                  | (tl.load(sg_p + 1, mask=ok0, other=0).to(tl.int32) << 8))
+            sh = (tl.load(sh_p, mask=ok0, other=0).to(tl.int32)
+                  | (tl.load(sh_p + 1, mask=ok0, other=0).to(tl.int32) << 8))
+    elif EVEN_K:
         wg0 = tl.load(pg, mask=ok0)
         wg1 = tl.load(pg + 1, mask=ok0)
         wh0 = tl.load(ph, mask=ok0)
@@ -867,11 +907,21 @@ def _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K: tl.constexpr, SCALE_PAIRS
 
 
 @triton.jit
-def _mma_x(q, k, k_end, more, EVEN_K: tl.constexpr):
+def _mma_x(q, k, k_end, more, EVEN_K: tl.constexpr, VEC: tl.constexpr = False):
     """The lane's activations of a K step for one tile: 8 int64 (4 16-bit values each) at q + s,
     K offsets k + 4s (k = step start + 32c); zeros past k_end (with EVEN_K a whole step is in or
-    out: `more`, the same in every lane)."""
-    if EVEN_K:
+    out: `more`, the same in every lane). VEC: two at a time (`_load16`; q 16-byte aligned; K is
+    a multiple of 16, so a pair is wholly in or out)."""
+    if VEC:
+        if EVEN_K:
+            ok0, ok1, ok2, ok3 = more, more, more, more
+        else:
+            ok0, ok1, ok2, ok3 = k < k_end, k + 8 < k_end, k + 16 < k_end, k + 24 < k_end
+        x0, x1 = _load16(q, ok0)
+        x2, x3 = _load16(q + 2, ok1)
+        x4, x5 = _load16(q + 4, ok2)
+        x6, x7 = _load16(q + 6, ok3)
+    elif EVEN_K:
         x0, x1, x2, x3 = tl.load(q, mask=more), tl.load(q + 1, mask=more), tl.load(q + 2, mask=more), tl.load(q + 3, mask=more)
         x4, x5, x6, x7 = tl.load(q + 4, mask=more), tl.load(q + 5, mask=more), tl.load(q + 6, mask=more), tl.load(q + 7, mask=more)
     else:
@@ -1039,7 +1089,7 @@ def _mma_pointers(ws_ptr, wb_ptr, wrow_g, wrow_h, blk, SCALE_PAIRS: tl.constexpr
 
 @triton.jit
 def _mma_load(pg, ph, sg_p, sh_p, pg2, ph2, sg2_p, sh2_p, q0, q1, step, c, end, TILES: tl.constexpr,
-              ROWS: tl.constexpr, EVEN_K: tl.constexpr, SCALE_PAIRS: tl.constexpr):
+              ROWS: tl.constexpr, EVEN_K: tl.constexpr, SCALE_PAIRS: tl.constexpr, VEC: tl.constexpr):
     """The lane's operands of the K step starting at `step` (pointers at that step): codes and
     scales of weight tiles 0 and 1 (`_mma_weights`; tile 0's again where ROWS == 1), activations
     of tiles 0 and 1 (`_mma_x`; tile 0's again where TILES == 1). Past `end` they read as zero
@@ -1049,14 +1099,14 @@ def _mma_load(pg, ph, sg_p, sh_p, pg2, ph2, sg2_p, sh2_p, q0, q1, step, c, end, 
     more = step < end
     ok0 = more if EVEN_K else k < end
     ok1 = more if EVEN_K else k + 16 < end
-    w0 = _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K, SCALE_PAIRS)
+    w0 = _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K, SCALE_PAIRS, VEC)
     if ROWS == 2:
-        w1 = _mma_weights(pg2, ph2, sg2_p, sh2_p, ok0, ok1, EVEN_K, SCALE_PAIRS)
+        w1 = _mma_weights(pg2, ph2, sg2_p, sh2_p, ok0, ok1, EVEN_K, SCALE_PAIRS, VEC)
     else:
         w1 = w0  # unused
-    x = _mma_x(q0, k, end, more, EVEN_K)
+    x = _mma_x(q0, k, end, more, EVEN_K, VEC)
     if TILES == 2:
-        y = _mma_x(q1, k, end, more, EVEN_K)
+        y = _mma_x(q1, k, end, more, EVEN_K, VEC)
     else:
         y = x  # unused
     return w0, w1, x, y
@@ -1066,14 +1116,15 @@ def _mma_load(pg, ph, sg_p, sh_p, pg2, ph2, sg2_p, sh2_p, q0, q1, step, c, end, 
 def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, c, k_start, k_end,
                     TILES: tl.constexpr, ROWS: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr,
                     SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr,
-                    KWARPS: tl.constexpr = 1, kw=0):
+                    KWARPS: tl.constexpr = 1, kw=0, VEC: tl.constexpr = False):
     """The 16 accumulators (`_mma_step`) += the K range [k_start, k_end) of W @ x^T, in K steps
     of 128; the next step's weights and activations are loaded before this one is decoded.
     wrows: first block of rows g, g + 8 (weight tile 0) and g + 16, g + 24 (tile 1); xrow0 /
     xrow1: first int64 of the activation tiles' rows g.
     KWARPS > 1: the range is cut into KWARPS runs of whole steps, one per warp group kw (a per-lane
     tensor, 0 to KWARPS - 1); every group loops as many times as the longest run, a shorter run's
-    last steps masked (their codes and activations read as zero and add nothing)."""
+    last steps masked (their codes and activations read as zero and add nothing).
+    VEC: codes and activations read 16 bytes at a time (`_load16`; see `mma_vec`)."""
     d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3 = acc
     wrow_g, wrow_h, wrow_g2, wrow_h2 = wrows
     if SCALE_PAIRS:
@@ -1095,7 +1146,7 @@ def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, c, k_start
     q0 = x4_ptr + xrow0 + (base + 32 * c) // 4
     q1 = x4_ptr + xrow1 + (base + 32 * c) // 4
     w0, w1, x, y = _mma_load(pg, ph, sg_p, sh_p, pg2, ph2, sg2_p, sh2_p, q0, q1, base, c, end, TILES, ROWS, EVEN_K,
-                             SCALE_PAIRS)
+                             SCALE_PAIRS, VEC)
     for k0 in range(k_start, k_stop, 128):
         pg += 8
         ph += 8
@@ -1109,7 +1160,7 @@ def _mma_accumulate(acc, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, c, k_start
         q1 += 32
         step = base + (k0 - k_start) + 128  # this group's next step
         nw0, nw1, nx, ny = _mma_load(pg, ph, sg_p, sh_p, pg2, ph2, sg2_p, sh2_p, q0, q1, step, c, end, TILES, ROWS,
-                                     EVEN_K, SCALE_PAIRS)
+                                     EVEN_K, SCALE_PAIRS, VEC)
         if PREFETCH > 0 and not EMULATE:  # L2 prefetch of the weights PREFETCH steps ahead of this load
             ahead = step + 128 * PREFETCH < end
             _prefetch_l2(pg + 8 * PREFETCH, ahead)
@@ -1207,7 +1258,7 @@ def _sum_groups(acc, KWARPS: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constex
 def _mma_kernel(x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, stride_x4, k_per_split,
                 TILES: tl.constexpr, ROWS: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr,
                 F16: tl.constexpr, EVEN_K: tl.constexpr, SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
-                EMULATE: tl.constexpr, KWARPS: tl.constexpr = 1):
+                EMULATE: tl.constexpr, KWARPS: tl.constexpr = 1, VEC: tl.constexpr = False):
     """y = x @ W^T for up to 8 * TILES activation rows per program on the matrix units, the weight
     decoded in registers into mma.sync's A fragments (`mma_asm`); grid: N tiles of 16 * ROWS *
     WARPS rows (16 * ROWS per warp), activation row tiles, K splits. One element per thread: the
@@ -1215,7 +1266,7 @@ def _mma_kernel(x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N
     past N and activation rows past M read the last one instead (their outputs are not stored: a
     D row or column depends on its own A row or B column only), so only a ragged K needs masks
     (EVEN_K: K is a whole number of steps). ws_ptr: the scale bytes, or with SCALE_PAIRS (K / 16
-    even) their int16 view."""
+    even) their int16 view. VEC: 16-byte loads (`mma_vec`)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -1228,7 +1279,7 @@ def _mma_kernel(x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N
     xrow0 = tl.minimum(tok, M - 1).to(tl.int64) * stride_x4
     xrow1 = tl.minimum(tok + 8, M - 1).to(tl.int64) * stride_x4
     acc = _mma_accumulate(zero, x4_ptr, xrow0, xrow1, wb_ptr, ws_ptr, wrows, c, k_start, k_end, TILES, ROWS, F16,
-                          EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE, KWARPS, warp // WARPS)
+                          EVEN_K, SCALE_PAIRS, PREFETCH, EMULATE, KWARPS, warp // WARPS, VEC)
     col = pid_m * (8 * TILES) + 2 * c
     if KWARPS > 1:  # the warp groups' partial sums added in a fixed order (a reduction over warps)
         acc = _sum_groups(acc, KWARPS, TILES, ROWS)
@@ -1394,13 +1445,14 @@ def _gemv_k_tile(k: int, cfg: dict) -> dict:
 # groups that share a program's K range, their sums added in the program) and the split-K
 # balance (`split_count`). Picked on an H200 by `sweep_mma` over the five bench shapes at 2, 4
 # and 8 rows (scripts/bench_kernels.py --sweep-mma; benchmarks/results/kernels-h200.json, whose
-# bench ran with the pick): on average 1.025 times each problem's fastest swept launch shape,
-# against 1.075 for split-K target 8 and 1.09 for the best with K groups (1 warp, 4 groups,
-# target 2). The balance (0.9, 16) splits 28672 x 8192 in two at 2-8 rows (448 weight tiles
-# would leave the busiest multiprocessors a fourth program where most have three): 58.1 us at
-# four rows, 1.82x bf16. One row stays on the CUDA-core GEMV (15.2 us on 8192 x 8192; the mma
-# kernel takes 18.0 at two rows); 9-16 rows: MMA_WIDE.
-MMA = {"min_m": 2, "max_m": 8, "rows": 2, "num_warps": 2, "programs_per_sm": 4, "prefetch": 2, "kwarps": 1,
+# bench ran with the pick), with 16-byte loads (`mma_vec`): on average 1.041 times each
+# problem's fastest swept launch shape, against 1.061 for the best with K groups (1 warp, 4
+# groups, target 2) and 1.065 for two tiles per warp, two warps and target 4 (the pick with
+# 8-byte loads). The balance (0.9, 16) changes none of the bench shapes at target 8 (28672 x 8192
+# splits in two by the target itself: 56.0 us at four rows). One row stays on the CUDA-core GEMV
+# (15.4 us on 8192 x 8192; the mma kernel took 16.2-18.1 at the launch shapes tried); 9-16 rows:
+# MMA_WIDE.
+MMA = {"min_m": 2, "max_m": 8, "rows": 1, "num_warps": 4, "programs_per_sm": 8, "prefetch": 2, "kwarps": 1,
        "balance": (0.9, 16)}
 
 
@@ -1409,8 +1461,8 @@ MMA = {"min_m": 2, "max_m": 8, "rows": 2, "num_warps": 2, "programs_per_sm": 4, 
 # (N * K; None: never): its launch shape and that reach picked on an H200 by `sweep_mma_wide` /
 # `pick_mma_wide` (scripts/bench_kernels.py --sweep-mma-wide), against the wgmma kernel, which
 # keeps the smaller weights (the Nano shapes). The reach is summed over 12 and 16 rows per weight
-# size: 101.1 against 113.8 us at 16 rows on 28672 x 8192, 27.2 against 29.7 at 12 on 8192 x 8192;
-# 9.4 against 8.0 at 16 rows on 2688 x 3712 (benchmarks/results/kernels-sweeps-mma-wide-h200.json).
+# size: 75.3 against 113.8 us at 16 rows on 28672 x 8192, 21.1 against 30.2 at 12 on 8192 x 8192;
+# 10.7 against 8.0 at 16 rows on 2688 x 3712 (sweep_mma_wide in benchmarks/results/kernels-h200.json).
 MMA_WIDE = {"max_m": 16, "min_weights": 8192 * 8192, "rows": 2, "num_warps": 1, "programs_per_sm": 8, "prefetch": 2,
             "kwarps": 1}
 
@@ -1520,6 +1572,7 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
         kwarps = cfg.get("KWARPS", 1)
         _mma_kernel[grid](x4, w.packed.view(torch.int64), scales,
                           w.global_scale, out, part, counters, m, n, k, x2.stride(0) // 4, k_per_split,
+                          VEC=mma_vec(w.packed, x4, x2.stride(0) // 4, k, _mma_kernel),
                           TILES=cfg["BLOCK_M"] // 8, ROWS=cfg["BLOCK_N"] // (16 * cfg["num_warps"]),
                           WARPS=cfg["num_warps"], SPLIT=split,
                           F16=x.dtype == torch.float16, EVEN_K=k % 128 == 0, SCALE_PAIRS=pairs,
@@ -1546,6 +1599,15 @@ def mma_scales(w: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, bool]:
     scales = w.block_scale.view(torch.uint8)
     pairs = scales.shape[-1] % 2 == 0 and scales.data_ptr() % 2 == 0
     return (scales.view(torch.int16) if pairs else scales), pairs
+
+
+def mma_vec(packed: torch.Tensor, x4: torch.Tensor, stride_x4: int, k: int, kernel) -> bool:
+    """Whether `kernel` (an mma kernel) may read codes and activations 16 bytes at a time
+    (`_load16`): on a GPU (not Triton's interpreter), with K % 32 == 0 (a row's codes a whole
+    number of 16-byte pairs of blocks) and the codes, the activations (x4, int64 view) and their
+    rows (stride_x4 int64 apart) 16-byte aligned."""
+    return (not interpreted(kernel) and k % 32 == 0 and packed.data_ptr() % 16 == 0 and x4.data_ptr() % 16 == 0
+            and stride_x4 % 2 == 0)
 
 
 def int64_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

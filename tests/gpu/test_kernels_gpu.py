@@ -326,6 +326,30 @@ def test_w4a16_mma_odd_scale_offset_and_strided_rows():
     _assert_within_gemm_bound(y, x.contiguous(), wq)
 
 
+@pytest.mark.parametrize("nkm", [(512, 2688, 6), (384, 1856, 16)])
+def test_w4a16_mma_16_byte_loads_equal_8_byte_loads(nkm):
+    # Codes and activations read 16 bytes at a time (w4a16_gemm.mma_vec) or, where the codes or
+    # the activations start only 8-byte aligned, 8 at a time: the same products bit for bit, at
+    # one and two activation tiles, with a whole and a ragged number of K steps.
+    n, k, m = nkm
+    wq = kquant.quantize(_randn(n, k, seed=58), scale_rule="4o6")
+    x = _randn(m, k, seed=59, scale=1.0)
+    x8 = torch.empty(m * k + 4, dtype=x.dtype, device=DEV)[4:].view(m, k)
+    x8.copy_(x)
+    p8 = torch.empty(wq.packed.numel() + 8, dtype=torch.uint8, device=DEV)[8:].view(n, k // 2)
+    p8.copy_(wq.packed)
+    w8 = nvfp4.NVFP4Tensor(p8, wq.block_scale, wq.global_scale)
+    kernel = w4a16_gemm._mma_kernel
+    assert w4a16_gemm.mma_vec(wq.packed, x.view(torch.int64), k // 4, k, kernel)
+    assert not w4a16_gemm.mma_vec(wq.packed, x8.view(torch.int64), k // 4, k, kernel)
+    assert not w4a16_gemm.mma_vec(p8, x.view(torch.int64), k // 4, k, kernel)
+    cfg = w4a16_gemm.mma_config(m, n, k, x.device)
+    y = w4a16_gemm.w4a16_matmul(x, wq, cfg=dict(cfg))
+    assert torch.equal(w4a16_gemm.w4a16_matmul(x8, wq, cfg=dict(cfg)), y)
+    assert torch.equal(w4a16_gemm.w4a16_matmul(x, w8, cfg=dict(cfg)), y)
+    _assert_within_gemm_bound(y, x, wq, cfg)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gemv_block_dot_ptx_equals_arithmetic(dtype):
     # The GEMV's inline-PTX block dot and its Triton arithmetic form: the same bits, for each
