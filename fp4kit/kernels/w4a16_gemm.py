@@ -860,6 +860,18 @@ def _load16(ptr, ok):
 
 
 @triton.jit
+def _mma_scale_bytes(s_p, ok0, ok1, SCALE_PAIRS: tl.constexpr):
+    """A row's two scale bytes of the lane's blocks in an int32: one int16 load with SCALE_PAIRS
+    (a half pair past the end is a zero scale over zero codes), else two byte loads; zero where
+    masked (ok0 / ok1: the first / second block is before the end of the range)."""
+    if SCALE_PAIRS:
+        s = tl.load(s_p, mask=ok0, other=0).to(tl.int32)
+    else:
+        s = tl.load(s_p, mask=ok0, other=0).to(tl.int32) | (tl.load(s_p + 1, mask=ok1, other=0).to(tl.int32) << 8)
+    return s
+
+
+@triton.jit
 def _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K: tl.constexpr, SCALE_PAIRS: tl.constexpr,
                  VEC: tl.constexpr = False):
     """The lane's weights of a K step: codes of its two blocks (int64 each) in rows g (pg) and
@@ -871,14 +883,8 @@ def _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K: tl.constexpr, SCALE_PAIRS
     if VEC:
         wg0, wg1 = _load16(pg, ok0)
         wh0, wh1 = _load16(ph, ok0)
-        if SCALE_PAIRS:
-            sg = tl.load(sg_p, mask=ok0, other=0).to(tl.int32)
-            sh = tl.load(sh_p, mask=ok0, other=0).to(tl.int32)
-        else:
-            sg = (tl.load(sg_p, mask=ok0, other=0).to(tl.int32)
-                  | (tl.load(sg_p + 1, mask=ok0, other=0).to(tl.int32) << 8))
-            sh = (tl.load(sh_p, mask=ok0, other=0).to(tl.int32)
-                  | (tl.load(sh_p + 1, mask=ok0, other=0).to(tl.int32) << 8))
+        sg = _mma_scale_bytes(sg_p, ok0, ok0, SCALE_PAIRS)
+        sh = _mma_scale_bytes(sh_p, ok0, ok0, SCALE_PAIRS)
     elif EVEN_K:
         wg0 = tl.load(pg, mask=ok0)
         wg1 = tl.load(pg + 1, mask=ok0)
@@ -895,14 +901,8 @@ def _mma_weights(pg, ph, sg_p, sh_p, ok0, ok1, EVEN_K: tl.constexpr, SCALE_PAIRS
         wg1 = tl.load(pg + 1, mask=ok1, other=0)
         wh0 = tl.load(ph, mask=ok0, other=0)
         wh1 = tl.load(ph + 1, mask=ok1, other=0)
-        if SCALE_PAIRS:  # a half pair past the end is a zero scale over zero codes
-            sg = tl.load(sg_p, mask=ok0, other=0).to(tl.int32)
-            sh = tl.load(sh_p, mask=ok0, other=0).to(tl.int32)
-        else:
-            sg = (tl.load(sg_p, mask=ok0, other=0).to(tl.int32)
-                  | (tl.load(sg_p + 1, mask=ok1, other=0).to(tl.int32) << 8))
-            sh = (tl.load(sh_p, mask=ok0, other=0).to(tl.int32)
-                  | (tl.load(sh_p + 1, mask=ok1, other=0).to(tl.int32) << 8))
+        sg = _mma_scale_bytes(sg_p, ok0, ok1, SCALE_PAIRS)
+        sh = _mma_scale_bytes(sh_p, ok0, ok1, SCALE_PAIRS)
     return wg0, wg1, wh0, wh1, sg, sh
 
 
