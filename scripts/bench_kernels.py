@@ -15,6 +15,8 @@ import argparse
 import json
 import os
 import platform
+import shlex
+import sys
 import time
 
 import torch
@@ -67,6 +69,7 @@ def main() -> None:
     result = {
         "gpu": name, "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+        "command": "python " + shlex.join(sys.argv),
     }
     result["copy_ceiling_tbps"] = copy_ceiling_tbps()
     print(f"copy ceiling {result['copy_ceiling_tbps']:.2f} TB/s", flush=True)

@@ -554,6 +554,30 @@ def test_pick_mma_wide_launch_and_reach():
                                               "kwarps": 1, "min_weights": 400 * 1000}
 
 
+def test_pick_mma_wide_judges_a_launch_where_it_would_run():
+    # c is nearer the best on the small shape (where a loses to the wgmma kernel and would not run)
+    # but far from it on the large one: over all problems c is the nearer (what pick_mma takes),
+    # routed (a from N = 400 up, the wgmma kernel below) a is
+    def row(n, m, kernel, t, launch=None):
+        r = {"N": n, "K": 1000, "M": m, "kernel": kernel, "ms": t}
+        if launch:
+            r.update(zip(("num_warps", "programs_per_sm", "rows", "prefetch", "kwarps"), launch))
+        return r
+
+    a, c = (1, 8, 2, 2, 1), (1, 2, 2, 2, 4)
+    rows = []
+    for n, base, ta, tc in ((100, 5.0, 10.0, 4.2), (400, 40.0, 20.0, 30.0)):
+        for m in (12, 16):
+            rows += [row(n, m, "matrix-unit", base), row(n, m, "mma", ta, a), row(n, m, "mma", tc, c)]
+    assert w4a16_gemm.pick_mma([r for r in rows if r["kernel"] == "mma"])["kwarps"] == 4
+    assert w4a16_gemm.pick_mma_wide(rows) == {"num_warps": 1, "programs_per_sm": 8, "rows": 2, "prefetch": 2,
+                                              "kwarps": 1, "min_weights": 400 * 1000}
+    # where c's routing is the nearer (a no faster than c on the large shape), c and its reach
+    rows = [dict(r, ms=30.0) if r["kernel"] == "mma" and r["N"] == 400 and r.get("kwarps") == 1 else r for r in rows]
+    assert w4a16_gemm.pick_mma_wide(rows) == {"num_warps": 1, "programs_per_sm": 2, "rows": 2, "prefetch": 2,
+                                              "kwarps": 4, "min_weights": 100 * 1000}
+
+
 def test_mma_wide_routing(monkeypatch):
     # 9-16 rows of 16-bit activations on a GPU go to the register-fed kernel's two activation tiles
     # for weights of MMA_WIDE["min_weights"] elements or more; smaller weights, fp32 activations,

@@ -37,12 +37,15 @@ Why the bytes are the reference's (read with `fp4kit/formats/nvfp4.py` beside th
   to Triton's float8 cast, so the interpreter and every GPU give the same round-to-nearest-even,
   saturating at 448 (scales are clamped to [2^-9, 448] first, as the reference does).
 Measured on an H200 (benchmarks/results/kernels-h200.json, Nano expert stacks, bf16, CUDA
-graphs): 1.52 TB/s plain and 1.04 TB/s 4/6 for the two launches; 1.78 and 1.12 TB/s for the one
-launch with a given global amax (the copy ceiling is 4.24 TB/s; the amax pass alone takes
-0.29 ms of the plain rule's 1.08). The quantize kernel is bound by instruction issue: its fast
-path is about 35 (plain) and 54 (4/6) SASS instructions per element, and 0.78 ms for 638 M
-elements is ~40 issue slots per element on 132 SMs; 2.5 TB/s would need ~20 slots per element
-including the amax pass, below what the exact per-candidate error sums alone take.
+graphs): 1.52 TB/s plain and 1.03 TB/s 4/6 for the two launches; 1.79 and 1.12 TB/s for the one
+launch with a given global amax (the copy ceiling is 4.27 TB/s; the amax pass alone takes
+0.29 ms of the plain rule's 1.08). Two passes cannot reach 2.5 TB/s as the bench counts it
+(bf16 in, codes and scales out: 2.5625 bytes per element): the max pass reads the 2 bytes once
+more, so even at the copy ceiling 4.5625 bytes per element move, 2.40 TB/s of counted bytes;
+only a known global amax (one launch) leaves room. The quantize kernel is bound by instruction
+issue: its fast path is about 35 (plain) and 54 (4/6) SASS instructions per element, and 0.78 ms
+for 638 M elements is ~40 issue slots per element on 132 SMs; 2.5 TB/s would need ~20 slots per
+element including the amax pass, below what the exact per-candidate error sums alone take.
 Known limit shared with nothing real: an fp32 weight so small that its global scale underflows
 (max|w| < ~2e-42) makes the reference produce NaN block scales whose sign bit depends on the
 platform's default NaN; this kernel writes 0x7F there.

@@ -47,21 +47,22 @@ programs evenly over the multiprocessors (`split_count`). Above LARGE_M rows the
 dequantized once by the same helper and multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1 (GEMV): 2.23x on 8192 x 8192 (15.4 us), 2.20x on 28672 x 8192, 1.77-1.92x
-on the Nano shapes and 131072 x 2688; M = 4 (mma): 2.00x, 1.96x, 1.37x, 1.49x and 2.14x; M = 16:
-1.44-1.85x on the three large shapes (mma, two activation tiles), 0.89x and 0.95x on the Nano
-shapes (wgmma); M = 64: 0.53-0.98x. The GEMV loop spends 4.5 SASS instructions per weight at one
-row (fma, fp16-to-fp32 conversion, 0.9 of code decoding, loads and addresses), and that
-arithmetic sets its time: `gemv_limits` runs the loop with its weight loads alone and with its
-arithmetic alone on cache-resident weights, 8.0 and 13.8 us on 8192 x 8192 against 15.0 for the
-whole loop (35.5 and 43.7 against 48.3 on 28672 x 8192). The mma kernel's loop spends 3.5-3.9
-SASS instructions per weight (one or two weight tiles per warp), about 1.5 of them on the
-integer ALU pipe (two logic operations per pair of codes, shifts, the activations' byte
-permutes; the left shifts go to the FMA pipe as IMAD). Each lane reads its codes and
-activations 16 bytes at a time (`_load16`, where `mma_vec` finds them aligned): with 8-byte
-loads a warp's load touched every 32-byte sector it read twice, and at 16 rows the L1 was the
-busiest unit. 2-8 rows cost little more than two do (sweep_mma in the same file, the pick: 17.0,
-17.5 and 19.9 us at 2, 4 and 8 rows on 8192 x 8192), still more than the GEMV's one row. With a
+the bf16 weight): M = 1 (GEMV): 2.17x on 8192 x 8192 (15.4 us), 2.43x on 28672 x 8192 (2.2x
+against the same run's other bf16 timing), 1.81-1.92x on the Nano shapes and 131072 x 2688; M = 4
+(mma): 1.90x, 1.95x, 1.25x, 1.33x and 2.14x; M = 16: 1.43-1.84x on the three large shapes (mma,
+two activation tiles), 0.81x and 0.94x on the Nano shapes (wgmma); M = 64: 0.53-0.94x. The GEMV
+loop spends 4.5 SASS instructions per weight at one row (fma, fp16-to-fp32 conversion, 0.9 of
+code decoding, loads and addresses), and that arithmetic sets its time: `gemv_limits` runs the
+loop with its weight loads alone and with its arithmetic alone on cache-resident weights, 7.9
+and 13.8 us on 8192 x 8192 against 14.9 for the whole loop (35.9 and 43.7 against 48.8 on
+28672 x 8192). The mma kernel's loop spends 3.5-3.9 SASS instructions per weight (one or two
+weight tiles per warp), about 1.5 of them on the integer ALU pipe (two logic operations per pair
+of codes, shifts, the activations' byte permutes; the left shifts go to the FMA pipe as IMAD).
+Each lane reads its codes and activations 16 bytes at a time (`_load16`, where `mma_vec` finds
+them aligned): with 8-byte loads a warp's load touched every 32-byte sector it read twice, and at
+16 rows the L1 was the busiest unit. 2-8 rows cost little more than two do (sweep_mma in
+benchmarks/results/kernels-sweeps-mma-h200.json, the pick: 17.0, 17.5 and 19.9 us at 2, 4 and 8
+rows on 8192 x 8192), still more than the GEMV's one row. With a
 second activation tile (9-16 rows) it beats the wgmma kernel from 8192 x 8192 weights up but
 not on the Nano shapes (sweep_mma_wide; `MMA_WIDE`).
 The wgmma kernel spends ~6.5 instructions per weight in its main loop: the table dequantization, then
@@ -1404,8 +1405,13 @@ DECODE = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "progr
 
 
 # Launch shape for 17 to 64 rows, picked on an H200 by `sweep_mid` (scripts/bench_kernels.py
-# --sweep-mid: 8192x8192 and 3712x2688 at M = 64; benchmarks/results/kernels-sweeps-matrix-unit-h200.json).
-MID = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
+# --sweep-mid: the five bench shapes at M = 64, 12 launch shapes, the smallest summed time;
+# benchmarks/results/kernels-sweeps-mid-wide-h200.json): 409 us summed against 418 for 64 x 256
+# tiles (faster on 8192 x 8192, 38.6 against 44.0 us, slower on 131072 x 2688, 209.7 against 194.8).
+# No swept launch shape reaches bf16's time at 64 rows on any bench shape: the best per shape is
+# 0.97x (8192 x 8192), 0.84x (28672 x 8192), 0.49x and 0.70x (Nano), 0.99x (131072 x 2688), bf16 timed
+# in the same run.
+MID = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
 
 
 # The CUDA-core kernel (`_gemv_kernel`) for up to GEMV["max_m"] rows (0: never). Its launch
@@ -1444,14 +1450,14 @@ def _gemv_k_tile(k: int, cfg: dict) -> dict:
 # the split-K target, the L2 prefetch distance in K steps, the K groups of warps ("kwarps":
 # groups that share a program's K range, their sums added in the program) and the split-K
 # balance (`split_count`). Picked on an H200 by `sweep_mma` over the five bench shapes at 2, 4
-# and 8 rows (scripts/bench_kernels.py --sweep-mma; benchmarks/results/kernels-h200.json, whose
-# bench ran with the pick), with 16-byte loads (`mma_vec`): on average 1.041 times each
+# and 8 rows (scripts/bench_kernels.py --sweep-mma; benchmarks/results/kernels-sweeps-mma-h200.json,
+# whose bench ran with the pick), with 16-byte loads (`mma_vec`): on average 1.041 times each
 # problem's fastest swept launch shape, against 1.061 for the best with K groups (1 warp, 4
 # groups, target 2) and 1.065 for two tiles per warp, two warps and target 4 (the pick with
 # 8-byte loads). The balance (0.9, 16) changes none of the bench shapes at target 8 (28672 x 8192
-# splits in two by the target itself: 56.0 us at four rows). One row stays on the CUDA-core GEMV
-# (15.4 us on 8192 x 8192; the mma kernel took 16.2-18.1 at the launch shapes tried); 9-16 rows:
-# MMA_WIDE.
+# splits in two by the target itself: 56.0 us at four rows in that run). One row stays on the
+# CUDA-core GEMV (15.4 us on 8192 x 8192; the mma kernel took 16.2-18.1 at the launch shapes
+# tried); 9-16 rows: MMA_WIDE.
 MMA = {"min_m": 2, "max_m": 8, "rows": 1, "num_warps": 4, "programs_per_sm": 8, "prefetch": 2, "kwarps": 1,
        "balance": (0.9, 16)}
 
@@ -1459,10 +1465,13 @@ MMA = {"min_m": 2, "max_m": 8, "rows": 1, "num_warps": 4, "programs_per_sm": 8, 
 # The same kernel with two activation tiles, for 9 (or MMA["max_m"] + 1) to MMA_WIDE["max_m"] rows of
 # 16-bit activations on a GPU, where the weight has at least MMA_WIDE["min_weights"] elements
 # (N * K; None: never): its launch shape and that reach picked on an H200 by `sweep_mma_wide` /
-# `pick_mma_wide` (scripts/bench_kernels.py --sweep-mma-wide), against the wgmma kernel, which
-# keeps the smaller weights (the Nano shapes). The reach is summed over 12 and 16 rows per weight
-# size: 75.3 against 113.8 us at 16 rows on 28672 x 8192, 21.1 against 30.2 at 12 on 8192 x 8192;
-# 10.7 against 8.0 at 16 rows on 2688 x 3712 (sweep_mma_wide in benchmarks/results/kernels-h200.json).
+# `pick_mma_wide` (scripts/bench_kernels.py --sweep-mma-wide, 8 launch shapes on the five bench
+# shapes at 12 and 16 rows; sweep_mma_wide in benchmarks/results/kernels-sweeps-mid-wide-h200.json),
+# against the wgmma kernel, which keeps the smaller weights (the Nano shapes). The reach is summed
+# over 12 and 16 rows per weight size: 75.2 against 113.8 us at 16 rows on 28672 x 8192, 21.1
+# against 30.7 at 12 on 8192 x 8192; 10.5 against 8.1 at 16 rows on 2688 x 3712. K groups (1 warp,
+# split-K target 2, 4 groups) reach down to the Nano shapes (7.9-8.4 us there, wgmma 7.7-8.6) but
+# take 118-123 us on 131072 x 2688 against 89-93: routed, they are farther from each problem's best.
 MMA_WIDE = {"max_m": 16, "min_weights": 8192 * 8192, "rows": 2, "num_warps": 1, "programs_per_sm": 8, "prefetch": 2,
             "kwarps": 1}
 
@@ -1706,10 +1715,10 @@ def sweep(shapes=((8192, 8192), (3712, 2688)), ms=(1, 16),
     return out
 
 
-def sweep_mid(shapes=((8192, 8192), (3712, 2688)), ms=(64,)):
-    """`sweep` of the 17-64-row launch shapes (BLOCK_M = 64)."""
-    return sweep(shapes, ms, tiles=((64, 128), (64, 256)), warps=(4,), stages=(3,), programs_per_sm=(2,),
-                 block_m=64, maxnreg=(None, 128))
+def sweep_mid(shapes=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688)), ms=(64,)):
+    """`sweep` of the 17-64-row launch shapes (BLOCK_M = 64) on the five bench shapes."""
+    return sweep(shapes, ms, tiles=((64, 128), (64, 256), (128, 128)), warps=(4, 8), stages=(3,),
+                 programs_per_sm=(2, 4), block_m=64)
 
 
 def pick_decode(rows) -> dict:
@@ -1834,10 +1843,12 @@ def _mma_launch_rows(n, k, m, wq, x, ref, launch, **tag) -> list:
 
 
 def sweep_mma_wide(shapes=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688)), ms=(12, 16),
-                   launch=((1, 8, 2, 2), (2, 4, 2, 2), (1, 8, 1, 2), (2, 8, 2, 2))):
+                   launch=((1, 8, 2, 2), (2, 4, 2, 2), (1, 8, 1, 2), (2, 8, 2, 2), (1, 1, 2, 2, 4), (1, 2, 2, 2, 4),
+                           (1, 2, 1, 2, 4), (1, 2, 1, 2, 8))):
     """CUDA-graph times of `_mma_kernel`'s launch shapes with two activation tiles (warps, split-K
-    target, weight-row tiles per warp, prefetch distance) and of the wgmma kernel's launch shape at
-    the same M, side by side; each checked against an fp32 reference first."""
+    target, weight-row tiles per warp, prefetch distance[, K groups of warps]) and of the wgmma
+    kernel's launch shape at the same M, side by side; each checked against an fp32 reference
+    first."""
     out = []
     saved = MMA_WIDE["min_weights"]
     try:
@@ -1854,28 +1865,45 @@ def sweep_mma_wide(shapes=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 371
 
 
 def pick_mma_wide(rows) -> dict:
-    """MMA_WIDE from `sweep_mma_wide`'s rows: the launch shape `pick_mma` takes from its mma rows,
-    and min_weights, the smallest swept N * K from which that launch shape beats the wgmma kernel in
-    time summed over the swept M, on every swept size at least as large (shapes of one size
-    summed together; None if it does not on the largest)."""
+    """MMA_WIDE from `sweep_mma_wide`'s rows. Each swept launch shape gets its reach, min_weights:
+    the smallest swept N * K from which it beats the wgmma kernel in time summed over the swept
+    M, on every swept size at least as large (shapes of one size summed together; None if it
+    does not on the largest). The launch shape taken is the one whose routing (it from its reach
+    up, the wgmma kernel below) is nearest each problem's best swept time: the smallest sum over
+    the problems of the routed time over the problem's best, ties to `pick_mma`'s order. Routed
+    times, so that a launch shape is judged only where it would run; relative ones, so that the
+    largest weights do not outvote the others."""
     def ms(r):
         return r["ms"] if r["ms"] is not None else float("inf")
 
-    launch = pick_mma([r for r in rows if r["kernel"] == "mma"])
-    best = _mma_launch_key(launch)
-    mma, base = {}, {}
+    best, base, base_size = {}, {}, {}
     for r in rows:
-        size = r["N"] * r["K"]
+        p, size = (r["N"], r["K"], r["M"]), r["N"] * r["K"]
+        best[p] = min(best.get(p, float("inf")), ms(r))
         if r["kernel"] == "matrix-unit":
-            base[size] = base.get(size, 0.0) + ms(r)
-        elif _mma_launch_key(r) == best:
-            mma[size] = mma.get(size, 0.0) + ms(r)
-    min_weights = None
-    for size in sorted(mma, reverse=True):
-        if not mma[size] < base[size]:
-            break
-        min_weights = size
-    return {"min_weights": min_weights, **launch}
+            base[p] = ms(r)
+            base_size[size] = base_size.get(size, 0.0) + ms(r)
+    mma_rows = [r for r in rows if r["kernel"] == "mma"]
+    order = pick_mma(mma_rows)  # ties: the launch shape nearest the best over all problems
+    scores = {}
+    for key in dict.fromkeys(_mma_launch_key(r) for r in mma_rows):
+        times, size_sum = {}, {}
+        for r in mma_rows:
+            if _mma_launch_key(r) == key:
+                times[r["N"], r["K"], r["M"]] = ms(r)
+                size_sum[r["N"] * r["K"]] = size_sum.get(r["N"] * r["K"], 0.0) + ms(r)
+        reach = None
+        for size in sorted(size_sum, reverse=True):
+            if not size_sum[size] < base_size[size]:
+                break
+            reach = size
+        routed = sum((times[p] if reach is not None and p[0] * p[1] >= reach else base[p]) / best[p]
+                     for p in base if best[p] < float("inf"))  # a problem nothing ran on counts for none
+        scores[key] = (routed, key != _mma_launch_key(order), reach)
+    key = min(scores, key=lambda k: scores[k][:2])
+    nw, pps, rows_, pf, kw = key
+    return {"min_weights": scores[key][2], "num_warps": nw, "programs_per_sm": pps, "rows": rows_, "prefetch": pf,
+            "kwarps": kw}
 
 
 def _mma_launch_key(r: dict) -> tuple:
