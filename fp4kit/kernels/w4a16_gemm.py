@@ -1884,25 +1884,30 @@ def pick_mma_wide(rows) -> dict:
             base[p] = ms(r)
             base_size[size] = base_size.get(size, 0.0) + ms(r)
     mma_rows = [r for r in rows if r["kernel"] == "mma"]
-    order = pick_mma(mma_rows)  # ties: the launch shape nearest the best over all problems
-    scores = {}
-    for key in dict.fromkeys(_mma_launch_key(r) for r in mma_rows):
-        times, size_sum = {}, {}
-        for r in mma_rows:
-            if _mma_launch_key(r) == key:
-                times[r["N"], r["K"], r["M"]] = ms(r)
-                size_sum[r["N"] * r["K"]] = size_sum.get(r["N"] * r["K"], 0.0) + ms(r)
-        reach = None
-        for size in sorted(size_sum, reverse=True):
-            if not size_sum[size] < base_size[size]:
+    times, size_sums = {}, {}  # per launch shape: its time per problem, and summed per weight size
+    for r in mma_rows:
+        key, size = _mma_launch_key(r), r["N"] * r["K"]
+        times.setdefault(key, {})[r["N"], r["K"], r["M"]] = ms(r)
+        sums = size_sums.setdefault(key, {})
+        sums[size] = sums.get(size, 0.0) + ms(r)
+
+    def reach(key):
+        out = None
+        for size in sorted(size_sums[key], reverse=True):
+            if not size_sums[key][size] < base_size[size]:
                 break
-            reach = size
-        routed = sum((times[p] if reach is not None and p[0] * p[1] >= reach else base[p]) / best[p]
-                     for p in base if best[p] < float("inf"))  # a problem nothing ran on counts for none
-        scores[key] = (routed, key != _mma_launch_key(order), reach)
-    key = min(scores, key=lambda k: scores[k][:2])
+            out = size
+        return out
+
+    def routed(key):
+        start = reach(key)
+        return sum((times[key][p] if start is not None and p[0] * p[1] >= start else base[p]) / best[p]
+                   for p in base if best[p] < float("inf"))  # a problem nothing ran on counts for none
+
+    first = _mma_launch_key(pick_mma(mma_rows))  # ties: the launch shape nearest the best over all problems
+    key = min(times, key=lambda k: (routed(k), k != first))
     nw, pps, rows_, pf, kw = key
-    return {"min_weights": scores[key][2], "num_warps": nw, "programs_per_sm": pps, "rows": rows_, "prefetch": pf,
+    return {"min_weights": reach(key), "num_warps": nw, "programs_per_sm": pps, "rows": rows_, "prefetch": pf,
             "kwarps": kw}
 
 
