@@ -29,7 +29,8 @@ IN_SUBPROCESS_ONLY = (not HAS_CUDA and "triton" in sys.modules
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from fp4kit.formats import nvfp4  # noqa: E402
 from fp4kit.formats.errors import FormatError  # noqa: E402
@@ -141,6 +142,45 @@ def test_quantize_e2m1_ties(rule, dtype):
     w[:, ::16] = 6.0
     w = w * 2.0 ** torch.randint(-3, 3, (32, 1), generator=g).float()
     check_quantize(w.to(dtype), scale_rule=rule)
+
+
+@triton.jit
+def _bit_tricks_probe(q_ptr, x_ptr, idx_ptr, ref_ptr, sign_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    q = tl.load(q_ptr + offs, mask=ok, other=0.0)
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+    tl.store(idx_ptr + offs, kquant._e2m1_index_finite(q), mask=ok)
+    tl.store(ref_ptr + offs, kquant._e2m1_index(kquant._e2m1_round_finite(q)), mask=ok)
+    tl.store(sign_ptr + offs, kquant._sign8(x), mask=ok)
+
+
+def test_quantize_index_and_sign_bit_tricks():
+    # The quantize kernel's fast path takes a code's magnitude index straight from its rounding
+    # addition (`_e2m1_index_finite`) and its sign from x's bits (`_sign8`). Against the value
+    # route (`_e2m1_round_finite`, then `_e2m1_index`) and x < 0, in the kernels' own arithmetic:
+    # every fp32 within 64 ulps of each E2M1 value, midpoint and binade edge up to 16, every bf16
+    # value in [0, 16), 2^16 random quotients in [0, 10], and tiny negative quotients; the sign
+    # on every bf16 bit pattern, as fp32 (NaN left out), both zeros, the smallest subnormals.
+    points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0,
+                           10.0, 12.0, 16.0]).view(torch.int32)
+    near = (points[:, None] + torch.arange(-64, 65)[None, :]).reshape(-1)
+    near = near[(near >= 0) & (near <= torch.tensor([16.0]).view(torch.int32))].view(torch.float32)
+    bf = (torch.arange(0, 0x4180, dtype=torch.int32) << 16).view(torch.float32)
+    rnd = torch.rand(1 << 16, generator=torch.Generator().manual_seed(7)) * 10
+    tiny = -torch.tensor([1e-30, 1e-38, 1.4e-45, 0.0])
+    q = torch.cat([near, bf, rnd, tiny]).contiguous()
+    every = (torch.arange(0, 1 << 16, dtype=torch.int32) << 16).view(torch.float32)
+    x = torch.cat([every[~torch.isnan(every)], torch.tensor([0.0, -0.0, 1.4e-45, -1.4e-45])])
+    n = max(q.numel(), x.numel())
+    q = torch.cat([q, torch.zeros(n - q.numel())]).to(DEVICE)
+    x = torch.cat([x, torch.zeros(n - x.numel())]).to(DEVICE)
+    idx, ref, sign = (torch.empty(n, dtype=torch.int32, device=DEVICE) for _ in range(3))
+    _bit_tricks_probe[(triton.cdiv(n, 4096),)](q, x, idx, ref, sign, n, BLOCK=4096)
+    assert torch.equal(idx.cpu(), ref.cpu())
+    assert set(ref.cpu().tolist()) == set(range(8))  # every index reached
+    assert torch.equal(sign.cpu(), torch.where(x.cpu() < 0, 8, 0).to(torch.int32))
+    assert int(sign.cpu()[torch.signbit(x.cpu()) & (x.cpu() == 0)].sum()) == 0  # -0.0: no sign
 
 
 @pytest.mark.parametrize("rows", [24, 32])  # 96 or 128 blocks per member

@@ -36,6 +36,11 @@ Why the bytes are the reference's (read with `fp4kit/formats/nvfp4.py` beside th
 - E4M3 and E2M1 rounding are written here at bit level (`_e4m3_round`, `_e2m1_round`), not left
   to Triton's float8 cast, so the interpreter and every GPU give the same round-to-nearest-even,
   saturating at 448 (scales are clamped to [2^-9, 448] first, as the reference does).
+- Codes on the fast path: the plain rule takes each magnitude index straight from the E2M1
+  rounding's addition (`_e2m1_index_finite`, never forming the value), and both rules the sign
+  from x's bits (`_sign8`, -0.0 excluded as the reference's `x / step < 0` does). Both are checked
+  against the value route and x < 0 on every bf16 pattern and every fp32 near the E2M1 grid
+  (tests/test_kernels_interpret.py).
 Measured on an H200 (benchmarks/results/kernels-h200.json, Nano expert stacks, bf16, CUDA
 graphs): 1.52 TB/s plain and 1.03 TB/s 4/6 for the two launches; 1.79 and 1.12 TB/s for the one
 launch with a given global amax (the copy ceiling is 4.27 TB/s; the amax pass alone takes
@@ -43,8 +48,8 @@ launch with a given global amax (the copy ceiling is 4.27 TB/s; the amax pass al
 (bf16 in, codes and scales out: 2.5625 bytes per element): the max pass reads the 2 bytes once
 more, so even at the copy ceiling 4.5625 bytes per element move, 2.40 TB/s of counted bytes;
 only a known global amax (one launch) leaves room. The quantize kernel is bound by instruction
-issue: its fast path is about 35 (plain) and 54 (4/6) SASS instructions per element, and 0.78 ms
-for 638 M elements is ~40 issue slots per element on 132 SMs; 2.5 TB/s would need ~20 slots per
+issue: its fast path is about 26 (plain) and 49 (4/6) SASS instructions per element (sm_90, one
+thread's 16-element block from its loads to its stores); 2.5 TB/s would need ~20 issue slots per
 element including the amax pass, below what the exact per-candidate error sums alone take.
 Known limit shared with nothing real: an fp32 weight so small that its global scale underflows
 (max|w| < ~2e-42) makes the reference produce NaN block scales whose sign bit depends on the
@@ -124,6 +129,19 @@ def _e2m1_round_finite(q):
 
 
 @triton.jit
+def _e2m1_index_finite(q):
+    """Magnitude index 0..7 of `_e2m1_round_finite(q)` without forming the value: the rounding
+    addition t = RN(q + c), c = e * 2^22, lands in c's binade (q < 2e), so bits(t) - bits(c)
+    counts quanta of e / 2: 2v / e. The index is that plus 2 * log2(e) (0.5 -> 1, 1 -> 2, 2 -> 4,
+    4 -> 6, 6 -> 7), saturated at 7. bits(c) = bits(e) + (22 << 23), and 2 * log2(e) =
+    (bits(e) >> 22) - 254, so four integer operations replace `_e2m1_index`'s four and the
+    second fused multiply-add and the clamp of `_e2m1_round_finite`."""
+    eb = tl.maximum(q.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
+    t = tl.fma(eb.to(tl.float32, bitcast=True), 4194304.0, q).to(tl.int32, bitcast=True)
+    return tl.minimum(t - eb - 0x0B0000FE + (eb >> 22), 7)
+
+
+@triton.jit
 def _e2m1_index(v):
     """Magnitude index 0..7 of an E2M1 value v in {0, .5, 1, 1.5, 2, 3, 4, 6}, from its bits.
 
@@ -179,9 +197,15 @@ def _e2m1_of_quotient_fast(a, step, y):
     such a >= 2^-98. A quotient too small to matter may come out inexact but stays far below
     0.25, so its E2M1 value is 0 either way. The rounding needs no clamp: q <= 10 here.
     """
+    return _e2m1_round_finite(_quotient_fast(a, step, y))
+
+
+@triton.jit
+def _quotient_fast(a, step, y):
+    """RN(a / step) from y = RN(1 / step) (see `_e2m1_of_quotient_fast`)."""
     q0 = a * y
     r = tl.fma(-step, q0, a)
-    return _e2m1_round_finite(tl.fma(r, y, q0))
+    return tl.fma(r, y, q0)
 
 
 @triton.jit
@@ -217,10 +241,20 @@ def _sq_error(v, step, a, imp, HAS_IMP: tl.constexpr):
 
 
 @triton.jit
-def _codes(neg, v, BLOCKS: tl.constexpr):
-    """Packed bytes [BLOCKS, 4] of 8 elements: sign from `neg` (the reference's `x / step < 0`:
-    a negative x whose quotient is -0.0 gets code 0), magnitude index from the E2M1 value."""
-    code = _e2m1_index(v) | tl.where(neg, 8, 0)
+def _sign8(x):
+    """8 where x < 0, else 0 (-0.0 gives 0), from x's bits: x & (x - 1) keeps the sign bit of a
+    negative x but clears it for -0.0 (0x80000000 & 0x7FFFFFFF), and +0.0 stays 0. Integer
+    operations: no comparison whose predicate would live until the codes are packed."""
+    xb = x.to(tl.int32, bitcast=True)
+    return ((xb & (xb - 1)) >> 28) & 8
+
+
+@triton.jit
+def _codes(sign8, idx, BLOCKS: tl.constexpr):
+    """Packed bytes [BLOCKS, 4] of 8 elements: sign bits `sign8` (8 or 0: the reference's
+    `x / step < 0`, so a negative x whose quotient is -0.0 gets code 0), magnitude index `idx`
+    (0..7)."""
+    code = idx | sign8
     even, odd = tl.split(tl.reshape(code, (BLOCKS, 4, 2)))
     return (even | (odd << 4)).to(tl.uint8)
 
@@ -272,14 +306,14 @@ def _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo,
                             _sq_error(v4_hi, step4, a_hi, imp_hi, HAS_IMP), BLOCKS)
         choose4 = (err4 < err6) & live  # strict: a tie keeps 6
         scale = tl.where(choose4, scale4, scale6)
-        v_lo = tl.where(choose4, v4_lo, v6_lo)
-        v_hi = tl.where(choose4, v4_hi, v6_hi)
+        i_lo = _e2m1_index(tl.where(choose4, v4_lo, v6_lo))
+        i_hi = _e2m1_index(tl.where(choose4, v4_hi, v6_hi))
         if FAST:  # every quotient of a nonzero |x| is > 0 here (`_fast_range`)
-            neg_lo = x_lo < 0.0
-            neg_hi = x_hi < 0.0
+            sgn_lo = _sign8(x_lo)
+            sgn_hi = _sign8(x_hi)
         else:
-            neg_lo = (x_lo < 0.0) & tl.where(choose4, p4_lo, p6_lo)
-            neg_hi = (x_hi < 0.0) & tl.where(choose4, p4_hi, p6_hi)
+            sgn_lo = tl.where((x_lo < 0.0) & tl.where(choose4, p4_lo, p6_lo), 8, 0)
+            sgn_hi = tl.where((x_hi < 0.0) & tl.where(choose4, p4_hi, p6_hi), 8, 0)
     else:
         gs = _div_const(g, 2688.0, r2688, RECIP)  # g / (6 * 448)
         s = _div_by(block_amax, 6.0 * gs, y_den, MARKSTEIN)  # 6 * gs rounded first
@@ -288,21 +322,23 @@ def _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo,
         step = scale * gs
         if FAST:
             y = tl.math.div_rn(1.0, step)
-            v_lo = _e2m1_of_quotient_fast(a_lo, step, y)
-            v_hi = _e2m1_of_quotient_fast(a_hi, step, y)
-            neg_lo = x_lo < 0.0
-            neg_hi = x_hi < 0.0
+            i_lo = _e2m1_index_finite(_quotient_fast(a_lo, step, y))
+            i_hi = _e2m1_index_finite(_quotient_fast(a_hi, step, y))
+            sgn_lo = _sign8(x_lo)
+            sgn_hi = _sign8(x_hi)
         else:
             v_lo, pos_lo = _e2m1_of_quotient(a_lo, step)
             v_hi, pos_hi = _e2m1_of_quotient(a_hi, step)
-            neg_lo = (x_lo < 0.0) & pos_lo
-            neg_hi = (x_hi < 0.0) & pos_hi
+            i_lo = _e2m1_index(v_lo)
+            i_hi = _e2m1_index(v_hi)
+            sgn_lo = tl.where((x_lo < 0.0) & pos_lo, 8, 0)
+            sgn_hi = tl.where((x_hi < 0.0) & pos_hi, 8, 0)
         choose4 = (block_amax < 0.0) & live  # all False, one per block
     # All-zero member: scales 1.0 and global scale 1.0; its elements are 0, so the codes are 0
     # whichever step they were divided by.
     scale = tl.where(zero, 1.0, scale)
-    code_lo = _codes(neg_lo, v_lo, BLOCKS)
-    code_hi = _codes(neg_hi, v_hi, BLOCKS)
+    code_lo = _codes(sgn_lo, i_lo, BLOCKS)
+    code_hi = _codes(sgn_hi, i_hi, BLOCKS)
     return code_lo, code_hi, _e4m3_code(scale).to(tl.uint8), choose4, tl.where(zero, 1.0, gs + 0.0 * block_amax)
 
 
