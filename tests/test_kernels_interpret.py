@@ -183,6 +183,31 @@ def test_quantize_index_and_sign_bit_tricks():
     assert int(sign.cpu()[torch.signbit(x.cpu()) & (x.cpu() == 0)].sum()) == 0  # -0.0: no sign
 
 
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def packed_codes(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Reference for `codes_probe`: code i = min(idx_i, 7) | 8 if x_i < 0, in bits 4i..4i+3."""
+    code = idx.clamp(max=7).long() | torch.where(x < 0, 8, 0)
+    word = (code << (4 * torch.arange(8))).sum(dim=1)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def test_quantize_code_packing():
+    # The fast path packs 8 codes at once (`_codes`): the sign bits from x (-0.0 none), indices
+    # 0..8 saturated to 7 in the packed word, or indices read off the E2M1 values (4/6).
+    g = torch.Generator().manual_seed(11)
+    pool = torch.tensor([0.0, -0.0, 1.4e-45, -1.4e-45, -1e-30, 2.5, -2.5, -448.0, 3e38, -3e38, 1.0, -1.0])
+    x = pool[torch.randint(0, len(pool), (4096, 8), generator=g)]
+    idx = torch.randint(0, 9, (4096, 8), generator=g, dtype=torch.int32)
+    assert torch.equal(kquant.codes_probe(x.to(DEVICE), idx.to(DEVICE)).cpu(), packed_codes(x, idx))
+    vi = torch.randint(0, 8, (4096, 8), generator=g)
+    got = kquant.codes_probe(x.to(DEVICE), E2M1_VALUES[vi].to(DEVICE)).cpu()
+    assert torch.equal(got, packed_codes(x, vi.to(torch.int32)))
+    with pytest.raises(ValueError, match="codes_probe takes fp32 x and idx"):
+        kquant.codes_probe(x[:, :4].to(DEVICE), idx[:, :4].to(DEVICE))
+
+
 @pytest.mark.parametrize("rows", [24, 32])  # 96 or 128 blocks per member
 def test_quantize_4o6_importance_and_global_amax(rows):
     w = _rand(2, rows, 64, seed=3)

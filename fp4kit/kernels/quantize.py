@@ -36,21 +36,31 @@ Why the bytes are the reference's (read with `fp4kit/formats/nvfp4.py` beside th
 - E4M3 and E2M1 rounding are written here at bit level (`_e4m3_round`, `_e2m1_round`), not left
   to Triton's float8 cast, so the interpreter and every GPU give the same round-to-nearest-even,
   saturating at 448 (scales are clamped to [2^-9, 448] first, as the reference does).
-- Codes on the fast path: the plain rule takes each magnitude index straight from the E2M1
-  rounding's addition (`_e2m1_index_finite`, never forming the value), and both rules the sign
-  from x's bits (`_sign8`, -0.0 excluded as the reference's `x / step < 0` does). Both are checked
-  against the value route and x < 0 on every bf16 pattern and every fp32 near the E2M1 grid
-  (tests/test_kernels_interpret.py).
+- Codes on the fast path, packed 8 at a time into one little-endian word (`_codes`): the plain
+  rule takes each magnitude index straight from the E2M1 rounding's addition
+  (`_e2m1_index_finite`, never forming the value; an index of 8, a quotient of 7 or more, is
+  saturated to 7 in the packed word, 8 nibbles at once), 4/6 reads it off bits 21-24 of the
+  chosen value + 2 (`_index_word`), and both rules take the sign bits from x (`_sign_word`:
+  x + 0 turns -0.0 into +0.0, as the reference's `x / step < 0` requires, then byte permutes
+  gather the sign bits of 8 elements). Checked against the value route, x < 0 and a plain packing
+  on every bf16 pattern and every fp32 near the E2M1 grid (tests/test_kernels_interpret.py,
+  `codes_probe`; the inline PTX against the per-element route in tests/gpu/). 4/6's candidate 4
+  needs no saturation: its scale rounds down by at most 1.5 (E4M3 subnormals) from amax / 4, so
+  its quotients stay below 7 and round to 6 at most.
 Measured on an H200 (benchmarks/results/kernels-h200.json, Nano expert stacks, bf16, CUDA
-graphs): 1.52 TB/s plain and 1.03 TB/s 4/6 for the two launches; 1.79 and 1.12 TB/s for the one
+graphs): 1.85 TB/s plain and 1.21 TB/s 4/6 for the two launches; 2.29 and 1.35 TB/s for the one
 launch with a given global amax (the copy ceiling is 4.27 TB/s; the amax pass alone takes
-0.29 ms of the plain rule's 1.08). Two passes cannot reach 2.5 TB/s as the bench counts it
+0.30 ms of the plain rule's 0.89). Two passes cannot reach 2.5 TB/s as the bench counts it
 (bf16 in, codes and scales out: 2.5625 bytes per element): the max pass reads the 2 bytes once
 more, so even at the copy ceiling 4.5625 bytes per element move, 2.40 TB/s of counted bytes;
-only a known global amax (one launch) leaves room. The quantize kernel is bound by instruction
-issue: its fast path is about 26 (plain) and 49 (4/6) SASS instructions per element (sm_90, one
-thread's 16-element block from its loads to its stores); 2.5 TB/s would need ~20 issue slots per
-element including the amax pass, below what the exact per-candidate error sums alone take.
+only a known global amax (one launch) leaves room. The quantize launch itself is bound by
+instruction issue and the integer ALU pipe (Nsight Compute, scripts/profile_kernels.py:
+benchmarks/results/kernels-pipes-h200.json): plain 22.4 instructions per element with issue
+75% and the ALU pipe 72% busy, 4/6 43.1 with issue 78% busy. The SASS fast path (sm_90, one
+thread's 16-element block from its loads to its stores) is 23 (plain) and 44 (4/6)
+instructions per element: 4/6 spends 21 more, about 17 of them on the second candidate's
+quotient and rounding and the two candidates' squared errors and sums, which the reference's
+step-by-step rounding fixes; at most 1.3 times plain would leave room for 7.
 Known limit shared with nothing real: an fp32 weight so small that its global scale underflows
 (max|w| < ~2e-42) makes the reference produce NaN block scales whose sign bit depends on the
 platform's default NaN; this kernel writes 0x7F there.
@@ -75,7 +85,7 @@ from fp4kit.formats.constants import (
 from fp4kit.formats.arith import DEFAULT_ARITH, check_mode, fp32_reciprocal
 from fp4kit.formats.errors import FormatError, check_finite, check_float_tensor
 
-from .backend import cdiv, check_backend, launch_options
+from .backend import cdiv, check_backend, interpreted, launch_options
 
 _WHAT = "kernels.quantize"
 
@@ -114,9 +124,10 @@ def _e2m1_round(q):
 
 
 @triton.jit
-def _e2m1_round_finite(q):
+def _e2m1_round_finite(q, SAT: tl.constexpr = True):
     """`_e2m1_round` of a finite q < 2^100, no clamp needed: everything above 5 ends at 6, and a
-    tiny negative q (which the reciprocal quotient can give for |x| = 0) rounds to 0.
+    tiny negative q (which the reciprocal quotient can give for |x| = 0) rounds to 0. SAT=False
+    leaves out the saturation at 6, for quotients known to stay below 7 (they round to 6 at most).
 
     Add and subtract c = 2^(e + 22), e = max(exponent of q, 0): the fp32 spacing at c is the
     E2M1 quantum of q's binade (0.5 below 2, then 1, then 2), so the addition is the rounding.
@@ -125,20 +136,26 @@ def _e2m1_round_finite(q):
     """
     e = tl.maximum(q.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000).to(tl.float32, bitcast=True)
     v = tl.fma(e, -4194304.0, tl.fma(e, 4194304.0, q))
-    return tl.minimum(v, 6.0)
+    if SAT:
+        v = tl.minimum(v, 6.0)
+    return v
 
 
 @triton.jit
-def _e2m1_index_finite(q):
+def _e2m1_index_finite(q, SAT: tl.constexpr = True):
     """Magnitude index 0..7 of `_e2m1_round_finite(q)` without forming the value: the rounding
     addition t = RN(q + c), c = e * 2^22, lands in c's binade (q < 2e), so bits(t) - bits(c)
     counts quanta of e / 2: 2v / e. The index is that plus 2 * log2(e) (0.5 -> 1, 1 -> 2, 2 -> 4,
     4 -> 6, 6 -> 7), saturated at 7. bits(c) = bits(e) + (22 << 23), and 2 * log2(e) =
     (bits(e) >> 22) - 254, so four integer operations replace `_e2m1_index`'s four and the
-    second fused multiply-add and the clamp of `_e2m1_round_finite`."""
+    second fused multiply-add and the clamp of `_e2m1_round_finite`. SAT=False: 8 (a quotient
+    of 7 or more) is left for `_codes` to saturate, eight at a time."""
     eb = tl.maximum(q.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
     t = tl.fma(eb.to(tl.float32, bitcast=True), 4194304.0, q).to(tl.int32, bitcast=True)
-    return tl.minimum(t - eb - 0x0B0000FE + (eb >> 22), 7)
+    idx = t - eb - 0x0B0000FE + (eb >> 22)
+    if SAT:
+        idx = tl.minimum(idx, 7)
+    return idx
 
 
 @triton.jit
@@ -186,7 +203,7 @@ def _e2m1_of_quotient(a, step):
 
 
 @triton.jit
-def _e2m1_of_quotient_fast(a, step, y):
+def _e2m1_of_quotient_fast(a, step, y, SAT: tl.constexpr = True):
     """E2M1 value of RN(a / step) from y = RN(1 / step), without a division per element.
 
     q0 = RN(a * y) is within an ulp of a / step; the residual a - step * q0 is then exact in one
@@ -196,8 +213,9 @@ def _e2m1_of_quotient_fast(a, step, y):
     midpoint (>= 0.25): `_fast_range` admits only steps in [2^-96, STEP_MAX), which keeps every
     such a >= 2^-98. A quotient too small to matter may come out inexact but stays far below
     0.25, so its E2M1 value is 0 either way. The rounding needs no clamp: q <= 10 here.
+    SAT: as `_e2m1_round_finite`.
     """
-    return _e2m1_round_finite(_quotient_fast(a, step, y))
+    return _e2m1_round_finite(_quotient_fast(a, step, y), SAT)
 
 
 @triton.jit
@@ -250,13 +268,124 @@ def _sign8(x):
 
 
 @triton.jit
-def _codes(sign8, idx, BLOCKS: tl.constexpr):
-    """Packed bytes [BLOCKS, 4] of 8 elements: sign bits `sign8` (8 or 0: the reference's
-    `x / step < 0`, so a negative x whose quotient is -0.0 gets code 0), magnitude index `idx`
-    (0..7)."""
-    code = idx | sign8
+def _code_word(code, BLOCKS: tl.constexpr):
+    """[BLOCKS, 8] 4-bit codes -> [BLOCKS, 1] int32, code i in bits 4i..4i+3: the 4 packed bytes
+    of 8 elements as one little-endian word."""
     even, odd = tl.split(tl.reshape(code, (BLOCKS, 4, 2)))
-    return (even | (odd << 4)).to(tl.uint8)
+    byte = even | (odd << 4)  # bytes 0-3
+    b02, b13 = tl.split(tl.reshape(byte, (BLOCKS, 2, 2)))
+    half = b02 | (b13 << 8)  # bytes 0-1, 2-3
+    lo, hi = tl.split(half)
+    return (lo | (hi << 16))[:, None]
+
+
+_SIGN_WORD_ASM = tl.constexpr("""
+{
+.reg .f32 z0, z1, z2, z3, z4, z5, z6, z7;
+.reg .b32 p, q, e, o;
+add.rn.f32 z0, $1, 0f00000000;
+add.rn.f32 z1, $2, 0f00000000;
+add.rn.f32 z2, $3, 0f00000000;
+add.rn.f32 z3, $4, 0f00000000;
+add.rn.f32 z4, $5, 0f00000000;
+add.rn.f32 z5, $6, 0f00000000;
+add.rn.f32 z6, $7, 0f00000000;
+add.rn.f32 z7, $8, 0f00000000;
+prmt.b32 p, z0, z2, 0x0073;
+prmt.b32 q, z4, z6, 0x7300;
+prmt.b32 e, p, q, 0x7610;
+prmt.b32 p, z1, z3, 0x0073;
+prmt.b32 q, z5, z7, 0x7300;
+prmt.b32 o, p, q, 0x7610;
+shr.b32 e, e, 4;
+and.b32 e, e, 0x08080808;
+and.b32 o, o, 0x80808080;
+or.b32 $0, e, o;
+}
+""")
+
+_SIGN_WORD_CONSTRAINTS = tl.constexpr("=r," + ",".join(["f"] * 8))
+
+
+@triton.jit
+def _eight(x, BLOCKS: tl.constexpr):
+    """[BLOCKS, 8] -> its 8 columns in order, [BLOCKS] each (a thread holds whole rows: free)."""
+    even, odd = tl.split(tl.reshape(x, (BLOCKS, 4, 2)))  # elements 0, 2, 4, 6 and 1, 3, 5, 7
+    e04, e26 = tl.split(tl.reshape(even, (BLOCKS, 2, 2)))
+    o15, o37 = tl.split(tl.reshape(odd, (BLOCKS, 2, 2)))
+    x0, x4 = tl.split(e04)
+    x2, x6 = tl.split(e26)
+    x1, x5 = tl.split(o15)
+    x3, x7 = tl.split(o37)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _nibble(b, i: tl.constexpr):
+    """Bits 21-24 of the int32 b moved to bits 4i..4i+3 (`_index_word`)."""
+    if 4 * i <= 21:
+        r = (b >> (21 - 4 * i)) & (15 << (4 * i))
+    elif i == 6:
+        r = (b << 3) & 0x0F000000
+    else:
+        r = (b << 7) & -0x10000000  # bits 28-31
+    return r
+
+
+@triton.jit
+def _index_word(v, BLOCKS: tl.constexpr):
+    """`_code_word` of the magnitude indices of 8 E2M1 values v ([BLOCKS, 8] fp32), read off
+    bits(v + 2): 2, 2.5, 3, 3.5 have mantissa bits 21-22 = 0..3 in the binade of 2, and 4, 5, 6
+    have 4..6 counting the binade's bit 23, so bits 21-24 are the index (0, .5, 1, 1.5 -> 0..3;
+    2, 3, 4 -> 4..6), except 6 -> 8, which `_codes` saturates to 7. One fp32 addition (the FMA
+    pipe) and a shift and a masked merge per element against `_e2m1_index`'s four integer
+    operations and the packing's."""
+    b = (v + 2.0).to(tl.int32, bitcast=True)
+    b0, b1, b2, b3, b4, b5, b6, b7 = _eight(b, BLOCKS)
+    w = _nibble(b0, 0) | _nibble(b1, 1) | _nibble(b2, 2) | _nibble(b3, 3)
+    w = w | _nibble(b4, 4) | _nibble(b5, 5) | _nibble(b6, 6) | _nibble(b7, 7)
+    return w[:, None]
+
+
+@triton.jit
+def _sign_word(x, ASM: tl.constexpr, BLOCKS: tl.constexpr):
+    """Sign bits of 8 elements ([BLOCKS, 8] fp32) where `_code_word` puts them: bit 4i + 3 set
+    where x_i < 0 (-0.0 excluded, as `_sign8`). ASM (CUDA): inline PTX, 8 elements at once: x + 0
+    turns -0.0 into +0.0 (one fp32 addition each, on the FMA pipe), three byte permutes gather the
+    top bytes of the even and three those of the odd elements, and a shift and masks put their
+    sign bits at bits 3 and 7 of each byte, about one integer instruction per element against
+    `_sign8`'s three; else `_sign8` per element, packed."""
+    if ASM:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _eight(x, BLOCKS)
+        s = tl.inline_asm_elementwise(_SIGN_WORD_ASM, _SIGN_WORD_CONSTRAINTS,
+                                      [x0, x1, x2, x3, x4, x5, x6, x7], dtype=tl.int32, is_pure=True, pack=1)
+        s = s[:, None]
+    else:
+        s = _code_word(_sign8(x), BLOCKS)
+    return s
+
+
+@triton.jit
+def _codes(x, idx, FROM_X: tl.constexpr, sign8, ASM: tl.constexpr, BLOCKS: tl.constexpr,
+           SAT: tl.constexpr = False, VALUES: tl.constexpr = False):
+    """Packed words [BLOCKS, 1] (`_code_word`) of 8 elements: magnitude index `idx` (0..7) and the
+    sign, the reference's `x / step < 0` (a negative x whose quotient is -0.0 gets code 0):
+    with FROM_X, x < 0 and x != -0.0 (`_sign_word`; every nonzero |x| has a quotient > 0 there),
+    else `sign8` (8 or 0 per element). SAT (FROM_X only): idx may be 8, which means 7
+    (`_e2m1_index_finite` unsaturated); the packed nibbles are saturated together, 8 - 1 where
+    a nibble's top bit is set (before the signs go in). VALUES (FROM_X only): idx holds the
+    E2M1 values themselves (`_index_word`; needs SAT)."""
+    if FROM_X:
+        if VALUES:
+            m = _index_word(idx, BLOCKS)
+        else:
+            m = _code_word(idx, BLOCKS)
+        if SAT:
+            m = m - ((m >> 3) & 0x11111111)
+        w = m | _sign_word(x, ASM, BLOCKS)
+    else:
+        w = _code_word(idx | sign8, BLOCKS)
+    return w
 
 
 @triton.jit
@@ -272,10 +401,11 @@ def _div_const(x, c: tl.constexpr, r, RECIP: tl.constexpr):
 @triton.jit
 def _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo, imp_hi, r6, r1536, r2688,
                RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr,
-               FAST: tl.constexpr, MARKSTEIN: tl.constexpr, BLOCKS: tl.constexpr):
+               FAST: tl.constexpr, MARKSTEIN: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr):
     """`_quantize_tile` for one arithmetic path: FAST (reciprocal quotients per element, valid
     under `_fast_range`) or not (an IEEE division per element); MARKSTEIN: the block-scale
-    quotient by the member's divisor from its reciprocal y_den (a uniform g under FAST)."""
+    quotient by the member's divisor from its reciprocal y_den (a uniform g under FAST); ASM:
+    inline PTX where it saves instructions (CUDA; `_sign_word`)."""
     if RULE_4O6:
         gs = _div_const(g, 1536.0, r1536, RECIP)  # g / (6 * 256)
         g6 = _div_const(g, 6.0, r6, RECIP)
@@ -293,8 +423,10 @@ def _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo,
             y4 = tl.math.div_rn(1.0, step4)
             v6_lo = _e2m1_of_quotient_fast(a_lo, step6, y6)
             v6_hi = _e2m1_of_quotient_fast(a_hi, step6, y6)
-            v4_lo = _e2m1_of_quotient_fast(a_lo, step4, y4)
-            v4_hi = _e2m1_of_quotient_fast(a_hi, step4, y4)
+            # Candidate 4's quotients stay below 7 (scale4 rounds down at most by 1.5, on E4M3
+            # subnormals, from amax / 4), so they round to 6 at most without the saturation.
+            v4_lo = _e2m1_of_quotient_fast(a_lo, step4, y4, SAT=False)
+            v4_hi = _e2m1_of_quotient_fast(a_hi, step4, y4, SAT=False)
         else:
             v6_lo, p6_lo = _e2m1_of_quotient(a_lo, step6)
             v6_hi, p6_hi = _e2m1_of_quotient(a_hi, step6)
@@ -306,12 +438,14 @@ def _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo,
                             _sq_error(v4_hi, step4, a_hi, imp_hi, HAS_IMP), BLOCKS)
         choose4 = (err4 < err6) & live  # strict: a tie keeps 6
         scale = tl.where(choose4, scale4, scale6)
-        i_lo = _e2m1_index(tl.where(choose4, v4_lo, v6_lo))
-        i_hi = _e2m1_index(tl.where(choose4, v4_hi, v6_hi))
-        if FAST:  # every quotient of a nonzero |x| is > 0 here (`_fast_range`)
-            sgn_lo = _sign8(x_lo)
-            sgn_hi = _sign8(x_hi)
+        if FAST:  # every quotient of a nonzero |x| is > 0 here (`_fast_range`): sign from x
+            i_lo = tl.where(choose4, v4_lo, v6_lo)  # the values: `_index_word` reads them
+            i_hi = tl.where(choose4, v4_hi, v6_hi)
+            sgn_lo = 0
+            sgn_hi = 0
         else:
+            i_lo = _e2m1_index(tl.where(choose4, v4_lo, v6_lo))
+            i_hi = _e2m1_index(tl.where(choose4, v4_hi, v6_hi))
             sgn_lo = tl.where((x_lo < 0.0) & tl.where(choose4, p4_lo, p6_lo), 8, 0)
             sgn_hi = tl.where((x_hi < 0.0) & tl.where(choose4, p4_hi, p6_hi), 8, 0)
     else:
@@ -322,10 +456,10 @@ def _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo,
         step = scale * gs
         if FAST:
             y = tl.math.div_rn(1.0, step)
-            i_lo = _e2m1_index_finite(_quotient_fast(a_lo, step, y))
-            i_hi = _e2m1_index_finite(_quotient_fast(a_hi, step, y))
-            sgn_lo = _sign8(x_lo)
-            sgn_hi = _sign8(x_hi)
+            i_lo = _e2m1_index_finite(_quotient_fast(a_lo, step, y), SAT=False)  # `_codes` saturates
+            i_hi = _e2m1_index_finite(_quotient_fast(a_hi, step, y), SAT=False)
+            sgn_lo = 0  # from x (`_codes`)
+            sgn_hi = 0
         else:
             v_lo, pos_lo = _e2m1_of_quotient(a_lo, step)
             v_hi, pos_hi = _e2m1_of_quotient(a_hi, step)
@@ -337,20 +471,21 @@ def _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo,
     # All-zero member: scales 1.0 and global scale 1.0; its elements are 0, so the codes are 0
     # whichever step they were divided by.
     scale = tl.where(zero, 1.0, scale)
-    code_lo = _codes(sgn_lo, i_lo, BLOCKS)
-    code_hi = _codes(sgn_hi, i_hi, BLOCKS)
+    code_lo = _codes(x_lo, i_lo, FAST, sgn_lo, ASM, BLOCKS, SAT=FAST, VALUES=FAST and RULE_4O6)
+    code_hi = _codes(x_hi, i_hi, FAST, sgn_hi, ASM, BLOCKS, SAT=FAST, VALUES=FAST and RULE_4O6)
     return code_lo, code_hi, _e4m3_code(scale).to(tl.uint8), choose4, tl.where(zero, 1.0, gs + 0.0 * block_amax)
 
 
 @triton.jit
 def _quantize_tile(x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688,
                    RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr,
-                   UNIFORM: tl.constexpr, STEP_MAX: tl.constexpr, BLOCKS: tl.constexpr):
+                   UNIFORM: tl.constexpr, STEP_MAX: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr):
     """Quantizes BLOCKS 16-element blocks, held as two rows of 8 (elements 0-7 in x_lo, 8-15 in
     x_hi; fp32), g the global amax of the blocks' member: a scalar if UNIFORM (all blocks of the
     tile in one member), else one per block ([BLOCKS, 1]).
 
-    Returns packed bytes (lo, hi: [BLOCKS, 4] each), E4M3 scale bytes, the 4/6 choice and the
+    Returns the packed codes (lo, hi: elements 0-7 and 8-15 as one int32 word each, [BLOCKS, 1];
+    `_code_word`), E4M3 scale bytes, the 4/6 choice and the
     global scale ([BLOCKS, 1] each, the last one a scalar if UNIFORM). A thread owns whole
     blocks, so block maxima, error sums and packing never cross threads, and the first level
     of the error tree (i, i+8) is one add. Which arithmetic path runs is decided once per tile
@@ -373,17 +508,17 @@ def _quantize_tile(x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688,
         if _fast_range(gs_check, gs_check, STEP_MAX):
             y_den = tl.math.div_rn(1.0, den)
             out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo, imp_hi,
-                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True, True, BLOCKS)
+                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True, True, ASM, BLOCKS)
         else:
             out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, den, zero, live, imp_lo, imp_hi,
-                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, False, False, BLOCKS)
+                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, False, False, ASM, BLOCKS)
     else:
         if _fast_range(tl.min(gs_check), tl.max(gs_check), STEP_MAX):
             out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, den, zero, live, imp_lo, imp_hi,
-                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True, False, BLOCKS)
+                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True, False, ASM, BLOCKS)
         else:
             out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, den, zero, live, imp_lo, imp_hi,
-                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, False, False, BLOCKS)
+                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, False, False, ASM, BLOCKS)
     return out
 
 
@@ -422,9 +557,9 @@ def _nan_max(x_lo, x_hi):
 @triton.jit
 def _store_tile(packed_ptr, scale_ptr, choice_ptr, blk, ok, code_lo, code_hi, scale_code, choose4,
                 WRITE_CHOICE: tl.constexpr):
-    out = packed_ptr + blk * 8 + tl.arange(0, 4)[None, :]
+    out = packed_ptr.to(tl.pointer_type(tl.int32)) + blk * 2  # a block's 8 bytes as two words
     tl.store(out, code_lo, mask=ok)
-    tl.store(out + 4, code_hi, mask=ok)
+    tl.store(out + 1, code_hi, mask=ok)
     tl.store(scale_ptr + blk, scale_code, mask=ok)
     if WRITE_CHOICE:
         tl.store(choice_ptr + blk, choose4.to(tl.uint8), mask=ok)
@@ -448,7 +583,7 @@ def _quantize_kernel(
     n_blocks, blocks_per_member, blocks_per_row, imp_stride, r6, r1536, r2688,
     RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr, WRITE_CHOICE: tl.constexpr,
     OWN_MAX: tl.constexpr, MEMBERS: tl.constexpr, OFFSET_DTYPE: tl.constexpr,
-    STEP_MAX: tl.constexpr, BLOCKS: tl.constexpr,
+    STEP_MAX: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr,
 ):
     """Quantizes BLOCKS consecutive 16-element blocks of the flattened weight, with the global
     amax of each member read from g_ptr.
@@ -478,7 +613,7 @@ def _quantize_kernel(
     imp_lo, imp_hi = _load_importance(imp_ptr, member, blk, ok, blocks_per_row, imp_stride, HAS_IMP)
     code_lo, code_hi, scale_code, choose4, gs = _quantize_tile(
         x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, uniform,
-        STEP_MAX, BLOCKS)
+        STEP_MAX, ASM, BLOCKS)
     _store_tile(packed_ptr, scale_ptr, choice_ptr, blk, ok, code_lo, code_hi, scale_code, choose4,
                 WRITE_CHOICE)
     if MEMBERS == 2:
@@ -580,7 +715,7 @@ def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = 
     offset_dtype = tl.int32 if w.numel() < 2**31 - 2**20 else tl.int64
     consts = dict(RECIP=arith == "cuda", RULE_4O6=scale_rule == "4o6", HAS_IMP=importance is not None,
                   WRITE_CHOICE=return_choice, OFFSET_DTYPE=offset_dtype,
-                  STEP_MAX=_STEP_MAX[w.dtype], BLOCKS=TUNING["blocks"])
+                  STEP_MAX=_STEP_MAX[w.dtype], ASM=not interpreted(_quantize_kernel), BLOCKS=TUNING["blocks"])
     recips = (fp32_reciprocal(6.0), fp32_reciprocal(1536.0), fp32_reciprocal(2688.0))
     opts = dict(num_warps=TUNING["num_warps"], **launch_options())
     if global_amax is None:
@@ -655,6 +790,34 @@ assert (BLOCK_SCALE_MIN, BLOCK_SCALE_MAX, E4M3_MIN_NORMAL) == (2.0**-9, 448.0, 2
 # --------------------------------------------------------------------------------------------
 # Benchmark entry (scripts/bench_kernels.py collects these)
 # --------------------------------------------------------------------------------------------
+@triton.jit
+def _codes_probe_kernel(x_ptr, idx_ptr, out_ptr, n, VALUES: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+    ok = rows < n
+    at = rows * 8 + tl.arange(0, 8)[None, :]
+    x = tl.load(x_ptr + at, mask=ok, other=0.0)
+    idx = tl.load(idx_ptr + at, mask=ok, other=0)
+    tl.store(out_ptr + rows, _codes(x, idx, True, 0, ASM, BLOCKS, SAT=True, VALUES=VALUES), mask=ok)
+
+
+def codes_probe(x: torch.Tensor, idx: torch.Tensor, asm: bool | None = None) -> torch.Tensor:
+    """The fast path's code packing (`_codes`: `_sign_word`, saturation, `_index_word`) on its
+    own, as the kernel compiles it for x's device: x fp32 [n, 8] (the elements), idx [n, 8]
+    int32 magnitude indices 0..8 (8 meaning 7) or fp32 E2M1 values (`_index_word`). Returns the
+    n packed words (int32; element i's code in bits 4i..4i+3). asm: the inline-PTX sign word
+    (None: wherever the kernel uses it, i.e. on CUDA; False: the per-element route)."""
+    n = x.shape[0]
+    if x.shape != (n, 8) or idx.shape != (n, 8) or x.dtype != torch.float32:
+        raise ValueError(f"{_WHAT}: codes_probe takes fp32 x and idx of shape [n, 8], got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(idx.shape)}")
+    if asm is None:
+        asm = not interpreted(_codes_probe_kernel)
+    out = torch.empty(n, dtype=torch.int32, device=x.device)
+    _codes_probe_kernel[(cdiv(n, 128),)](x.contiguous(), idx.contiguous(), out, n, VALUES=idx.is_floating_point(),
+                                         ASM=asm, BLOCKS=128, num_warps=4, **launch_options())
+    return out
+
+
 def bench(shapes=((128, 1856, 2688), (128, 2688, 1856), (8192, 8192)), dtype=torch.bfloat16):
     """Median times and achieved bandwidth (weight bytes in + packed bytes out) per shape and
     rule: the whole `quantize` call (eager, with its checks), its two launches alone (`launch`,

@@ -47,15 +47,17 @@ programs evenly over the multiprocessors (`split_count`). Above LARGE_M rows the
 dequantized once by the same helper and multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1 (GEMV): 2.17x on 8192 x 8192 (15.4 us), 2.43x on 28672 x 8192 (2.2x
-against the same run's other bf16 timing), 1.81-1.92x on the Nano shapes and 131072 x 2688; M = 4
-(mma): 1.90x, 1.95x, 1.25x, 1.33x and 2.14x; M = 16: 1.43-1.84x on the three large shapes (mma,
-two activation tiles), 0.81x and 0.94x on the Nano shapes (wgmma); M = 64: 0.53-0.94x. The GEMV
+the bf16 weight): M = 1 (GEMV): 2.16x on 8192 x 8192 (15.4 us), 2.21x on 28672 x 8192 (bf16
+110.3 us there; 108.5-121.0 across runs), 1.84-1.96x on the Nano shapes and 131072 x 2688; M = 4
+(mma): 1.89x, 2.13x, 1.23x, 1.31x and 2.13x; M = 16: 1.45-1.82x on the three large shapes (mma,
+two activation tiles), 0.79x and 0.94x on the Nano shapes (wgmma); M = 64: 0.52-0.94x. The GEMV
 loop spends 4.5 SASS instructions per weight at one row (fma, fp16-to-fp32 conversion, 0.9 of
 code decoding, loads and addresses), and that arithmetic sets its time: `gemv_limits` runs the
 loop with its weight loads alone and with its arithmetic alone on cache-resident weights, 7.9
-and 13.8 us on 8192 x 8192 against 14.9 for the whole loop (35.9 and 43.7 against 48.8 on
-28672 x 8192). The mma kernel's loop spends 3.5-3.9 SASS instructions per weight (one or two
+and 13.7 us on 8192 x 8192 against 14.8 for the whole loop (35.7 and 43.7 against 49.0 on
+28672 x 8192); under Nsight Compute (scripts/profile_kernels.py, kernels-pipes-h200.json) its
+issue is 69% busy and the integer ALU pipe, which takes about 44% of its instructions at half
+the issue rate, 61%. The mma kernel's loop spends 3.5-3.9 SASS instructions per weight (one or two
 weight tiles per warp), about 1.5 of them on the integer ALU pipe (two logic operations per pair
 of codes, shifts, the activations' byte permutes; the left shifts go to the FMA pipe as IMAD).
 Each lane reads its codes and activations 16 bytes at a time (`_load16`, where `mma_vec` finds

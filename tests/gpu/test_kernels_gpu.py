@@ -155,6 +155,20 @@ def test_quantize_given_amax_one_launch_equals_own(rule):
     assert _same(one[0], ref) and torch.equal(one[1].cpu(), ref_choice)
 
 
+def test_quantize_sign_word_asm_on_every_bf16_pattern():
+    # The fast path's inline-PTX sign word (`_sign_word`) against the per-element route
+    # (`_sign8`, checked against x < 0 in tests/test_kernels_interpret.py): every bf16 bit
+    # pattern but NaN, both zeros included, with indices 0..8 and with E2M1 values.
+    every = (torch.arange(0, 1 << 16, dtype=torch.int32, device=DEV) << 16).view(torch.float32)
+    x = every[~torch.isnan(every)]
+    x = torch.cat([x, x.flip(0)])[: (2 * x.numel()) // 8 * 8].reshape(-1, 8)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    idx = torch.randint(0, 9, x.shape, generator=g, device=DEV, dtype=torch.int32)
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=DEV)[idx.clamp(max=7)]
+    for i in (idx, values):
+        assert torch.equal(kquant.codes_probe(x, i), kquant.codes_probe(x, i, asm=False))
+
+
 def test_quantize_given_amax_below_own_is_an_error():
     w = _randn(8, 256, 512, seed=18)
     with pytest.raises(Exception, match="below"):

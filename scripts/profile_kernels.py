@@ -1,0 +1,141 @@
+"""Where fp4kit's GPU kernels spend their time: Nsight Compute counters for one launch each.
+
+    PYTHONPATH=. python scripts/profile_kernels.py [--out benchmarks/results/kernels-pipes-<gpu>.json]
+
+Runs each case below in a child process under `ncu` (Nsight Compute, which must be on PATH),
+profiles the case's second launch of its kernel (the first compiles it), and records per kernel:
+the time, instructions executed (and per weight or element, counting every thread), how busy
+instruction issue, the integer ALU pipe and the FMA pipe were, achieved occupancy, registers,
+and the stall reasons per issued instruction. ncu flushes the caches before the launch, so the
+weights come from DRAM (a CUDA-graph replay in the bench may find some of them in L2).
+Writes JSON and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+# name -> (what it runs, the kernel to profile, elements it processes)
+CASES = {
+    "gemv 8192x8192 M=1": ("gemm:8192:8192:1", "_gemv_kernel", 8192 * 8192),
+    "mma 8192x8192 M=4": ("gemm:8192:8192:4", "_mma_kernel", 8192 * 8192),
+    "mma 8192x8192 M=16": ("gemm:8192:8192:16", "_mma_kernel", 8192 * 8192),
+    "wgmma 3712x2688 M=16": ("gemm:3712:2688:16", "_w4a16_kernel", 3712 * 2688),
+    "wgmma 3712x2688 M=64": ("gemm:3712:2688:64", "_w4a16_kernel", 3712 * 2688),
+    "quantize plain [128,1856,2688]": ("quantize:6", "_quantize_kernel", 128 * 1856 * 2688),
+    "quantize 4/6 [128,1856,2688]": ("quantize:4o6", "_quantize_kernel", 128 * 1856 * 2688),
+}
+
+STALLS = ("long_scoreboard", "math_pipe_throttle", "not_selected", "wait", "short_scoreboard", "barrier",
+          "dispatch_stall", "mio_throttle", "lg_throttle", "no_instruction")
+METRICS = {
+    "us": "gpu__time_duration.sum",
+    "inst_executed": "smsp__inst_executed.sum",
+    "issue_active_pct": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "alu_pipe_pct": "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active",
+    "fma_pipe_pct": "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
+    "warps_active_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "registers": "launch__registers_per_thread",
+    "dram_pct": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    **{f"stall_{s}": f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS},
+}
+
+
+def run_case(case: str) -> None:
+    """The workload of one case (in the child process ncu watches): three calls."""
+    import torch
+
+    from fp4kit.kernels import quantize as kquant, w4a16_gemm
+
+    torch.manual_seed(0)
+    kind, *args = case.split(":")
+    if kind == "gemm":
+        n, k, m = map(int, args)
+        wq = kquant.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            w4a16_gemm.w4a16_matmul(x, wq)
+    elif kind == "quantize":
+        w = torch.randn(128, 1856, 2688, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            kquant.quantize(w, scale_rule=args[0])
+    else:
+        raise SystemExit(f"profile_kernels: unknown case {case!r}")
+    torch.cuda.synchronize()
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def profile(case: str, kernel: str, ncu: str) -> dict:
+    cmd = [ncu, "--csv", "--clock-control", "none", "-k", kernel, "--launch-skip", "1", "--launch-count", "1",
+           "--metrics", ",".join(METRICS.values()), sys.executable, os.path.abspath(__file__), "--case", case]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    rows = [r for r in csv.DictReader(io.StringIO(done.stdout[done.stdout.find('"ID"'):]))
+            if r.get("Metric Name")]
+    if done.returncode or not rows:
+        raise SystemExit(f"profile_kernels: ncu failed on {case} (exit {done.returncode}):\n"
+                         f"{done.stderr[-2000:] or done.stdout[-2000:]}")
+    got = {r["Metric Name"]: (r["Metric Unit"], r["Metric Value"]) for r in rows}
+    out = {}
+    for key, metric in METRICS.items():
+        unit, value = got.get(metric, ("", "nan"))
+        v = _number(value) if value not in ("", "n/a") else float("nan")
+        out[key] = v * _TO_US.get(unit, 1.0) if key == "us" else v
+    return out
+
+
+_TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-pipes-<gpu>.json)")
+    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        run_case(args.case)
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_kernels: needs a CUDA GPU")
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        raise SystemExit("profile_kernels: Nsight Compute's `ncu` is not on PATH")
+    gpu = torch.cuda.get_device_name()
+    rows = []
+    for name, (case, kernel, elements) in CASES.items():
+        r = profile(case, kernel, ncu)
+        r.update(case=name, kernel=kernel, elements=elements,
+                 instructions_per_element=r["inst_executed"] * 32 / elements)
+        rows.append(r)
+        print(f"{name:32s} {r['us']:9.1f} us  {r['instructions_per_element']:5.2f} instr/elem  "
+              f"issue {r['issue_active_pct']:5.1f}%  ALU {r['alu_pipe_pct']:5.1f}%  FMA {r['fma_pipe_pct']:5.1f}%  "
+              f"warps {r['warps_active_pct']:5.1f}%  regs {r['registers']:.0f}  "
+              f"stalls: long sb {r['stall_long_scoreboard']:.2f}, pipe {r['stall_math_pipe_throttle']:.2f}, "
+              f"barrier {r['stall_barrier']:.2f}", flush=True)
+    slug = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
+    out = args.out or f"benchmarks/results/kernels-pipes-{slug}.json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    result = {"gpu": gpu, "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+              "command": " ".join(["python", "scripts/profile_kernels.py", *sys.argv[1:]]),
+              "note": "one launch per kernel under ncu (caches flushed, clocks not locked); ALU/FMA: "
+                      "instructions issued to that pipe as a share of its peak; stalls: cycles per issued "
+                      "instruction", "kernels": rows}
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
