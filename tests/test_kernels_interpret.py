@@ -90,6 +90,25 @@ def test_quantize_random(rule, dtype, shape):
     check_quantize(_rand(*shape, dtype=dtype, seed=len(shape)), scale_rule=rule)
 
 
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_quantize_subnormal_block_scales_at_the_saturation_edge(rule):
+    # Blocks whose E4M3 scale is subnormal round it down by up to 1.5x, so quotients reach 8-9
+    # (saturated to 6 in the packed word, 8 nibbles at once) and 4/6's candidate 4 reaches 6
+    # without its saturation. Block amax / global amax sweeps that range: the true scale runs over
+    # [1, 2.5] * 2^-9 for the plain rule (448 * amax / g), candidate 6 (256 * amax / g) and
+    # candidate 4 (384 * amax / g), each block's other elements spread below its amax, both signs.
+    g = torch.Generator().manual_seed(12)
+    ratio = torch.linspace(1.0, 2.5, 193) * 2.0**-9  # true scale / 2^-9 over the tie points
+    amax = torch.cat([ratio / 448, ratio / 256, ratio / 384])
+    body = amax[:, None] * torch.rand(amax.numel(), 15, generator=g) * torch.where(
+        torch.rand(amax.numel(), 15, generator=g) < 0.5, -1.0, 1.0)
+    blocks = torch.cat([amax[:, None] * torch.where(torch.rand(amax.numel(), 1, generator=g) < 0.5, -1.0, 1.0),
+                        body], dim=1)
+    w = torch.cat([torch.full((1, 16), 1.0), blocks]).reshape(-1, 64)  # row 0's 1.0: the global amax
+    check_quantize(w, scale_rule=rule)
+    check_quantize(w.to(torch.bfloat16), scale_rule=rule)
+
+
 def test_reciprocal_quotient_is_the_ieee_quotient():
     # The kernel's division-free quotient (scripts/check_markstein.py; that script covers every
     # bf16 mantissa against every fp32 step mantissa): here every bf16 mantissa against every
