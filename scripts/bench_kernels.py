@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--sweep-gemm", action="store_true", help="time the 2-16-row GEMM launch shapes")
     parser.add_argument("--sweep-mma", action="store_true",
                         help="time the register-fed matrix-unit GEMM's launch shapes (2-8 rows)")
+    parser.add_argument("--sweep-row-mma", action="store_true",
+                        help="time one activation row on the GEMV and on the mma kernel (ROW_MMA's reach)")
     parser.add_argument("--sweep-mma-wide", action="store_true",
                         help="time the register-fed matrix-unit GEMM's two-tile launch shapes (9-16 rows) "
                              "against the wgmma kernel and use them for the weights where they are faster")
@@ -93,6 +95,8 @@ def main() -> None:
          w4a16_gemm.pick_mma_wide),
         (args.sweep or args.sweep_moe_mma, "sweep_moe_mma", moe_gemm.sweep_mma, moe_gemm.MOE_MMA,
          moe_gemm.pick_mma),
+        (args.sweep or args.sweep_row_mma, "sweep_row_mma", w4a16_gemm.sweep_row_mma, w4a16_gemm.ROW_MMA,
+         w4a16_gemm.pick_row_mma),
     )
     for asked, key, run, table, pick in sweeps:
         if asked:
@@ -101,7 +105,7 @@ def main() -> None:
             print(f"{key.replace('_', ' ')}: {json.dumps(result[key])}", flush=True)
     result["launch_shapes"] = {"quantize": dict(kquant.TUNING), "gemm_decode": dict(w4a16_gemm.DECODE),
                                "gemv": dict(w4a16_gemm.GEMV), "mma": dict(w4a16_gemm.MMA),
-                               "mma_wide": dict(w4a16_gemm.MMA_WIDE),
+                               "mma_wide": dict(w4a16_gemm.MMA_WIDE), "row_mma": dict(w4a16_gemm.ROW_MMA),
                                "gemm_mid": dict(w4a16_gemm.MID),
                                "moe_decode": dict(moe_gemm.MOE_DECODE), "moe_small": dict(moe_gemm.SMALL),
                                "moe_mma": dict(moe_gemm.MOE_MMA),

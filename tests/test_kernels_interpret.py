@@ -682,6 +682,46 @@ def test_mma_wide_routing(monkeypatch):
     assert not w4a16_gemm.config(12, 8192, 8192, cuda).get("mma")
 
 
+def test_row_mma_routing(monkeypatch):
+    # One row of 16-bit activations on a GPU goes to the register-fed kernel (MMA's launch shape)
+    # where the weight has ROW_MMA["min_weights"] elements or more and the GEMV's K step does not
+    # divide K; smaller weights, a K the GEMV's step divides, fp32 activations, the interpreter
+    # and a reach of None keep the GEMV.
+    monkeypatch.setattr(w4a16_gemm, "_sm_count", lambda device: 132)
+    monkeypatch.setitem(w4a16_gemm.ROW_MMA, "min_weights", 32768 * 1856)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for n, k, dtype in ((131072, 2688, torch.bfloat16), (32768, 1856, torch.float16), (65536, 3712, torch.bfloat16)):
+        cfg = w4a16_gemm.config(1, n, k, cuda, dtype)
+        assert cfg["mma"] and cfg["BLOCK_M"] == 8 and cfg["num_warps"] == w4a16_gemm.MMA["num_warps"], (n, k)
+        assert w4a16_gemm.path(1, n, k, cuda, dtype) == "mma"
+    for n, k, dtype, device in ((16384, 2688, torch.bfloat16, cuda), (32768, 1840, torch.bfloat16, cuda),
+                                (65536, 4096, torch.bfloat16, cuda), (131072, 8192, torch.bfloat16, cuda),
+                                (131072, 2688, torch.float32, cuda), (131072, 2688, torch.bfloat16, cpu)):
+        assert w4a16_gemm.config(1, n, k, device, dtype).get("gemv"), (n, k, dtype, device)
+    monkeypatch.setitem(w4a16_gemm.ROW_MMA, "min_weights", None)
+    assert w4a16_gemm.config(1, 131072, 2688, cuda).get("gemv")
+
+
+def test_pick_row_mma_reach():
+    # ROW_MMA's reach: the smallest size from which the mma kernel is faster on every ragged-step
+    # shape at least as large (same-size shapes summed; shapes whose GEMV step divides K do not
+    # count; a failed launch counts as never faster).
+    def rows(n, k, gemv, mma, ragged=True):
+        return [{"N": n, "K": k, "M": 1, "kernel": "gemv", "ragged": ragged, "ms": gemv},
+                {"N": n, "K": k, "M": 1, "kernel": "mma", "ragged": ragged, "ms": mma}]
+
+    base = rows(100, 10, 1.0, 2.0) + rows(200, 10, 2.0, 1.5) + rows(400, 10, 4.0, 3.0) + rows(50, 80, 4.5, 4.0)
+    assert w4a16_gemm.pick_row_mma(base) == {"min_weights": 2000}
+    # a smaller shape where the mma kernel wins does not reach past a larger one where it loses
+    assert w4a16_gemm.pick_row_mma(base + rows(10, 10, 1.0, 0.5) + rows(300, 10, 1.0, 1.0)) == {"min_weights": 4000}
+    # same-size shapes are summed: one loss outweighed by a larger win keeps the size
+    assert w4a16_gemm.pick_row_mma(base + rows(20, 100, 1.0, 1.2)) == {"min_weights": 2000}
+    # a shape whose GEMV step divides K is ignored, however slow the mma kernel is there
+    assert w4a16_gemm.pick_row_mma(base + rows(1000, 10, 1.0, 9.0, ragged=False)) == {"min_weights": 2000}
+    # the largest ragged shape failing on the mma kernel: never
+    assert w4a16_gemm.pick_row_mma(base + rows(800, 10, 1.0, None)) == {"min_weights": None}
+
+
 @pytest.mark.parametrize("nk", [(32, 256), (16, 128)])
 def test_gemv_probe_parts(nk):
     # The GEMV probe's three parts (`gemv_limits`): the whole loop is the GEMV's result bit for

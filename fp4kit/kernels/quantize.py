@@ -48,11 +48,11 @@ Why the bytes are the reference's (read with `fp4kit/formats/nvfp4.py` beside th
   needs no saturation: its scale rounds down by at most 1.5 (E4M3 subnormals) from amax / 4, so
   its quotients stay below 7 and round to 6 at most.
 Measured on an H200 (benchmarks/results/kernels-h200.json, Nano expert stacks, bf16, CUDA
-graphs): 1.85 TB/s plain and 1.21 TB/s 4/6 for the two launches; 2.29 and 1.35 TB/s for the one
-launch with a given global amax (the copy ceiling is 4.27 TB/s; the amax pass alone takes
-0.30 ms of the plain rule's 0.89). Two passes cannot reach 2.5 TB/s as the bench counts it
+graphs): 1.89 TB/s plain and 1.21 TB/s 4/6 for the two launches; 2.28 and 1.34 TB/s for the one
+launch with a given global amax (the copy ceiling is 4.24 TB/s; the amax pass alone takes
+0.29 ms of the plain rule's 0.87). Two passes cannot reach 2.5 TB/s as the bench counts it
 (bf16 in, codes and scales out: 2.5625 bytes per element): the max pass reads the 2 bytes once
-more, so even at the copy ceiling 4.5625 bytes per element move, 2.40 TB/s of counted bytes;
+more, so even at the copy ceiling 4.5625 bytes per element move, 2.38 TB/s of counted bytes;
 only a known global amax (one launch) leaves room. The quantize launch itself is bound by
 instruction issue and the integer ALU pipe (Nsight Compute, scripts/profile_kernels.py:
 benchmarks/results/kernels-pipes-h200.json): plain 22.4 instructions per element with issue

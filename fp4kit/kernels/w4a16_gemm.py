@@ -6,7 +6,8 @@ The weight is read as stored (packed uint8 [N, K/2], E4M3 block scales [N, K/16]
 scale): no re-layout, so a checkpoint tensor is used as loaded. Three kernels:
 
 - One row (GEMV["max_m"]: 2 for fp32 activations), the CUDA cores (`_gemv_kernel`,
-  `_gemv_accumulate`). The block scale is factored out of each 16-block: y = 64 * sum_b step_b
+  `_gemv_accumulate`), except large weights whose K the GEMV's K step does not divide
+  (`ROW_MMA`), which go to the mma kernel below. The block scale is factored out of each 16-block: y = 64 * sum_b step_b
   * sum_i v(code_i) * x_i, with v(code) = E2M1(code) * 2^-6 and step_b = float(scale_b) *
   global_scale, the reference's fp32 step. The weights are thus W.dequantize()'s fp32 values
   (not rounded to the activation dtype), and the products v * x are exact for 16-bit
@@ -15,8 +16,9 @@ scale): no re-layout, so a checkpoint tensor is used as loaded. Three kernels:
   hardware converts to fp16 exactly, then fp32; 7 bit operations per 8 codes). Each thread
   holds its blocks of all BLOCK_N weight rows and BLOCK_M activation rows, so nothing passes
   through shared memory in the loop.
-- MMA["min_m"] to MMA["max_m"] rows (2-8) of bf16/fp16 activations, and 9-16 rows on weights of
-  MMA_WIDE["min_weights"] elements or more, the matrix units fed from registers (`_mma_kernel`):
+- MMA["min_m"] to MMA["max_m"] rows (2-8) of bf16/fp16 activations, 9-16 rows on weights of
+  MMA_WIDE["min_weights"] elements or more and one row where `row_on_mma`, the matrix units fed
+  from registers (`_mma_kernel`):
   each warp runs mma.sync m16n8k16 with the weight decoded by inline PTX straight into the A
   fragment (`mma_asm`: per pair of codes 16 bits apart, one shift puts both signs and another
   both magnitudes where a 16-bit float's bits read as the E2M1 value times a power of 2, two
@@ -47,14 +49,15 @@ programs evenly over the multiprocessors (`split_count`). Above LARGE_M rows the
 dequantized once by the same helper and multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1 (GEMV): 2.16x on 8192 x 8192 (15.4 us), 2.21x on 28672 x 8192 (bf16
-110.3 us there; 108.5-121.0 across runs), 1.84-1.96x on the Nano shapes and 131072 x 2688; M = 4
-(mma): 1.89x, 2.13x, 1.23x, 1.31x and 2.13x; M = 16: 1.45-1.82x on the three large shapes (mma,
-two activation tiles), 0.79x and 0.94x on the Nano shapes (wgmma); M = 64: 0.52-0.94x. The GEMV
+the bf16 weight): M = 1: 2.18x on 8192 x 8192 (GEMV, 15.3 us), 2.18x on 28672 x 8192 (GEMV; bf16
+106.7 us there, 106.7-121.0 across runs), 1.77-1.84x on the Nano shapes (GEMV), 2.16x on
+131072 x 2688 (mma, `ROW_MMA`; 1.92x on the GEMV in the previous run); M = 4 (mma): 1.86x, 1.99x,
+1.17x, 1.29x and 2.12x; M = 16: 1.41-1.85x on the three large shapes (mma, two activation tiles),
+0.79x and 0.91x on the Nano shapes (wgmma); M = 64: 0.51-0.92x. The GEMV
 loop spends 4.5 SASS instructions per weight at one row (fma, fp16-to-fp32 conversion, 0.9 of
 code decoding, loads and addresses), and that arithmetic sets its time: `gemv_limits` runs the
-loop with its weight loads alone and with its arithmetic alone on cache-resident weights, 7.9
-and 13.7 us on 8192 x 8192 against 14.8 for the whole loop (35.7 and 43.7 against 49.0 on
+loop with its weight loads alone and with its arithmetic alone on cache-resident weights, 8.2
+and 13.8 us on 8192 x 8192 against 14.9 for the whole loop (34.5 and 43.4 against 47.8 on
 28672 x 8192); under Nsight Compute (scripts/profile_kernels.py, kernels-pipes-h200.json) its
 issue is 69% busy and the integer ALU pipe, which takes about 44% of its instructions at half
 the issue rate, 61%. The mma kernel's loop spends 3.5-3.9 SASS instructions per weight (one or two
@@ -64,7 +67,9 @@ Each lane reads its codes and activations 16 bytes at a time (`_load16`, where `
 them aligned): with 8-byte loads a warp's load touched every 32-byte sector it read twice, and at
 16 rows the L1 was the busiest unit. 2-8 rows cost little more than two do (sweep_mma in
 benchmarks/results/kernels-sweeps-mma-h200.json, the pick: 17.0, 17.5 and 19.9 us at 2, 4 and 8
-rows on 8192 x 8192), still more than the GEMV's one row. With a
+rows on 8192 x 8192), still more than the GEMV's one row where the GEMV's K step divides K
+(sweep_row_mma in kernels-h200.json: 17.0 against 15.3 us on 8192 x 8192); where it does not,
+from 32768 x 1856 up, one row is faster here (`ROW_MMA`). With a
 second activation tile (9-16 rows) it beats the wgmma kernel from 8192 x 8192 weights up but
 not on the Nano shapes (sweep_mma_wide; `MMA_WIDE`).
 The wgmma kernel spends ~6.5 instructions per weight in its main loop: the table dequantization, then
@@ -1459,7 +1464,7 @@ def _gemv_k_tile(k: int, cfg: dict) -> dict:
 # 8-byte loads). The balance (0.9, 16) changes none of the bench shapes at target 8 (28672 x 8192
 # splits in two by the target itself: 56.0 us at four rows in that run). One row stays on the
 # CUDA-core GEMV (15.4 us on 8192 x 8192; the mma kernel took 16.2-18.1 at the launch shapes
-# tried); 9-16 rows: MMA_WIDE.
+# tried) except where `ROW_MMA` sends it here; 9-16 rows: MMA_WIDE.
 MMA = {"min_m": 2, "max_m": 8, "rows": 1, "num_warps": 4, "programs_per_sm": 8, "prefetch": 2, "kwarps": 1,
        "balance": (0.9, 16)}
 
@@ -1476,6 +1481,28 @@ MMA = {"min_m": 2, "max_m": 8, "rows": 1, "num_warps": 4, "programs_per_sm": 8, 
 # take 118-123 us on 131072 x 2688 against 89-93: routed, they are farther from each problem's best.
 MMA_WIDE = {"max_m": 16, "min_weights": 8192 * 8192, "rows": 2, "num_warps": 1, "programs_per_sm": 8, "prefetch": 2,
             "kwarps": 1}
+
+
+# One activation row (16-bit, on a GPU) goes to the register-fed matrix-unit kernel, MMA's launch
+# shape, instead of the GEMV where the GEMV's K step does not divide K and the weight has
+# ROW_MMA["min_weights"] elements or more (None: never). There the GEMV pads its last K step
+# and, with K of 1856-3712, gets one to three steps per program to overlap its loads with; the
+# mma kernel's steps of 128 divide every K the bench and the Nano model have. Picked on an H200
+# by `sweep_row_mma` / `pick_row_mma` (scripts/bench_kernels.py --sweep-row-mma, sweep_row_mma
+# in benchmarks/results/kernels-h200.json): 16 shapes at one row, the GEMV and the mma kernel
+# side by side; from 32768 x 1856 up the mma kernel is faster on every swept shape with a ragged
+# GEMV step (16.4 against 20.3 us there, 75.8 against 89.1 on 131072 x 2688, 31.0 against 42.8
+# on 65536 x 1856), below it not on all (12.8 against 12.1 on 16384 x 2688; 10.3 against 10.7
+# on 16384 x 1856, 6.2 against 4.3 on 3712 x 2688); where the GEMV's step divides K the GEMV
+# stays (15.3 against 17.0 on 8192 x 8192, 48.8 against 53.7 on 28672 x 8192, 42.8 against 46.4
+# on 24576 x 8192; 60.4 against 58.1 on 65536 x 4096).
+ROW_MMA = {"min_weights": 32768 * 1856}
+
+
+def row_on_mma(n: int, k: int) -> bool:
+    """Whether one row of 16-bit activations on a GPU runs on the mma kernel (`ROW_MMA`)."""
+    least = ROW_MMA["min_weights"]
+    return least is not None and n * k >= least and k % _gemv_k_tile(k, dict(GEMV["1"]))["BLOCK_K"] != 0
 
 
 def mma_config(m: int, n: int, k: int, device: torch.device, num_warps: int | None = None,
@@ -1499,12 +1526,12 @@ def mma_config(m: int, n: int, k: int, device: torch.device, num_warps: int | No
 def config(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Tile sizes and split-K for one problem: MMA["min_m"] to MMA["max_m"] rows of 16-bit
     activations on a GPU, the register-fed matrix-unit kernel (and up to MMA_WIDE["max_m"] rows
-    for weights of MMA_WIDE["min_weights"] elements or more); else one to a few rows on the CUDA
-    cores (GEMV);
+    for weights of MMA_WIDE["min_weights"] elements or more, one row where `row_on_mma`); else
+    one to a few rows on the CUDA cores (GEMV);
     decode-sized M streams the weight through many programs on the matrix units; large M uses
     big tiles. Chosen by rule (no autotuning at call time)."""
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        if MMA["min_m"] <= m <= MMA["max_m"]:
+        if MMA["min_m"] <= m <= MMA["max_m"] or (m == 1 and row_on_mma(n, k)):
             return mma_config(m, n, k, device)
         wide = MMA_WIDE["min_weights"]
         if max(MMA["max_m"], 8) < m <= MMA_WIDE["max_m"] and wide is not None and n * k >= wide:
@@ -1864,6 +1891,46 @@ def sweep_mma_wide(shapes=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 371
     finally:
         MMA_WIDE["min_weights"] = saved
     return out
+
+
+def sweep_row_mma(shapes=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688), (10304, 2688),
+                          (16384, 2688), (32768, 2688), (65536, 2688), (32768, 1856), (65536, 1856), (32768, 3712),
+                          (65536, 3712), (65536, 4096), (24576, 8192), (16384, 1856))):
+    """CUDA-graph times at one activation row of the GEMV and of `_mma_kernel` at MMA's launch shape,
+    side by side per shape, each checked against an fp32 reference first; "ragged": the GEMV's K
+    step does not divide K."""
+    out = []
+    saved = ROW_MMA["min_weights"]
+    try:
+        ROW_MMA["min_weights"] = None  # config() then gives the GEMV
+        for n, k, m, wq, x, ref in _sweep_problems(shapes, (1,)):
+            gemv = config(m, n, k, x.device)
+            for kernel, cfg in (("gemv", gemv), ("mma", mma_config(m, n, k, x.device))):
+                row = {"N": n, "K": k, "M": m, "kernel": kernel, "ragged": k % gemv["BLOCK_K"] != 0}
+                row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=dict(cfg)), ref))
+                out.append(row)
+    finally:
+        ROW_MMA["min_weights"] = saved
+    return out
+
+
+def pick_row_mma(rows) -> dict:
+    """ROW_MMA from `sweep_row_mma`'s rows: min_weights, the smallest swept N * K from which the mma
+    kernel beats the GEMV on every swept shape with a ragged GEMV step at least as large (shapes
+    of one size summed together; None if it does not on the largest)."""
+    sums = {}  # size -> [gemv, mma] summed over the ragged shapes of that size
+    for r in rows:
+        if r["ragged"]:
+            t = r["ms"] if r["ms"] is not None else float("inf")
+            pair = sums.setdefault(r["N"] * r["K"], [0.0, 0.0])
+            pair[r["kernel"] == "mma"] += t
+    least = None
+    for size in sorted(sums, reverse=True):
+        gemv, mma = sums[size]
+        if not mma < gemv:
+            break
+        least = size
+    return {"min_weights": least}
 
 
 def pick_mma_wide(rows) -> dict:

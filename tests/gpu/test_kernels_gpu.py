@@ -305,6 +305,20 @@ def test_w4a16_mma_wide_route(m, monkeypatch):
     _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq), x, wq)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_row_mma_route(dtype, monkeypatch):
+    # One row goes to the register-fed kernel (w4a16_gemm.ROW_MMA) where the GEMV's K step does
+    # not divide K and the weight is large enough: the default call takes that path and is right;
+    # a K the GEMV's step divides keeps the GEMV.
+    n, k = 2048, 1856
+    monkeypatch.setitem(w4a16_gemm.ROW_MMA, "min_weights", n * k)
+    wq = kquant.quantize(_randn(n, k, seed=58), scale_rule="4o6")
+    x = _randn(1, k, seed=59, scale=1.0).to(dtype)
+    assert w4a16_gemm.path(1, n, k, x.device, dtype) == "mma"
+    _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq), x, wq)
+    assert w4a16_gemm.path(1, n, 2048, x.device, dtype) == "gemv"
+
+
 @pytest.mark.parametrize("nk", [(8192, 8192), (8192, 4096)])
 def test_gemv_probe_loop_is_the_gemv(nk):
     # The GEMV probe's whole loop (`gemv_limits`) is the GEMV's own result, bit for bit, compiled.
