@@ -7,9 +7,9 @@ scale): no re-layout, so a checkpoint tensor is used as loaded. Three kernels:
 
 - One row (GEMV["max_m"]: 2 for fp32 activations), the CUDA cores (`_gemv_kernel`,
   `_gemv_accumulate`), except large weights whose K the GEMV's K step does not divide
-  (`ROW_MMA`), which go to the mma kernel below. The block scale is factored out of each 16-block: y = 64 * sum_b step_b
-  * sum_i v(code_i) * x_i, with v(code) = E2M1(code) * 2^-6 and step_b = float(scale_b) *
-  global_scale, the reference's fp32 step. The weights are thus W.dequantize()'s fp32 values
+  (`ROW_MMA`), which go to the mma kernel below. The block scale is factored out of each
+  16-block: y = 64 * sum_b step_b * sum_i v(code_i) * x_i, with v(code) = E2M1(code) * 2^-6 and
+  step_b = float(scale_b) * global_scale, the reference's fp32 step. The weights are thus W.dequantize()'s fp32 values
   (not rounded to the activation dtype), and the products v * x are exact for 16-bit
   activations: one fp32 fma per weight and row, one per block. A block's 16 codes become fp32
   values in inline PTX (`_CODES16_ASM`: each code's bits moved into an E4M3 byte, which the
