@@ -1499,10 +1499,15 @@ MMA_WIDE = {"max_m": 16, "min_weights": 8192 * 8192, "rows": 2, "num_warps": 1, 
 ROW_MMA = {"min_weights": 32768 * 1856}
 
 
+def gemv_pads_k(k: int) -> bool:
+    """Whether the one-row GEMV's K step (`_gemv_k_tile`) does not divide K."""
+    return k % _gemv_k_tile(k, dict(GEMV["1"]))["BLOCK_K"] != 0
+
+
 def row_on_mma(n: int, k: int) -> bool:
     """Whether one row of 16-bit activations on a GPU runs on the mma kernel (`ROW_MMA`)."""
     least = ROW_MMA["min_weights"]
-    return least is not None and n * k >= least and k % _gemv_k_tile(k, dict(GEMV["1"]))["BLOCK_K"] != 0
+    return least is not None and n * k >= least and gemv_pads_k(k)
 
 
 def mma_config(m: int, n: int, k: int, device: torch.device, num_warps: int | None = None,
@@ -1906,7 +1911,7 @@ def sweep_row_mma(shapes=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712
         for n, k, m, wq, x, ref in _sweep_problems(shapes, (1,)):
             gemv = config(m, n, k, x.device)
             for kernel, cfg in (("gemv", gemv), ("mma", mma_config(m, n, k, x.device))):
-                row = {"N": n, "K": k, "M": m, "kernel": kernel, "ragged": k % gemv["BLOCK_K"] != 0}
+                row = {"N": n, "K": k, "M": m, "kernel": kernel, "ragged": gemv_pads_k(k)}
                 row.update(time_if_right(lambda: w4a16_matmul(x, wq, cfg=dict(cfg)), ref))
                 out.append(row)
     finally:
