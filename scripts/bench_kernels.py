@@ -61,6 +61,8 @@ def main() -> None:
     parser.add_argument("--sweep-mid", action="store_true", help="time the 17-64-row GEMM launch shapes")
     parser.add_argument("--sweep-moe-small", action="store_true",
                         help="time the in-kernel-routing MoE path's split-K settings against the sorted path")
+    parser.add_argument("--sweep-stack", action="store_true",
+                        help="time the one-launch stack quantize kernel's schedules (kquant.STACK)")
     parser.add_argument("--skip-quantize", action="store_true", help="do not time quantize (trial runs)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -80,6 +82,7 @@ def main() -> None:
     # (asked for, result key, sweep, launch-shape table it updates, pick)
     sweeps = (
         (args.sweep, "sweep_quantize", kquant.sweep, kquant.TUNING, kquant.pick),
+        (args.sweep or args.sweep_stack, "sweep_stack", kquant.sweep_stack, kquant.STACK, kquant.pick_stack),
         (args.sweep or args.sweep_gemm, "sweep_gemm",
          lambda: w4a16_gemm.sweep(tiles=((64, 128),), warps=(4,), programs_per_sm=(4, 8), maxnreg=(None, 128, 96, 80)),
          w4a16_gemm.DECODE, w4a16_gemm.pick_decode),
@@ -103,7 +106,8 @@ def main() -> None:
             result[key] = run()
             table.update(pick(result[key]))
             print(f"{key.replace('_', ' ')}: {json.dumps(result[key])}", flush=True)
-    result["launch_shapes"] = {"quantize": dict(kquant.TUNING), "gemm_decode": dict(w4a16_gemm.DECODE),
+    result["launch_shapes"] = {"quantize": dict(kquant.TUNING), "quantize_stack": dict(kquant.STACK),
+                               "gemm_decode": dict(w4a16_gemm.DECODE),
                                "gemv": dict(w4a16_gemm.GEMV), "mma": dict(w4a16_gemm.MMA),
                                "mma_wide": dict(w4a16_gemm.MMA_WIDE), "row_mma": dict(w4a16_gemm.ROW_MMA),
                                "gemm_mid": dict(w4a16_gemm.MID),
@@ -119,12 +123,18 @@ def main() -> None:
         quant = {
             "rows": q_rows,
             "timing": "expert_stack_* and ratio: the whole quantize() call, eager (checks included); "
-                      "*_kernels: its two launches (max pass, quantize) replayed from a CUDA graph; "
+                      "*_kernels: its launches replayed from a CUDA graph (one stack-kernel launch for "
+                      "the expert stacks, max pass and quantize for 8192x8192); *_two_launches: the "
+                      "stacks through the max pass and quantize launches instead; "
                       "*_given_amax: the one quantize launch when the global amax is given",
             "expert_stack_tbps": traffic / sum(r["ms_4o6"] for r in stacks) / 1e9,
             "expert_stack_tbps_plain": traffic / sum(r["ms_6"] for r in stacks) / 1e9,
             "expert_stack_tbps_kernels_4o6": traffic / sum(r["ms_kernels_4o6"] for r in stacks) / 1e9,
             "expert_stack_tbps_kernels_plain": traffic / sum(r["ms_kernels_6"] for r in stacks) / 1e9,
+            "expert_stack_tbps_two_launches_4o6": traffic / sum(r["ms_two_launches_4o6"] for r in stacks) / 1e9,
+            "expert_stack_tbps_two_launches_plain": traffic / sum(r["ms_two_launches_6"] for r in stacks) / 1e9,
+            "ratio_4o6_to_plain_kernels": (sum(r["ms_kernels_4o6"] for r in stacks)
+                                           / sum(r["ms_kernels_6"] for r in stacks)),
             "expert_stack_tbps_given_amax_4o6": traffic / sum(r["ms_given_amax_4o6"] for r in stacks) / 1e9,
             "expert_stack_tbps_given_amax_plain": traffic / sum(r["ms_given_amax_6"] for r in stacks) / 1e9,
             "ratio_4o6_to_plain": sum(r["ms_4o6"] for r in stacks) / sum(r["ms_6"] for r in stacks),
@@ -204,6 +214,10 @@ def print_quantize(q: dict) -> None:
         print(f"{'':20s} kernels {row['ms_kernels_6']:7.3f} {row['tbps_kernels_6']:7.2f} {row['ms_kernels_4o6']:8.3f}"
               f" {row['tbps_kernels_4o6']:9.2f} {row['ms_kernels_4o6'] / row['ms_kernels_6']:6.2f}"
               f"   (amax pass {row['ms_amax_pass']:.3f} ms)")
+        if "ms_two_launches_6" in row:
+            print(f"{'':20s} 2 launch{row['ms_two_launches_6']:7.3f} {row['tbps_two_launches_6']:7.2f}"
+                  f" {row['ms_two_launches_4o6']:8.3f} {row['tbps_two_launches_4o6']:9.2f}"
+                  f" {row['ms_two_launches_4o6'] / row['ms_two_launches_6']:6.2f}")
         print(f"{'':20s} g given {row['ms_given_amax_6']:7.3f} {row['tbps_given_amax_6']:7.2f} {row['ms_given_amax_4o6']:8.3f}"
               f" {row['tbps_given_amax_4o6']:9.2f} {row['ms_given_amax_4o6'] / row['ms_given_amax_6']:6.2f}")
     print(f"expert stacks: {q['expert_stack_tbps']:.2f} TB/s (4o6), {q['expert_stack_tbps_plain']:.2f} TB/s (6);"

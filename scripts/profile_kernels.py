@@ -30,8 +30,10 @@ CASES = {
     "mma 8192x8192 M=16": ("gemm:8192:8192:16", "_mma_kernel", 8192 * 8192),
     "wgmma 3712x2688 M=16": ("gemm:3712:2688:16", "_w4a16_kernel", 3712 * 2688),
     "wgmma 3712x2688 M=64": ("gemm:3712:2688:64", "_w4a16_kernel", 3712 * 2688),
-    "quantize plain [128,1856,2688]": ("quantize:6", "_quantize_kernel", 128 * 1856 * 2688),
-    "quantize 4/6 [128,1856,2688]": ("quantize:4o6", "_quantize_kernel", 128 * 1856 * 2688),
+    "quantize plain [128,1856,2688]": ("quantize:6:two", "_quantize_kernel", 128 * 1856 * 2688),
+    "quantize 4/6 [128,1856,2688]": ("quantize:4o6:two", "_quantize_kernel", 128 * 1856 * 2688),
+    "stack kernel plain [128,1856,2688]": ("quantize:6:stack", "_stack_kernel", 128 * 1856 * 2688),
+    "stack kernel 4/6 [128,1856,2688]": ("quantize:4o6:stack", "_stack_kernel", 128 * 1856 * 2688),
 }
 
 STALLS = ("long_scoreboard", "math_pipe_throttle", "not_selected", "wait", "short_scoreboard", "barrier",
@@ -45,6 +47,8 @@ METRICS = {
     "warps_active_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
     "registers": "launch__registers_per_thread",
     "dram_pct": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram_read_bytes": "dram__bytes_read.sum",
+    "l2_hit_pct": "lts__t_sector_hit_rate.pct",
     **{f"stall_{s}": f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS},
 }
 
@@ -63,7 +67,9 @@ def run_case(case: str) -> None:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for _ in range(3):
             w4a16_gemm.w4a16_matmul(x, wq)
-    elif kind == "quantize":
+    elif kind == "quantize":  # rule, then "two" (max pass and quantize launches) or "stack" (one launch)
+        if args[1] == "two":
+            kquant.STACK["max_member_bytes"] = None
         w = torch.randn(128, 1856, 2688, device="cuda", dtype=torch.bfloat16)
         for _ in range(3):
             kquant.quantize(w, scale_rule=args[0])
@@ -90,16 +96,22 @@ def profile(case: str, kernel: str, ncu: str) -> dict:
     for key, metric in METRICS.items():
         unit, value = got.get(metric, ("", "nan"))
         v = _number(value) if value not in ("", "n/a") else float("nan")
-        out[key] = v * _TO_US.get(unit, 1.0) if key == "us" else v
+        if key == "us":
+            v *= _TO_US.get(unit, 1.0)
+        elif key.endswith("bytes"):
+            v *= _TO_BYTES.get(unit, 1.0)
+        out[key] = v
     return out
 
 
+_TO_BYTES = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
 _TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-pipes-<gpu>.json)")
+    parser.add_argument("--only", default=None, help="profile only the cases whose name contains this text")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
@@ -115,6 +127,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     rows = []
     for name, (case, kernel, elements) in CASES.items():
+        if args.only and args.only not in name:
+            continue
         r = profile(case, kernel, ncu)
         r.update(case=name, kernel=kernel, elements=elements,
                  instructions_per_element=r["inst_executed"] * 32 / elements)
@@ -127,6 +141,10 @@ def main() -> None:
     slug = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
     out = args.out or f"benchmarks/results/kernels-pipes-{slug}.json"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    if args.only and os.path.exists(out):  # keep the other cases' rows from the earlier run
+        with open(out) as f:
+            kept = [r for r in json.load(f)["kernels"] if args.only not in r["case"]]
+        rows = kept + rows
     result = {"gpu": gpu, "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
               "command": " ".join(["python", "scripts/profile_kernels.py", *sys.argv[1:]]),
               "note": "one launch per kernel under ncu (caches flushed, clocks not locked); ALU/FMA: "

@@ -253,6 +253,59 @@ def test_quantize_default_rule_and_plain_return():
     assert_same_nvfp4(got, nvfp4.quantize(w))
 
 
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_quantize_stack_in_one_launch(rule, monkeypatch):
+    # A stack of whole-tile members without a given global amax runs `_stack_kernel` (each
+    # member's max pass and quantization in one launch); the two-launch path gives the same bytes.
+    w = _rand(4, 32, 64, seed=9)  # 128 blocks per member: one tile each
+    w[2] = 0.0
+    w[3, 5, :16] *= 1e-6
+    max_passes = []
+    real_max_pass = kquant.member_amax
+    monkeypatch.setattr(kquant, "member_amax", lambda t: (max_passes.append(t.shape), real_max_pass(t))[1])
+    imp = torch.rand(4, 64, generator=torch.Generator().manual_seed(9)) if rule == "4o6" else None
+    fused = check_quantize(w, scale_rule=rule, importance=imp)
+    assert max_passes == []  # no separate max pass
+    monkeypatch.setitem(kquant.STACK, "max_member_bytes", None)
+    two, choice = kquant.quantize(w.to(DEVICE), scale_rule=rule, importance=imp, return_choice=True)
+    assert max_passes == [(4, 32, 64)]
+    assert torch.equal(choice.cpu(), fused)
+    assert_same_nvfp4(two, nvfp4.quantize(w, scale_rule=rule, importance=imp))
+
+
+@pytest.mark.parametrize("schedule", [dict(lag=1, max_tiles=4, quant_tiles=2, prefetch=True),
+                                      dict(lag=2, max_tiles=8, quant_tiles=4, prefetch=False),
+                                      dict(lag=5, max_tiles=4, quant_tiles=4, prefetch=True)])
+def test_quantize_stack_schedules(schedule, monkeypatch):
+    # Members of 5 tiles: max items and quantize items that run past a member's end, groups
+    # with more quantize slots than items, a lag longer than the stack; every tile quantized once,
+    # and every tile in its member's max (member i has its max in tile i).
+    for key, value in schedule.items():
+        monkeypatch.setitem(kquant.STACK, key, value)
+    w = _rand(5, 40, 256, seed=13)
+    for i in range(5):
+        w[i, 8 * i + 3] *= 50.0
+    check_quantize(w, scale_rule="4o6")
+    check_quantize(w.to(torch.float16), scale_rule="6")
+
+
+def test_quantize_stack_schedule_checked(monkeypatch):
+    monkeypatch.setitem(kquant.STACK, "max_tiles", 6)
+    with pytest.raises(ValueError, match="max_tiles a multiple of 4"):
+        kquant.quantize(_rand(2, 32, 64).to(DEVICE))
+
+
+def test_quantize_stack_reach_and_non_finite_member(monkeypatch):
+    w = _rand(3, 32, 64, seed=10).to(DEVICE)
+    assert kquant.fused_stack(w, 3, 128) and not kquant.fused_stack(w, 1, 128)
+    assert not kquant.fused_stack(w[:, :24], 3, 96)  # members not whole tiles of 128 blocks
+    monkeypatch.setitem(kquant.STACK, "max_member_bytes", 32 * 64 * 4)  # the member's size exactly
+    assert kquant.fused_stack(w, 3, 128) and not kquant.fused_stack(w.double(), 3, 128)
+    w[1, 7, 3] = float("nan")  # flagged by the stack kernel's own max pass
+    with pytest.raises(FormatError, match=r"1 NaN and 0 Inf values \(first at index \(1, 7, 3\)\)"):
+        kquant.quantize(w, scale_rule="4o6")
+
+
 _BAD_INPUTS = {
     "rule": lambda: dict(w=_rand(4, 32), scale_rule="5"),
     "dtype": lambda: dict(w=torch.ones(4, 32, dtype=torch.int32)),

@@ -3,14 +3,22 @@
 Reference: `fp4kit.formats.nvfp4.quantize` (the contract). This kernel returns the same bytes for
 every input the reference accepts: the same codes, block scales, global scales and 4/6 choices.
 
-Two launches per call, whatever the number of experts (one when the global amax is given, as
-for fused siblings: the member maxima the checks need are then folded in atomically):
+One or two launches per call, whatever the number of experts:
 1. `_amax_kernel`: max|w| per batch member (per expert of an [E, N, K] stack), NaN/Inf flagged.
 2. `_quantize_kernel`: each program takes a run of 16-element blocks (the weight is a flat run
    of blocks since K % 16 == 0), computes the block maxima, both 4/6 candidates in registers,
    their squared errors, the choice and the codes, and writes packed bytes and scale bytes.
    Where a program's blocks lie in one member (always for Nemotron-H's expert shapes), its
-   global scale is one scalar and the path below is chosen once per program.
+   global scale is one scalar and the path below is chosen once per program. With a given
+   global amax (fused siblings) it is the only launch: the member maxima the checks need are
+   then folded in atomically.
+3. `_stack_kernel`, for a stack of members that are whole tiles (`fused_stack`; the Nano
+   expert stacks) when no global amax is given, instead of 1 and 2: one launch whose programs
+   take work items in ticket order from one queue, max items of member e + lag interleaved
+   with quantize items of member e (`_quantize_tile`, the same arithmetic), a quantize item
+   waiting only on max items with earlier tickets. The DRAM-bound max pass so runs beside the
+   issue-bound quantization instead of before it (both read the weight from DRAM: 2.55 GB
+   for one 1.28 GB stack under Nsight Compute, L2 hit rate 14%).
 
 Why the bytes are the reference's (read with `fp4kit/formats/nvfp4.py` beside this):
 - Every fp32 operation is the reference's, in its order (e.g. `6 * global_scale` rounded before
@@ -48,19 +56,20 @@ Why the bytes are the reference's (read with `fp4kit/formats/nvfp4.py` beside th
   needs no saturation: its scale rounds down by at most 1.5 (E4M3 subnormals) from amax / 4, so
   its quotients stay below 7 and round to 6 at most.
 Measured on an H200 (benchmarks/results/kernels-h200.json, Nano expert stacks, bf16, CUDA
-graphs): 1.89 TB/s plain and 1.21 TB/s 4/6 for the two launches; 2.28 and 1.34 TB/s for the one
-launch with a given global amax (the copy ceiling is 4.24 TB/s; the amax pass alone takes
-0.29 ms of the plain rule's 0.87). Two passes cannot reach 2.5 TB/s as the bench counts it
-(bf16 in, codes and scales out: 2.5625 bytes per element): the max pass reads the 2 bytes once
-more, so even at the copy ceiling 4.5625 bytes per element move, 2.38 TB/s of counted bytes;
-only a known global amax (one launch) leaves room. The quantize launch itself is bound by
-instruction issue and the integer ALU pipe (Nsight Compute, scripts/profile_kernels.py:
-benchmarks/results/kernels-pipes-h200.json): plain 22.4 instructions per element with issue
-75% and the ALU pipe 72% busy, 4/6 43.1 with issue 78% busy. The SASS fast path (sm_90, one
-thread's 16-element block from its loads to its stores) is 23 (plain) and 44 (4/6)
-instructions per element: 4/6 spends 21 more, about 17 of them on the second candidate's
-quotient and rounding and the two candidates' squared errors and sums, which the reference's
-step-by-step rounding fixes; at most 1.3 times plain would leave room for 7.
+graphs, side by side): the stack kernel 2.26 TB/s plain and 1.46 TB/s 4/6 (0.70-0.74 and
+1.12 ms per stack), the two launches 1.89 and 1.21 (0.87 and 1.36 ms), the one launch with a
+given global amax 2.28 and 1.34 (the copy ceiling is 4.24 TB/s; the max pass alone takes
+0.29 ms). Reading the weight twice from DRAM caps any two-pass schedule at 2.38 TB/s as the
+bench counts it (bf16 in, codes and scales out: 2.5625 bytes per element, 4.5625 moved). The
+quantization itself is bound by instruction issue and the integer ALU pipe (Nsight Compute,
+scripts/profile_kernels.py: benchmarks/results/kernels-pipes-h200.json): `_quantize_kernel`
+plain 22.4 instructions per element with issue 75% and the ALU pipe 72% busy, 4/6 43.1 with
+issue 78% busy; the stack kernel 25.5 (plain: ALU pipe 75%) and 46.1 (4/6: issue 79%), the max
+items' instructions added. The SASS fast path (sm_90, one thread's 16-element block from its
+loads to its stores) is 23 (plain) and 44 (4/6) instructions per element: 4/6 spends 21 more,
+about 17 of them on the second candidate's quotient and rounding and the two candidates'
+squared errors and sums, which the reference's step-by-step rounding fixes; at most 1.3 times
+plain would leave room for 7.
 Known limit shared with nothing real: an fp32 weight so small that its global scale underflows
 (max|w| < ~2e-42) makes the reference produce NaN block scales whose sign bit depends on the
 platform's default NaN; this kernel writes 0x7F there.
@@ -634,6 +643,100 @@ def _quantize_kernel(
             tl.atomic_max(own_ptr + member, tl.max(m), sem="relaxed")
 
 
+@triton.jit
+def _max_abs(acc, x_lo, x_hi):
+    """Elementwise max of acc and |x| over both halves, NaN kept (it stays NaN to the end)."""
+    acc = tl.maximum(acc, tl.abs(x_lo), propagate_nan=tl.PropagateNan.ALL)
+    return tl.maximum(acc, tl.abs(x_hi), propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _stack_tile(e, tile, tiles_per_member, OFFSET_DTYPE: tl.constexpr, BLOCKS: tl.constexpr):
+    """Block indices ([BLOCKS, 1]) of tile `tile` of member e, and whether the tile exists."""
+    blk = (e * tiles_per_member + tile).to(OFFSET_DTYPE) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+    return blk, (tl.arange(0, BLOCKS)[:, None] * 0 + tile) < tiles_per_member
+
+
+@triton.jit
+def _stack_kernel(
+    w_ptr, own_ptr, done_ptr, ticket_ptr, imp_ptr, packed_ptr, scale_ptr, gs_ptr, choice_ptr,
+    n_members, tiles_per_member, blocks_per_row, imp_stride, max_items, quant_items, r6, r1536, r2688,
+    LAG: tl.constexpr, MAX_TILES: tl.constexpr, QUANT_TILES: tl.constexpr, PREFETCH: tl.constexpr,
+    RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr, WRITE_CHOICE: tl.constexpr,
+    OFFSET_DTYPE: tl.constexpr, STEP_MAX: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr,
+):
+    """A whole [E, N, K] stack in one launch: the max pass and the quantization as one queue of
+    work items, which the programs take in order from a ticket counter until it runs out.
+
+    Items come in slots of `max_items` groups; group i of slot s is max item i of member s (the
+    max|w| of MAX_TILES tiles, four tiles' loads in flight at once, folded into own_ptr[s], then
+    counted in done_ptr[s]) followed by MAX_TILES // QUANT_TILES quantize items of member
+    s - LAG (QUANT_TILES tiles each, with that member's global amax, once all its max items are
+    counted; with PREFETCH the next tile is loaded before a tile's arithmetic). Tickets past a
+    member's items are skipped. So DRAM-bound max items run beside issue-bound quantize items,
+    and with LAG members between them a quantize item rarely waits. A quantize item waits only
+    on max items with earlier tickets, which programs that already run hold: no program waits
+    on one that has not started, whatever the grid or the GPU's scheduling.
+    """
+    R: tl.constexpr = MAX_TILES // QUANT_TILES
+    per_slot = max_items * (R + 1)
+    total = (n_members + LAG) * per_slot
+    t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+    while t < total:
+        slot = t // per_slot
+        within = t - slot * per_slot
+        group = within // (R + 1)
+        pos = within - group * (R + 1)
+        if pos == 0:
+            if slot < n_members:
+                acc = tl.zeros((BLOCKS, 8), dtype=tl.float32)
+                for j in range(0, MAX_TILES, 4):  # four tiles' loads in flight at once
+                    first = group * MAX_TILES + j
+                    blk0, ok0 = _stack_tile(slot, first, tiles_per_member, OFFSET_DTYPE, BLOCKS)
+                    blk1, ok1 = _stack_tile(slot, first + 1, tiles_per_member, OFFSET_DTYPE, BLOCKS)
+                    blk2, ok2 = _stack_tile(slot, first + 2, tiles_per_member, OFFSET_DTYPE, BLOCKS)
+                    blk3, ok3 = _stack_tile(slot, first + 3, tiles_per_member, OFFSET_DTYPE, BLOCKS)
+                    a_lo, a_hi = _load_blocks(w_ptr, blk0, ok0)
+                    b_lo, b_hi = _load_blocks(w_ptr, blk1, ok1)
+                    c_lo, c_hi = _load_blocks(w_ptr, blk2, ok2)
+                    d_lo, d_hi = _load_blocks(w_ptr, blk3, ok3)
+                    acc = _max_abs(acc, a_lo, a_hi)
+                    acc = _max_abs(acc, b_lo, b_hi)
+                    acc = _max_abs(acc, c_lo, c_hi)
+                    acc = _max_abs(acc, d_lo, d_hi)
+                m = tl.max(tl.where(acc == acc, acc, float("inf")))  # NaN as +Inf
+                tl.atomic_max(own_ptr + slot, m, sem="relaxed")
+                tl.atomic_add(done_ptr + slot, 1, sem="release")
+        else:
+            e = slot - LAG
+            item = group * R + pos - 1
+            if (e >= 0) & (item < quant_items):
+                done = tl.atomic_add(done_ptr + e, 0, sem="acquire")
+                while done < max_items:
+                    done = tl.atomic_add(done_ptr + e, 0, sem="acquire")
+                g = tl.atomic_max(own_ptr + e, 0.0, sem="relaxed")  # the member's max|w| (read, unchanged)
+                blk, ok = _stack_tile(e, item * QUANT_TILES, tiles_per_member, OFFSET_DTYPE, BLOCKS)
+                x_lo, x_hi = _load_blocks(w_ptr, blk, ok)
+                for j in range(QUANT_TILES):
+                    if PREFETCH:  # the next tile's loads issued before this tile's arithmetic
+                        n_blk, n_ok = _stack_tile(e, item * QUANT_TILES + j + 1, tiles_per_member, OFFSET_DTYPE, BLOCKS)
+                        n_ok = n_ok & (j + 1 < QUANT_TILES)
+                        n_lo, n_hi = _load_blocks(w_ptr, n_blk, n_ok)
+                    else:
+                        blk, ok = _stack_tile(e, item * QUANT_TILES + j, tiles_per_member, OFFSET_DTYPE, BLOCKS)
+                        x_lo, x_hi = _load_blocks(w_ptr, blk, ok)
+                    imp_lo, imp_hi = _load_importance(imp_ptr, e, blk, ok, blocks_per_row, imp_stride, HAS_IMP)
+                    code_lo, code_hi, scale_code, choose4, gs = _quantize_tile(
+                        x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True,
+                        STEP_MAX, ASM, BLOCKS)
+                    _store_tile(packed_ptr, scale_ptr, choice_ptr, blk, ok, code_lo, code_hi, scale_code,
+                                choose4, WRITE_CHOICE)
+                    tl.store(gs_ptr + e + blk * 0, gs, mask=blk == (e * tiles_per_member).to(OFFSET_DTYPE) * BLOCKS)
+                    if PREFETCH:
+                        blk, ok, x_lo, x_hi = n_blk, n_ok, n_lo, n_hi
+        t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+
+
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
@@ -641,6 +744,16 @@ _AMAX_BLOCK = 4096
 _AMAX_CHUNK = 32 * _AMAX_BLOCK
 # Launch shape: 16-element blocks per program and warps per program (the bench's sweep tunes these).
 TUNING = {"blocks": 128, "num_warps": 4}
+# A stack of two or more members, each a whole number of TUNING["blocks"] tiles and of at most
+# STACK["max_member_bytes"] (None: never), is quantized in one launch (`_stack_kernel`) when no
+# global amax is given; others take two launches (max pass, then quantize). Its schedule: max
+# items run `lag` members ahead of the quantize items, `max_tiles` and `quant_tiles` tiles per
+# item, programs_per_sm programs per multiprocessor, prefetch: the next tile's loads issued
+# before a tile's arithmetic. Picked on an H200 by `sweep_stack` (scripts/bench_kernels.py
+# --sweep-stack, the Nano expert stacks, whose members are 10 MB; larger members were not timed
+# and keep the two launches).
+STACK = {"max_member_bytes": 16 << 20, "lag": 6, "max_tiles": 32, "quant_tiles": 8, "programs_per_sm": 8,
+         "prefetch": True}
 
 
 def _broadcast_global_amax(global_amax, batch: tuple, device) -> torch.Tensor:
@@ -680,6 +793,14 @@ def member_amax(w: torch.Tensor) -> torch.Tensor:
     return part.amax(dim=1).reshape(batch)
 
 
+def fused_stack(w: torch.Tensor, n_members: int, blocks_per_member: int) -> bool:
+    """Whether `launch` quantizes w (no global amax given) in one `_stack_kernel` launch (STACK)."""
+    most = STACK["max_member_bytes"]
+    if most is None or n_members < 2 or blocks_per_member % TUNING["blocks"]:
+        return False
+    return blocks_per_member * NVFP4_BLOCK_SIZE * w.element_size() <= most
+
+
 # Smallest positive value of each input dtype: with steps below its 2^150 multiple, no nonzero
 # |x| has a quotient that rounds to zero (see `_fast_range`).
 _STEP_MAX = {torch.bfloat16: 2.0**17, torch.float16: 2.0**126, torch.float32: 2.0}
@@ -695,7 +816,9 @@ def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = 
     own max|w| per member). `quantize` is this plus the reference's checks.
 
     With a given global amax one launch reads the weight once (the member maxima for the checks
-    are folded in atomically); otherwise a max pass runs first and the weight is read twice.
+    are folded in atomically). Without one, a stack that `fused_stack` takes is one launch whose
+    max items run STACK["lag"] members ahead of its quantize items (`_stack_kernel`); otherwise
+    a max pass runs first, then the quantization.
     """
     k = w.shape[-1]
     n = w.shape[-2] if w.dim() >= 2 else 1
@@ -718,6 +841,22 @@ def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = 
                   STEP_MAX=_STEP_MAX[w.dtype], ASM=not interpreted(_quantize_kernel), BLOCKS=TUNING["blocks"])
     recips = (fp32_reciprocal(6.0), fp32_reciprocal(1536.0), fp32_reciprocal(2688.0))
     opts = dict(num_warps=TUNING["num_warps"], **launch_options())
+    if global_amax is None and fused_stack(w, n_members, blocks_per_member):
+        # own (fp32 maxima: zero bits), the members' max-item counts and the ticket counter, zeroed at once
+        counters = torch.zeros(2 * n_members + 1, dtype=torch.int32, device=w.device)
+        own, done, ticket = counters[:n_members].view(torch.float32), counters[n_members:-1], counters[-1:]
+        tiles = blocks_per_member // consts["BLOCKS"]
+        max_tiles, quant_tiles = STACK["max_tiles"], STACK["quant_tiles"]
+        if max_tiles % 4 or max_tiles % quant_tiles or STACK["lag"] < 1:
+            raise ValueError(f"{_WHAT}: STACK needs max_tiles a multiple of 4 and of quant_tiles, lag >= 1: {STACK}")
+        programs = 1 if interpreted(_stack_kernel) else (
+            STACK["programs_per_sm"] * torch.cuda.get_device_properties(w.device).multi_processor_count)
+        _stack_kernel[(programs,)](
+            w, own, done, ticket, imp, packed, scale, gs, choice, n_members, tiles, blocks_per_row, imp_stride,
+            cdiv(tiles, max_tiles), cdiv(tiles, quant_tiles), *recips, LAG=STACK["lag"], MAX_TILES=max_tiles,
+            QUANT_TILES=quant_tiles, PREFETCH=STACK["prefetch"], **consts, **opts)
+        qt = nvfp4.NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs)
+        return qt, (choice if return_choice else None), own.reshape(batch)
     if global_amax is None:
         own = member_amax(w).reshape(-1)
         g, own_max = own, False
@@ -820,9 +959,11 @@ def codes_probe(x: torch.Tensor, idx: torch.Tensor, asm: bool | None = None) -> 
 
 def bench(shapes=((128, 1856, 2688), (128, 2688, 1856), (8192, 8192)), dtype=torch.bfloat16):
     """Median times and achieved bandwidth (weight bytes in + packed bytes out) per shape and
-    rule: the whole `quantize` call (eager, with its checks), its two launches alone (`launch`,
-    replayed from a CUDA graph), and the one launch with a given global amax (fused siblings,
-    or a stack whose amax is known), side by side."""
+    rule: the whole `quantize` call (eager, with its checks), its launches alone (`launch`,
+    replayed from a CUDA graph: one `_stack_kernel` launch for a stack that `fused_stack`
+    takes, else two), for such stacks also the two-launch path (max pass, then quantize), and
+    the one launch with a given global amax (fused siblings, or a stack whose amax is known),
+    side by side."""
     from triton.testing import do_bench, do_bench_cudagraph
 
     rows = []
@@ -839,6 +980,15 @@ def bench(shapes=((128, 1856, 2688), (128, 2688, 1856), (8192, 8192)), dtype=tor
             ms_k = do_bench_cudagraph(lambda: launch(w, rule), rep=100, return_mode="median")
             row[f"ms_kernels_{rule}"] = ms_k
             row[f"tbps_kernels_{rule}"] = traffic / (ms_k * 1e-3) / 1e12
+            if fused_stack(w, n_members, shape[-2] * shape[-1] // 16):  # the two launches, side by side
+                saved = STACK["max_member_bytes"]
+                STACK["max_member_bytes"] = None
+                try:
+                    ms_2 = do_bench_cudagraph(lambda: launch(w, rule), rep=100, return_mode="median")
+                finally:
+                    STACK["max_member_bytes"] = saved
+                row[f"ms_two_launches_{rule}"] = ms_2
+                row[f"tbps_two_launches_{rule}"] = traffic / (ms_2 * 1e-3) / 1e12
             g = member_amax(w)
             ms_g = do_bench_cudagraph(lambda: launch(w, rule, global_amax=g), rep=100, return_mode="median")
             row[f"ms_given_amax_{rule}"] = ms_g
@@ -869,6 +1019,57 @@ def sweep(shape=(128, 1856, 2688), configs=((64, 2), (128, 4), (128, 2), (256, 8
         TUNING.clear()
         TUNING.update(saved)
     return out
+
+
+STACK_SWEEP = ((4, 32, 8, True), (4, 16, 4, True), (4, 64, 16, True), (2, 16, 4, True), (3, 32, 8, True),
+               (6, 32, 8, True), (4, 32, 8, False))
+
+
+def sweep_stack(shapes=((128, 1856, 2688), (128, 2688, 1856)), configs=STACK_SWEEP):
+    """Times of the one-launch stack kernel per (lag, tiles per max item, tiles per quantize
+    item, prefetch) on the Nano expert stacks, both rules, beside the two launches; every
+    config's bytes are checked against the two launches'."""
+    from triton.testing import do_bench_cudagraph
+
+    saved = dict(STACK)
+    out = []
+    try:
+        for shape in shapes:
+            w = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+            STACK["max_member_bytes"] = None
+            ref = {rule: launch(w, rule)[0] for rule in ("6", "4o6")}
+            for rule in ("6", "4o6"):
+                ms = do_bench_cudagraph(lambda: launch(w, rule), rep=60, return_mode="median")
+                out.append({"shape": list(shape), "config": "two launches", "rule": rule, "ms": ms})
+            STACK["max_member_bytes"] = saved["max_member_bytes"]
+            for lag, max_tiles, quant_tiles, prefetch in configs:
+                STACK.update(lag=lag, max_tiles=max_tiles, quant_tiles=quant_tiles, prefetch=prefetch)
+                for rule in ("6", "4o6"):
+                    got = launch(w, rule)[0]
+                    same = (torch.equal(got.packed, ref[rule].packed)
+                            and torch.equal(got.block_scale.view(torch.uint8), ref[rule].block_scale.view(torch.uint8))
+                            and torch.equal(got.global_scale, ref[rule].global_scale))
+                    if not same:
+                        raise AssertionError(f"{_WHAT}: stack kernel bytes differ at {STACK} ({rule}, {shape})")
+                    ms = do_bench_cudagraph(lambda: launch(w, rule), rep=60, return_mode="median")
+                    out.append({"shape": list(shape), "lag": lag, "max_tiles": max_tiles, "quant_tiles": quant_tiles,
+                                "prefetch": prefetch, "rule": rule, "ms": ms})
+            del w
+    finally:
+        STACK.clear()
+        STACK.update(saved)
+    return out
+
+
+def pick_stack(rows) -> dict:
+    """The STACK entry with the smallest plain + 4/6 time summed over the swept stacks."""
+    totals = {}
+    for r in rows:
+        if "lag" in r:
+            key = (r["lag"], r["max_tiles"], r["quant_tiles"], r["prefetch"])
+            totals[key] = totals.get(key, 0.0) + r["ms"]
+    lag, max_tiles, quant_tiles, prefetch = min(totals, key=totals.get)
+    return {"lag": lag, "max_tiles": max_tiles, "quant_tiles": quant_tiles, "prefetch": prefetch}
 
 
 def pick(rows) -> dict:

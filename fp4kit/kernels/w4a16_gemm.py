@@ -49,15 +49,15 @@ programs evenly over the multiprocessors (`split_count`). Above LARGE_M rows the
 dequantized once by the same helper and multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1: 2.18x on 8192 x 8192 (GEMV, 15.3 us), 2.18x on 28672 x 8192 (GEMV; bf16
-106.7 us there, 106.7-121.0 across runs), 1.77-1.84x on the Nano shapes (GEMV), 2.16x on
-131072 x 2688 (mma, `ROW_MMA`; 1.92x on the GEMV in the previous run); M = 4 (mma): 1.86x, 1.99x,
-1.17x, 1.29x and 2.12x; M = 16: 1.41-1.85x on the three large shapes (mma, two activation tiles),
-0.79x and 0.91x on the Nano shapes (wgmma); M = 64: 0.51-0.92x. The GEMV
+the bf16 weight): M = 1: 2.17x on 8192 x 8192 (GEMV, 15.4 us), 2.21x on 28672 x 8192 (GEMV; bf16
+107.8 us there, 106.7-121.0 across runs), 1.83-1.95x on the Nano shapes (GEMV), 2.16x on
+131072 x 2688 (mma, `ROW_MMA`; 1.92x on the GEMV before); M = 4 (mma): 1.88x, 1.95x,
+1.09x, 1.32x and 2.12x; M = 16: 1.41-1.84x on the three large shapes (mma, two activation tiles),
+0.89x and 0.94x on the Nano shapes (wgmma); M = 64: 0.53-0.92x. The GEMV
 loop spends 4.5 SASS instructions per weight at one row (fma, fp16-to-fp32 conversion, 0.9 of
 code decoding, loads and addresses), and that arithmetic sets its time: `gemv_limits` runs the
-loop with its weight loads alone and with its arithmetic alone on cache-resident weights, 8.2
-and 13.8 us on 8192 x 8192 against 14.9 for the whole loop (34.5 and 43.4 against 47.8 on
+loop with its weight loads alone and with its arithmetic alone on cache-resident weights, 8.1
+and 13.8 us on 8192 x 8192 against 14.9 for the whole loop (34.5 and 43.5 against 47.8 on
 28672 x 8192); under Nsight Compute (scripts/profile_kernels.py, kernels-pipes-h200.json) its
 issue is 69% busy and the integer ALU pipe, which takes about 44% of its instructions at half
 the issue rate, 61%. The mma kernel's loop spends 3.5-3.9 SASS instructions per weight (one or two
@@ -68,8 +68,8 @@ them aligned): with 8-byte loads a warp's load touched every 32-byte sector it r
 16 rows the L1 was the busiest unit. 2-8 rows cost little more than two do (sweep_mma in
 benchmarks/results/kernels-sweeps-mma-h200.json, the pick: 17.0, 17.5 and 19.9 us at 2, 4 and 8
 rows on 8192 x 8192), still more than the GEMV's one row where the GEMV's K step divides K
-(sweep_row_mma in kernels-h200.json: 17.0 against 15.3 us on 8192 x 8192); where it does not,
-from 32768 x 1856 up, one row is faster here (`ROW_MMA`). With a
+(sweep_row_mma in kernels-sweeps-row-mma-h200.json: 17.0 against 15.3 us on 8192 x 8192);
+where it does not, from 32768 x 1856 up, one row is faster here (`ROW_MMA`). With a
 second activation tile (9-16 rows) it beats the wgmma kernel from 8192 x 8192 weights up but
 not on the Nano shapes (sweep_mma_wide; `MMA_WIDE`).
 The wgmma kernel spends ~6.5 instructions per weight in its main loop: the table dequantization, then
@@ -1489,7 +1489,7 @@ MMA_WIDE = {"max_m": 16, "min_weights": 8192 * 8192, "rows": 2, "num_warps": 1, 
 # and, with K of 1856-3712, gets one to three steps per program to overlap its loads with; the
 # mma kernel's steps of 128 divide every K the bench and the Nano model have. Picked on an H200
 # by `sweep_row_mma` / `pick_row_mma` (scripts/bench_kernels.py --sweep-row-mma, sweep_row_mma
-# in benchmarks/results/kernels-h200.json): 16 shapes at one row, the GEMV and the mma kernel
+# in benchmarks/results/kernels-sweeps-row-mma-h200.json): 16 shapes at one row, the GEMV and the mma kernel
 # side by side; from 32768 x 1856 up the mma kernel is faster on every swept shape with a ragged
 # GEMV step (16.4 against 20.3 us there, 75.8 against 89.1 on 131072 x 2688, 31.0 against 42.8
 # on 65536 x 1856), below it not on all (12.8 against 12.1 on 16384 x 2688; 10.3 against 10.7

@@ -75,6 +75,40 @@ def test_quantize_full_expert_stack_one_launch():
 
 
 @pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_quantize_stack_kernel_against_two_launches(rule, monkeypatch):
+    # 96 members of 128 tiles each in one `_stack_kernel` launch, whose quantize items wait on
+    # other programs' max items: every call gives the two-launch path's bytes and choices.
+    w = _randn(96, 256, 1024, seed=21)
+    w[5] *= 1000.0
+    w[6] = 0.0
+    assert kquant.fused_stack(w, 96, 256 * 1024 // 16)
+    assert not kquant.fused_stack(torch.empty(2, 8192, 8192, dtype=torch.bfloat16, device=DEV), 2, 8192 * 512)
+    runs = [kquant.quantize(w, scale_rule=rule, return_choice=True) for _ in range(4)]
+    monkeypatch.setitem(kquant.STACK, "max_member_bytes", None)
+    two, two_choice = kquant.quantize(w, scale_rule=rule, return_choice=True)
+    for qt, choice in runs:
+        assert _same(qt, two) and torch.equal(choice, two_choice)
+    idx = torch.tensor([0, 5, 6, 95], device=DEV)
+    assert _same(_members(two, idx), nvfp4.quantize(w[idx].cpu(), scale_rule=rule))
+
+
+def test_quantize_stack_kernel_in_a_cuda_graph():
+    # The stack kernel (its counters zeroed by a captured memset) replays from a CUDA graph, as the bench times it.
+    w = _randn(8, 1856, 2688, seed=22)
+    ref = kquant.quantize(w, scale_rule="4o6")
+    kquant.launch(w, "4o6")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _, own = kquant.launch(w, "4o6")
+    for _ in range(3):
+        out.packed.zero_()
+        graph.replay()
+    torch.cuda.synchronize()
+    assert _same(out, ref)
+    assert torch.equal(own, w.float().abs().amax(dim=(1, 2)))
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
 def test_quantize_matches_reference_run_on_gpu(rule):
     # The same bytes as the reference evaluated on this GPU, and as on the CPU.
     w = _randn(16, 1856, 2688, seed=12)
