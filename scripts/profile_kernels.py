@@ -108,10 +108,16 @@ _TO_BYTES = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e1
 _TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 
 
+def _wanted(case: str, only: str | None) -> bool:
+    """Whether --only (comma-separated texts, or None: all) selects this case."""
+    return only is None or any(part in case for part in only.split(","))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-pipes-<gpu>.json)")
-    parser.add_argument("--only", default=None, help="profile only the cases whose name contains this text")
+    parser.add_argument("--only", default=None,
+                        help="profile only the cases whose name contains one of these comma-separated texts")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
@@ -127,7 +133,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     rows = []
     for name, (case, kernel, elements) in CASES.items():
-        if args.only and args.only not in name:
+        if not _wanted(name, args.only):
             continue
         r = profile(case, kernel, ncu)
         r.update(case=name, kernel=kernel, elements=elements,
@@ -143,7 +149,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     if args.only and os.path.exists(out):  # keep the other cases' rows from the earlier run
         with open(out) as f:
-            kept = [r for r in json.load(f)["kernels"] if args.only not in r["case"]]
+            kept = [r for r in json.load(f)["kernels"] if not _wanted(r["case"], args.only)]
         rows = kept + rows
     result = {"gpu": gpu, "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
               "command": " ".join(["python", "scripts/profile_kernels.py", *sys.argv[1:]]),

@@ -91,6 +91,22 @@ def test_quantize_random(rule, dtype, shape):
 
 
 @pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_quantize_bf16_weights(rule):
+    # bf16 weights are only loaded and widened to fp32 (exact; no bf16 arithmetic, so the
+    # interpreter runs it): random bf16 bit patterns of every exponent (the per-element division
+    # path), both zeros, and normal weights (the fast path), as one tensor and as a stack.
+    g = torch.Generator().manual_seed(15)
+    bits = torch.randint(-32768, 32768, (8, 32, 64), generator=g, dtype=torch.int32).to(torch.int16)
+    wide = bits.view(torch.bfloat16)
+    wide = torch.where(torch.isfinite(wide.float()), wide, torch.zeros_like(wide))
+    wide[0, 0, :4] = torch.tensor([0.0, -0.0, -0.0, 0.0], dtype=torch.bfloat16)
+    normal = _rand(8, 32, 64, seed=15).to(torch.bfloat16)
+    normal[1, 2, 3] = -0.0
+    for w in (wide, normal, normal[0]):
+        check_quantize(w, scale_rule=rule)
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
 def test_quantize_subnormal_block_scales_at_the_saturation_edge(rule):
     # Blocks whose E4M3 scale is subnormal round it down by up to 1.5x, so quotients reach 8-9
     # (saturated to 6 in the packed word, 8 nibbles at once) and 4/6's candidate 4 reaches 6
