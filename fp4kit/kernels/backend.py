@@ -7,6 +7,8 @@ variable TRITON_INTERPRET=1 when the `@triton.jit` decorators run (at import of 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BACKENDS = ("triton", "torch")
@@ -46,6 +48,19 @@ def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for host-side grid and split arithmetic (plain Python: `triton.cdiv` is a
     jit function, whose call from Python costs microseconds per launch)."""
     return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessors (cached per GPU); 4 on the CPU, where the interpreter runs
+    small grids."""
+    if device.type == "cuda":
+        return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
 
 
 def next_power_of_2(n: int) -> int:

@@ -94,7 +94,7 @@ from fp4kit.formats.constants import (
 from fp4kit.formats.arith import DEFAULT_ARITH, check_mode, fp32_reciprocal
 from fp4kit.formats.errors import FormatError, check_finite, check_float_tensor
 
-from .backend import cdiv, check_backend, interpreted, launch_options
+from .backend import cdiv, check_backend, interpreted, launch_options, sm_count
 
 _WHAT = "kernels.quantize"
 
@@ -849,8 +849,7 @@ def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = 
         max_tiles, quant_tiles = STACK["max_tiles"], STACK["quant_tiles"]
         if max_tiles % 4 or max_tiles % quant_tiles or STACK["lag"] < 1:
             raise ValueError(f"{_WHAT}: STACK needs max_tiles a multiple of 4 and of quant_tiles, lag >= 1: {STACK}")
-        programs = 1 if interpreted(_stack_kernel) else (
-            STACK["programs_per_sm"] * torch.cuda.get_device_properties(w.device).multi_processor_count)
+        programs = 1 if interpreted(_stack_kernel) else STACK["programs_per_sm"] * sm_count(w.device)
         _stack_kernel[(programs,)](
             w, own, done, ticket, imp, packed, scale, gs, choice, n_members, tiles, blocks_per_row, imp_stride,
             cdiv(tiles, max_tiles), cdiv(tiles, quant_tiles), *recips, LAG=STACK["lag"], MAX_TILES=max_tiles,

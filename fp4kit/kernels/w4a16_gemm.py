@@ -90,6 +90,7 @@ from fp4kit.formats import nvfp4
 from fp4kit.formats.errors import FormatError
 
 from .backend import cdiv, check_backend, interpreted, launch_options
+from .backend import sm_count as _sm_count
 
 _WHAT = "kernels.w4a16_matmul"
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -1352,17 +1353,6 @@ def lut_tile(cfg: dict) -> bool:
     128: the decode and M <= 64 tiles); other shapes dequantize arithmetically (the same
     values, more instructions)."""
     return cfg.get("num_warps", 4) == 4 and cfg["BLOCK_K"] >= 128
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
-    return 4  # interpreter: small grids
 
 
 def _split(m: int, n: int, k: int, cfg: dict, device: torch.device, programs_per_sm: int | None = None,
