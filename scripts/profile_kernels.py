@@ -34,6 +34,10 @@ CASES = {
     "quantize 4/6 [128,1856,2688]": ("quantize:4o6:two", "_quantize_kernel", 128 * 1856 * 2688),
     "stack kernel plain [128,1856,2688]": ("quantize:6:stack", "_stack_kernel", 128 * 1856 * 2688),
     "stack kernel 4/6 [128,1856,2688]": ("quantize:4o6:stack", "_stack_kernel", 128 * 1856 * 2688),
+    # Quantize items close behind the max items (lag 1 and 2, 8-tile items): how much of the
+    # second read L2 serves, against the waits.
+    "stack kernel plain lag 1 [128,1856,2688]": ("quantize:6:stack:1:8:8", "_stack_kernel", 128 * 1856 * 2688),
+    "stack kernel plain lag 2 [128,1856,2688]": ("quantize:6:stack:2:8:8", "_stack_kernel", 128 * 1856 * 2688),
 }
 
 STALLS = ("long_scoreboard", "math_pipe_throttle", "not_selected", "wait", "short_scoreboard", "barrier",
@@ -70,6 +74,8 @@ def run_case(case: str) -> None:
     elif kind == "quantize":  # rule, then "two" (max pass and quantize launches) or "stack" (one launch)
         if args[1] == "two":
             kquant.STACK["max_member_bytes"] = None
+        if len(args) == 5:  # stack: lag, tiles per max item, tiles per quantize item
+            kquant.STACK.update(lag=int(args[2]), max_tiles=int(args[3]), quant_tiles=int(args[4]))
         w = torch.randn(128, 1856, 2688, device="cuda", dtype=torch.bfloat16)
         for _ in range(3):
             kquant.quantize(w, scale_rule=args[0])
@@ -113,6 +119,16 @@ def _wanted(case: str, only: str | None) -> bool:
     return only is None or any(part in case for part in only.split(","))
 
 
+def merge_rows(earlier: dict, rows: list, only: str) -> list:
+    """--only: the earlier file's rows of the cases not profiled now, each marked with the run it
+    came from (its date and command, where the row does not carry them), then this run's rows."""
+    kept = [dict(r) for r in earlier["kernels"] if not _wanted(r["case"], only)]
+    for r in kept:
+        r.setdefault("date_utc", earlier["date_utc"])
+        r.setdefault("command", earlier["command"])
+    return kept + rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-pipes-<gpu>.json)")
@@ -147,12 +163,14 @@ def main() -> None:
     slug = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
     out = args.out or f"benchmarks/results/kernels-pipes-{slug}.json"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    if args.only and os.path.exists(out):  # keep the other cases' rows from the earlier run
+    date = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
+    command = " ".join(["python", "scripts/profile_kernels.py", *sys.argv[1:]])
+    for r in rows:
+        r.update(date_utc=date, command=command)
+    if args.only and os.path.exists(out):
         with open(out) as f:
-            kept = [r for r in json.load(f)["kernels"] if not _wanted(r["case"], args.only)]
-        rows = kept + rows
-    result = {"gpu": gpu, "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
-              "command": " ".join(["python", "scripts/profile_kernels.py", *sys.argv[1:]]),
+            rows = merge_rows(json.load(f), rows, args.only)
+    result = {"gpu": gpu, "torch": torch.__version__, "date_utc": date, "command": command,
               "note": "one launch per kernel under ncu (caches flushed, clocks not locked); ALU/FMA: "
                       "instructions issued to that pipe as a share of its peak; stalls: cycles per issued "
                       "instruction", "kernels": rows}
