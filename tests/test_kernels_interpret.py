@@ -295,7 +295,8 @@ def test_quantize_stack_in_one_launch(rule, monkeypatch):
 def test_quantize_stack_schedules(schedule, monkeypatch):
     # Members of 5 tiles: max items and quantize items that run past a member's end, groups
     # with more quantize slots than items, a lag longer than the stack; every tile quantized once,
-    # and every tile in its member's max (member i has its max in tile i).
+    # and every tile in its member's max (member i has its max in tile i); fp32, fp16 and bf16
+    # (the last two with their maxima on bit patterns).
     for key, value in schedule.items():
         monkeypatch.setitem(kquant.STACK, key, value)
     w = _rand(5, 40, 256, seed=13)
@@ -303,6 +304,34 @@ def test_quantize_stack_schedules(schedule, monkeypatch):
         w[i, 8 * i + 3] *= 50.0
     check_quantize(w, scale_rule="4o6")
     check_quantize(w.to(torch.float16), scale_rule="6")
+    check_quantize(w.to(torch.bfloat16), scale_rule="6")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantize_stack_max_on_bit_patterns(dtype):
+    # 16-bit stacks take their member maxima on bit patterns (`_max_pair`): a negative maximum
+    # beside a smaller positive one in the other half of its word, subnormals only (fp16: the
+    # interpreter widens bf16 subnormals inexactly; tests/gpu covers them), zeros of both signs,
+    # the largest finite value; each member's max is exactly max|w|, the bytes the reference's.
+    # NaN and Inf of either sign in a member are flagged and named.
+    info = torch.finfo(dtype)
+    w = _rand(5, 32, 64, seed=16).to(dtype)
+    w[0, 9, 20], w[0, 9, 21] = -7.5, 7.0  # one word: the negative half is the larger
+    tiny = info.smallest_normal / 8 if dtype == torch.float16 else info.smallest_normal * 8
+    w[1] = (torch.arange(32 * 64).reshape(32, 64) % 7 - 3).to(dtype) * tiny
+    w[2] = 0.0
+    w[2, ::2, 1::3] = -0.0
+    w[3, 31, 63] = -info.max
+    got, _, own = kquant.launch(w.to(DEVICE), "6")
+    assert torch.equal(own.cpu(), w.float().abs().amax(dim=(1, 2)))
+    assert_same_nvfp4(got, nvfp4.quantize(w, scale_rule="6"))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        v = w.clone()
+        v[3, 4, 17] = bad
+        flagged = kquant.launch(v.to(DEVICE), "6")[2].cpu()  # NaN counts as +Inf
+        assert flagged[3] == float("inf") and torch.equal(flagged[:3], own[:3].cpu())
+        with pytest.raises(FormatError, match=r"first at index \(3, 4, 17\)"):
+            kquant.quantize(v.to(DEVICE), scale_rule="4o6")
 
 
 def test_quantize_stack_schedule_checked(monkeypatch):

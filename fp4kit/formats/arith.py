@@ -15,6 +15,8 @@ production exports and its 4/6 calibration run; fp4kit's default) or arith="cpu"
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 ARITH_MODES = ("cuda", "cpu")
@@ -27,8 +29,10 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+@functools.lru_cache(maxsize=64)
 def fp32_reciprocal(c: float) -> float:
-    """fp32(1 / c) rounded once in fp32, as torch's CUDA kernel forms it."""
+    """fp32(1 / c) rounded once in fp32, as torch's CUDA kernel forms it (cached: the callers'
+    constants are few, and the kernels' launchers ask on every call)."""
     return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(c, dtype=torch.float32))
 
 

@@ -15,10 +15,11 @@ One or two launches per call, whatever the number of experts:
 3. `_stack_kernel`, for a stack of members that are whole tiles (`fused_stack`; the Nano
    expert stacks) when no global amax is given, instead of 1 and 2: one launch whose programs
    take work items in ticket order from one queue, max items of member e + lag interleaved
-   with quantize items of member e (`_quantize_tile`, the same arithmetic), a quantize item
-   waiting only on max items with earlier tickets. The DRAM-bound max pass so runs beside the
-   issue-bound quantization instead of before it (both read the weight from DRAM: 2.55 GB
-   for one 1.28 GB stack under Nsight Compute, L2 hit rate 14%).
+   with quantize items of member e (`_member_tile`, `_quantize_tile`'s arithmetic for a tile in
+   one member), a quantize item waiting only on max items with earlier tickets. The
+   DRAM-bound max pass so runs beside the issue-bound quantization instead of before it (both
+   read the weight from DRAM: 2.55 GB for one 1.28 GB stack under Nsight Compute, L2 hit rate
+   14%).
 
 Why the bytes are the reference's (read with `fp4kit/formats/nvfp4.py` beside this):
 - Every fp32 operation is the reference's, in its order (e.g. `6 * global_scale` rounded before
@@ -56,20 +57,23 @@ Why the bytes are the reference's (read with `fp4kit/formats/nvfp4.py` beside th
   needs no saturation: its scale rounds down by at most 1.5 (E4M3 subnormals) from amax / 4, so
   its quotients stay below 7 and round to 6 at most.
 Measured on an H200 (benchmarks/results/kernels-h200.json, Nano expert stacks, bf16, CUDA
-graphs, side by side): the stack kernel 2.26 TB/s plain and 1.46 TB/s 4/6 (0.70-0.74 and
-1.12 ms per stack), the two launches 1.89 and 1.21 (0.87 and 1.36 ms), the one launch with a
-given global amax 2.28 and 1.34 (the copy ceiling is 4.24 TB/s; the max pass alone takes
-0.29 ms). Reading the weight twice from DRAM caps any two-pass schedule at 2.38 TB/s as the
-bench counts it (bf16 in, codes and scales out: 2.5625 bytes per element, 4.5625 moved). The
-quantization itself is bound by instruction issue and the integer ALU pipe (Nsight Compute,
-scripts/profile_kernels.py: benchmarks/results/kernels-pipes-h200.json): `_quantize_kernel`
-plain 22.4 instructions per element with issue 75% and the ALU pipe 72% busy, 4/6 43.1 with
-issue 78% busy; the stack kernel 25.5 (plain: ALU pipe 75%) and 46.1 (4/6: issue 79%), the max
-items' instructions added. The SASS fast path (sm_90, one thread's 16-element block from its
-loads to its stores) is 23 (plain) and 44 (4/6) instructions per element: 4/6 spends 21 more,
-about 17 of them on the second candidate's quotient and rounding and the two candidates'
-squared errors and sums, which the reference's step-by-step rounding fixes; at most 1.3 times
-plain would leave room for 7.
+graphs, side by side): the stack kernel 2.16 TB/s plain and 1.46 TB/s 4/6 (0.75-0.76 and
+1.12-1.13 ms per stack; 0.71-0.77 plain in that run's sweep, whose times move a few percent
+with the machine's load), the two launches 1.81 and 1.21 (0.90 and 1.35 ms), the one launch
+with a given global amax 2.28 and 1.35 (the copy ceiling is 4.27 TB/s; the max pass alone
+takes 0.30 ms). Reading the weight twice from DRAM caps any two-pass schedule at 2.40 TB/s as
+the bench counts it (bf16 in, codes and scales out: 2.5625 bytes per element, 4.5625 moved),
+and the stack kernel does read it twice: 2.55 GB per 1.28 GB stack with DRAM 89% busy under
+Nsight Compute (scripts/profile_kernels.py: benchmarks/results/kernels-pipes-h200.json), which
+puts plain at the DRAM limit. The quantization itself is bound by instruction issue and the
+integer ALU pipe: `_quantize_kernel` plain 22.4 instructions per element with issue 74% and
+the ALU pipe 71% busy, 4/6 43.1 with issue 77% busy; the stack kernel 22.8 (plain) and 43.3
+(4/6, issue 77%), its max items' taken on 16-bit patterns two elements per instruction
+(`_max_pair`: 1.75 SASS instructions per element against 4.6 on fp32 values). The SASS fast
+path (sm_90, one thread's 16-element block from its loads to its stores) is 23 (plain) and 44
+(4/6) instructions per element: 4/6 spends 21 more, about 17 of them on the second candidate's
+quotient and rounding and the two candidates' squared errors and sums, which the reference's
+step-by-step rounding fixes; at most 1.3 times plain would leave room for 7.
 Known limit shared with nothing real: an fp32 weight so small that its global scale underflows
 (max|w| < ~2e-42) makes the reference produce NaN block scales whose sign bit depends on the
 platform's default NaN; this kernel writes 0x7F there.
@@ -486,6 +490,43 @@ def _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo,
 
 
 @triton.jit
+def _member_prep(g, r6, r1536, r2688, RECIP: tl.constexpr, RULE_4O6: tl.constexpr, STEP_MAX: tl.constexpr):
+    """What a member's global amax g (a scalar) fixes for all its tiles: the block-scale divisor
+    den (g / 6 for 4/6, 6 * (g / 2688) for the plain rule; g = 0 counts as 1), y_den = RN(1 / den)
+    and whether the fast path is exact (`_fast_range`). A kernel that quantizes several tiles of
+    one member computes these once, outside its tile loop."""
+    g = tl.where(g == 0.0, 1.0, g)
+    if RULE_4O6:
+        gs_check = _div_const(g, 1536.0, r1536, RECIP)
+        den = _div_const(g, 6.0, r6, RECIP)
+    else:
+        gs_check = _div_const(g, 2688.0, r2688, RECIP)
+        den = 6.0 * gs_check
+    return den, tl.math.div_rn(1.0, den), _fast_range(gs_check, gs_check, STEP_MAX)
+
+
+@triton.jit
+def _member_tile(x_lo, x_hi, g, den, y_den, fast, imp_lo, imp_hi, r6, r1536, r2688,
+                 RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr,
+                 ASM: tl.constexpr, BLOCKS: tl.constexpr):
+    """`_quantize_tile` of a tile inside one member, with that member's `_member_prep`."""
+    a_lo = tl.abs(x_lo)
+    a_hi = tl.abs(x_hi)
+    block_amax = tl.max(tl.maximum(a_lo, a_hi), axis=1, keep_dims=True)  # exact in any order
+    g_b = g + 0.0 * block_amax  # per block
+    zero = g_b == 0.0  # all-zero tensor/expert: global scale 1, block scales 1, codes 0
+    live = g_b != 0.0
+    g = tl.where(g == 0.0, 1.0, g)
+    if fast:
+        out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo, imp_hi,
+                         r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True, True, ASM, BLOCKS)
+    else:
+        out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, den, zero, live, imp_lo, imp_hi,
+                         r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, False, False, ASM, BLOCKS)
+    return out
+
+
+@triton.jit
 def _quantize_tile(x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688,
                    RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr,
                    UNIFORM: tl.constexpr, STEP_MAX: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr):
@@ -500,28 +541,24 @@ def _quantize_tile(x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688,
     of the error tree (i, i+8) is one add. Which arithmetic path runs is decided once per tile
     from the global scale(s) (`_fast_range`); every path gives the reference's bytes.
     """
-    a_lo = tl.abs(x_lo)
-    a_hi = tl.abs(x_hi)
-    block_amax = tl.max(tl.maximum(a_lo, a_hi), axis=1, keep_dims=True)  # exact in any order
-    g_b = g + 0.0 * block_amax  # per block (g may be one scalar)
-    zero = g_b == 0.0  # all-zero tensor/expert: global scale 1, block scales 1, codes 0
-    live = g_b != 0.0
-    g = tl.where(g == 0.0, 1.0, g)
-    if RULE_4O6:
-        gs_check = _div_const(g, 1536.0, r1536, RECIP)
-        den = _div_const(g, 6.0, r6, RECIP)
-    else:
-        gs_check = _div_const(g, 2688.0, r2688, RECIP)
-        den = 6.0 * gs_check
     if UNIFORM:
-        if _fast_range(gs_check, gs_check, STEP_MAX):
-            y_den = tl.math.div_rn(1.0, den)
-            out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo, imp_hi,
-                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True, True, ASM, BLOCKS)
-        else:
-            out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, den, zero, live, imp_lo, imp_hi,
-                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, False, False, ASM, BLOCKS)
+        den, y_den, fast = _member_prep(g, r6, r1536, r2688, RECIP, RULE_4O6, STEP_MAX)
+        out = _member_tile(x_lo, x_hi, g, den, y_den, fast, imp_lo, imp_hi, r6, r1536, r2688,
+                           RECIP, RULE_4O6, HAS_IMP, ASM, BLOCKS)
     else:
+        a_lo = tl.abs(x_lo)
+        a_hi = tl.abs(x_hi)
+        block_amax = tl.max(tl.maximum(a_lo, a_hi), axis=1, keep_dims=True)  # exact in any order
+        g_b = g + 0.0 * block_amax
+        zero = g_b == 0.0
+        live = g_b != 0.0
+        g = tl.where(g == 0.0, 1.0, g)
+        if RULE_4O6:
+            gs_check = _div_const(g, 1536.0, r1536, RECIP)
+            den = _div_const(g, 6.0, r6, RECIP)
+        else:
+            gs_check = _div_const(g, 2688.0, r2688, RECIP)
+            den = 6.0 * gs_check
         if _fast_range(tl.min(gs_check), tl.max(gs_check), STEP_MAX):
             out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, den, zero, live, imp_lo, imp_hi,
                              r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True, False, ASM, BLOCKS)
@@ -650,6 +687,53 @@ def _max_abs(acc, x_lo, x_hi):
     return tl.maximum(acc, tl.abs(x_hi), propagate_nan=tl.PropagateNan.ALL)
 
 
+_MAX_PAIR_ASM = tl.constexpr("""
+{
+.reg .b32 t;
+and.b32 t, $2, 0x7FFF7FFF;
+max.u16x2 $0, $1, t;
+}
+""")
+
+
+@triton.jit
+def _max_pair(acc, w, ASM: tl.constexpr):
+    """Per 16-bit half of the int32 words: max(acc, |x| bits) for two 16-bit floats x per word.
+    A float's magnitude bits order as its |value| does (Inf above every finite, NaN above Inf),
+    so this is max|x| on bit patterns. ASM (sm_90): one mask and one paired unsigned max per two
+    elements; else the same on each half. acc's and the masked words' top bit is clear, so the
+    arithmetic shift is a logical one."""
+    if ASM:
+        out = tl.inline_asm_elementwise(_MAX_PAIR_ASM, "=r,r,r", [acc, w], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        m = w & 0x7FFF7FFF
+        hi = tl.maximum(acc >> 16, m >> 16)
+        lo = tl.maximum(acc & 0xFFFF, m & 0xFFFF)
+        out = (hi << 16) | lo
+    return out
+
+
+@triton.jit
+def _pair_max_value(acc, HALF: tl.constexpr):
+    """max|x| (fp32 scalar) from `_max_pair`'s words; NaN as +Inf. HALF: 1 = bf16, 2 = fp16."""
+    p = tl.maximum(tl.max(acc >> 16), tl.max(acc & 0xFFFF))
+    if HALF == 1:
+        v = (p << 16).to(tl.float32, bitcast=True)
+        inf_bits: tl.constexpr = 0x7F80
+    else:
+        v = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        inf_bits: tl.constexpr = 0x7C00
+    return tl.where(p > inf_bits, float("inf"), v)
+
+
+@triton.jit
+def _load_words(w_ptr, blk, ok):
+    """The 8 int32 words (two 16-bit elements each) of the blocks `blk` ([BLOCKS, 1]) of a 16-bit
+    weight, [BLOCKS, 8]."""
+    j = tl.arange(0, 8)[None, :]
+    return tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + blk * 8 + j, mask=ok, other=0)
+
+
 @triton.jit
 def _stack_tile(e, tile, tiles_per_member, OFFSET_DTYPE: tl.constexpr, BLOCKS: tl.constexpr):
     """Block indices ([BLOCKS, 1]) of tile `tile` of member e, and whether the tile exists."""
@@ -662,6 +746,7 @@ def _stack_kernel(
     w_ptr, own_ptr, done_ptr, ticket_ptr, imp_ptr, packed_ptr, scale_ptr, gs_ptr, choice_ptr,
     n_members, tiles_per_member, blocks_per_row, imp_stride, max_items, quant_items, r6, r1536, r2688,
     LAG: tl.constexpr, MAX_TILES: tl.constexpr, QUANT_TILES: tl.constexpr, PREFETCH: tl.constexpr,
+    HALF: tl.constexpr,
     RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr, WRITE_CHOICE: tl.constexpr,
     OFFSET_DTYPE: tl.constexpr, STEP_MAX: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr,
 ):
@@ -676,7 +761,10 @@ def _stack_kernel(
     member's items are skipped. So DRAM-bound max items run beside issue-bound quantize items,
     and with LAG members between them a quantize item rarely waits. A quantize item waits only
     on max items with earlier tickets, which programs that already run hold: no program waits
-    on one that has not started, whatever the grid or the GPU's scheduling.
+    on one that has not started, whatever the grid or the GPU's scheduling. HALF (1 bf16,
+    2 fp16, 0 fp32): max items of 16-bit weights take the maximum on bit patterns, two elements
+    per instruction (`_max_pair`). A quantize item computes its member's divisor and reciprocal
+    once (`_member_prep`), outside its tile loop.
     """
     R: tl.constexpr = MAX_TILES // QUANT_TILES
     per_slot = max_items * (R + 1)
@@ -689,22 +777,38 @@ def _stack_kernel(
         pos = within - group * (R + 1)
         if pos == 0:
             if slot < n_members:
-                acc = tl.zeros((BLOCKS, 8), dtype=tl.float32)
+                if HALF != 0:
+                    acc_w = tl.zeros((BLOCKS, 8), dtype=tl.int32)
+                else:
+                    acc = tl.zeros((BLOCKS, 8), dtype=tl.float32)
                 for j in range(0, MAX_TILES, 4):  # four tiles' loads in flight at once
                     first = group * MAX_TILES + j
                     blk0, ok0 = _stack_tile(slot, first, tiles_per_member, OFFSET_DTYPE, BLOCKS)
                     blk1, ok1 = _stack_tile(slot, first + 1, tiles_per_member, OFFSET_DTYPE, BLOCKS)
                     blk2, ok2 = _stack_tile(slot, first + 2, tiles_per_member, OFFSET_DTYPE, BLOCKS)
                     blk3, ok3 = _stack_tile(slot, first + 3, tiles_per_member, OFFSET_DTYPE, BLOCKS)
-                    a_lo, a_hi = _load_blocks(w_ptr, blk0, ok0)
-                    b_lo, b_hi = _load_blocks(w_ptr, blk1, ok1)
-                    c_lo, c_hi = _load_blocks(w_ptr, blk2, ok2)
-                    d_lo, d_hi = _load_blocks(w_ptr, blk3, ok3)
-                    acc = _max_abs(acc, a_lo, a_hi)
-                    acc = _max_abs(acc, b_lo, b_hi)
-                    acc = _max_abs(acc, c_lo, c_hi)
-                    acc = _max_abs(acc, d_lo, d_hi)
-                m = tl.max(tl.where(acc == acc, acc, float("inf")))  # NaN as +Inf
+                    if HALF != 0:
+                        a_w = _load_words(w_ptr, blk0, ok0)
+                        b_w = _load_words(w_ptr, blk1, ok1)
+                        c_w = _load_words(w_ptr, blk2, ok2)
+                        d_w = _load_words(w_ptr, blk3, ok3)
+                        acc_w = _max_pair(acc_w, a_w, ASM)
+                        acc_w = _max_pair(acc_w, b_w, ASM)
+                        acc_w = _max_pair(acc_w, c_w, ASM)
+                        acc_w = _max_pair(acc_w, d_w, ASM)
+                    else:
+                        a_lo, a_hi = _load_blocks(w_ptr, blk0, ok0)
+                        b_lo, b_hi = _load_blocks(w_ptr, blk1, ok1)
+                        c_lo, c_hi = _load_blocks(w_ptr, blk2, ok2)
+                        d_lo, d_hi = _load_blocks(w_ptr, blk3, ok3)
+                        acc = _max_abs(acc, a_lo, a_hi)
+                        acc = _max_abs(acc, b_lo, b_hi)
+                        acc = _max_abs(acc, c_lo, c_hi)
+                        acc = _max_abs(acc, d_lo, d_hi)
+                if HALF != 0:
+                    m = _pair_max_value(acc_w, HALF)
+                else:
+                    m = tl.max(tl.where(acc == acc, acc, float("inf")))  # NaN as +Inf
                 tl.atomic_max(own_ptr + slot, m, sem="relaxed")
                 tl.atomic_add(done_ptr + slot, 1, sem="release")
         else:
@@ -715,6 +819,7 @@ def _stack_kernel(
                 while done < max_items:
                     done = tl.atomic_add(done_ptr + e, 0, sem="acquire")
                 g = tl.atomic_max(own_ptr + e, 0.0, sem="relaxed")  # the member's max|w| (read, unchanged)
+                den, y_den, fast = _member_prep(g, r6, r1536, r2688, RECIP, RULE_4O6, STEP_MAX)
                 blk, ok = _stack_tile(e, item * QUANT_TILES, tiles_per_member, OFFSET_DTYPE, BLOCKS)
                 x_lo, x_hi = _load_blocks(w_ptr, blk, ok)
                 for j in range(QUANT_TILES):
@@ -726,9 +831,9 @@ def _stack_kernel(
                         blk, ok = _stack_tile(e, item * QUANT_TILES + j, tiles_per_member, OFFSET_DTYPE, BLOCKS)
                         x_lo, x_hi = _load_blocks(w_ptr, blk, ok)
                     imp_lo, imp_hi = _load_importance(imp_ptr, e, blk, ok, blocks_per_row, imp_stride, HAS_IMP)
-                    code_lo, code_hi, scale_code, choose4, gs = _quantize_tile(
-                        x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True,
-                        STEP_MAX, ASM, BLOCKS)
+                    code_lo, code_hi, scale_code, choose4, gs = _member_tile(
+                        x_lo, x_hi, g, den, y_den, fast, imp_lo, imp_hi, r6, r1536, r2688, RECIP, RULE_4O6,
+                        HAS_IMP, ASM, BLOCKS)
                     _store_tile(packed_ptr, scale_ptr, choice_ptr, blk, ok, code_lo, code_hi, scale_code,
                                 choose4, WRITE_CHOICE)
                     tl.store(gs_ptr + e + blk * 0, gs, mask=blk == (e * tiles_per_member).to(OFFSET_DTYPE) * BLOCKS)
@@ -752,7 +857,7 @@ TUNING = {"blocks": 128, "num_warps": 4}
 # before a tile's arithmetic. Picked on an H200 by `sweep_stack` (scripts/bench_kernels.py
 # --sweep-stack, the Nano expert stacks, whose members are 10 MB; larger members were not timed
 # and keep the two launches).
-STACK = {"max_member_bytes": 16 << 20, "lag": 6, "max_tiles": 32, "quant_tiles": 8, "programs_per_sm": 8,
+STACK = {"max_member_bytes": 16 << 20, "lag": 8, "max_tiles": 32, "quant_tiles": 8, "programs_per_sm": 8,
          "prefetch": True}
 
 
@@ -853,7 +958,8 @@ def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = 
         _stack_kernel[(programs,)](
             w, own, done, ticket, imp, packed, scale, gs, choice, n_members, tiles, blocks_per_row, imp_stride,
             cdiv(tiles, max_tiles), cdiv(tiles, quant_tiles), *recips, LAG=STACK["lag"], MAX_TILES=max_tiles,
-            QUANT_TILES=quant_tiles, PREFETCH=STACK["prefetch"], **consts, **opts)
+            QUANT_TILES=quant_tiles, PREFETCH=STACK["prefetch"],
+            HALF={torch.bfloat16: 1, torch.float16: 2}.get(w.dtype, 0), **consts, **opts)
         qt = nvfp4.NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs)
         return qt, (choice if return_choice else None), own.reshape(batch)
     if global_amax is None:
@@ -1020,14 +1126,16 @@ def sweep(shape=(128, 1856, 2688), configs=((64, 2), (128, 4), (128, 2), (256, 8
     return out
 
 
-STACK_SWEEP = ((4, 32, 8, True), (4, 16, 4, True), (4, 64, 16, True), (2, 16, 4, True), (3, 32, 8, True),
-               (6, 32, 8, True), (4, 32, 8, False))
+_SCHEDULE = ("lag", "max_tiles", "quant_tiles", "prefetch")
+# (lag, max_tiles, quant_tiles, prefetch) per swept schedule.
+STACK_SWEEP = ((6, 32, 8, True), (4, 32, 8, True), (8, 32, 8, True), (3, 16, 8, True), (4, 16, 8, True),
+               (2, 16, 8, True), (2, 8, 8, True), (4, 16, 4, True), (6, 32, 8, False))
 
 
 def sweep_stack(shapes=((128, 1856, 2688), (128, 2688, 1856)), configs=STACK_SWEEP):
-    """Times of the one-launch stack kernel per (lag, tiles per max item, tiles per quantize
-    item, prefetch) on the Nano expert stacks, both rules, beside the two launches; every
-    config's bytes are checked against the two launches'."""
+    """Times of the one-launch stack kernel per schedule (`_SCHEDULE`: lag, tiles per max item,
+    tiles per quantize item, prefetch) on the Nano expert stacks, both rules,
+    beside the two launches; every config's bytes are checked against the two launches'."""
     from triton.testing import do_bench_cudagraph
 
     saved = dict(STACK)
@@ -1041,8 +1149,9 @@ def sweep_stack(shapes=((128, 1856, 2688), (128, 2688, 1856)), configs=STACK_SWE
                 ms = do_bench_cudagraph(lambda: launch(w, rule), rep=60, return_mode="median")
                 out.append({"shape": list(shape), "config": "two launches", "rule": rule, "ms": ms})
             STACK["max_member_bytes"] = saved["max_member_bytes"]
-            for lag, max_tiles, quant_tiles, prefetch in configs:
-                STACK.update(lag=lag, max_tiles=max_tiles, quant_tiles=quant_tiles, prefetch=prefetch)
+            for config in configs:
+                schedule = dict(zip(_SCHEDULE, config))
+                STACK.update(schedule)
                 for rule in ("6", "4o6"):
                     got = launch(w, rule)[0]
                     same = (torch.equal(got.packed, ref[rule].packed)
@@ -1051,8 +1160,7 @@ def sweep_stack(shapes=((128, 1856, 2688), (128, 2688, 1856)), configs=STACK_SWE
                     if not same:
                         raise AssertionError(f"{_WHAT}: stack kernel bytes differ at {STACK} ({rule}, {shape})")
                     ms = do_bench_cudagraph(lambda: launch(w, rule), rep=60, return_mode="median")
-                    out.append({"shape": list(shape), "lag": lag, "max_tiles": max_tiles, "quant_tiles": quant_tiles,
-                                "prefetch": prefetch, "rule": rule, "ms": ms})
+                    out.append({"shape": list(shape), **schedule, "rule": rule, "ms": ms})
             del w
     finally:
         STACK.clear()
@@ -1065,10 +1173,9 @@ def pick_stack(rows) -> dict:
     totals = {}
     for r in rows:
         if "lag" in r:
-            key = (r["lag"], r["max_tiles"], r["quant_tiles"], r["prefetch"])
+            key = tuple(r[k] for k in _SCHEDULE)
             totals[key] = totals.get(key, 0.0) + r["ms"]
-    lag, max_tiles, quant_tiles, prefetch = min(totals, key=totals.get)
-    return {"lag": lag, "max_tiles": max_tiles, "quant_tiles": quant_tiles, "prefetch": prefetch}
+    return dict(zip(_SCHEDULE, min(totals, key=totals.get)))
 
 
 def pick(rows) -> dict:

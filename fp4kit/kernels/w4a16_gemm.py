@@ -49,15 +49,15 @@ programs evenly over the multiprocessors (`split_count`). Above LARGE_M rows the
 dequantized once by the same helper and multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1: 2.17x on 8192 x 8192 (GEMV, 15.4 us), 2.21x on 28672 x 8192 (GEMV; bf16
-107.8 us there, 106.7-121.0 across runs), 1.83-1.95x on the Nano shapes (GEMV), 2.16x on
-131072 x 2688 (mma, `ROW_MMA`; 1.92x on the GEMV before); M = 4 (mma): 1.88x, 1.95x,
-1.09x, 1.32x and 2.12x; M = 16: 1.41-1.84x on the three large shapes (mma, two activation tiles),
-0.89x and 0.94x on the Nano shapes (wgmma); M = 64: 0.53-0.92x. The GEMV
+the bf16 weight): M = 1: 2.25x on 8192 x 8192 (GEMV, 15.3 us), 2.39x on 28672 x 8192 (GEMV; bf16
+118.8 us there, 106.7-121.0 across runs), 1.75-1.87x on the Nano shapes (GEMV), 2.16x on
+131072 x 2688 (mma, `ROW_MMA`; 1.92x on the GEMV before); M = 4 (mma): 1.88x, 2.11x,
+1.34x, 1.55x and 2.12x; M = 16: 1.56-1.81x on the three large shapes (mma, two activation tiles),
+0.88x and 0.94x on the Nano shapes (wgmma); M = 64: 0.53-0.93x. The GEMV
 loop spends 4.5 SASS instructions per weight at one row (fma, fp16-to-fp32 conversion, 0.9 of
 code decoding, loads and addresses), and that arithmetic sets its time: `gemv_limits` runs the
-loop with its weight loads alone and with its arithmetic alone on cache-resident weights, 8.1
-and 13.8 us on 8192 x 8192 against 14.9 for the whole loop (34.5 and 43.5 against 47.8 on
+loop with its weight loads alone and with its arithmetic alone on cache-resident weights, 8.0
+and 13.8 us on 8192 x 8192 against 14.9 for the whole loop (36.0 and 43.7 against 49.2 on
 28672 x 8192); under Nsight Compute (scripts/profile_kernels.py, kernels-pipes-h200.json) its
 issue is 69% busy and the integer ALU pipe, which takes about 44% of its instructions at half
 the issue rate, 61%. The mma kernel's loop spends 3.5-3.9 SASS instructions per weight (one or two

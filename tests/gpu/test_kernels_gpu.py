@@ -74,10 +74,14 @@ def test_quantize_full_expert_stack_one_launch():
     assert _same(_members(got, idx.to(DEV)), nvfp4.quantize(w[idx.to(DEV)].cpu(), scale_rule="4o6"))
 
 
+@pytest.mark.parametrize("schedule", [{}, dict(lag=1, max_tiles=8, quant_tiles=4)])
 @pytest.mark.parametrize("rule", ["6", "4o6"])
-def test_quantize_stack_kernel_against_two_launches(rule, monkeypatch):
+def test_quantize_stack_kernel_against_two_launches(rule, schedule, monkeypatch):
     # 96 members of 128 tiles each in one `_stack_kernel` launch, whose quantize items wait on
-    # other programs' max items: every call gives the two-launch path's bytes and choices.
+    # other programs' max items: every call gives the two-launch path's bytes and choices, with
+    # the picked schedule and others (lag 1: most quantize items wait).
+    for key, value in schedule.items():
+        monkeypatch.setitem(kquant.STACK, key, value)
     w = _randn(96, 256, 1024, seed=21)
     w[5] *= 1000.0
     w[6] = 0.0
@@ -90,6 +94,29 @@ def test_quantize_stack_kernel_against_two_launches(rule, monkeypatch):
         assert _same(qt, two) and torch.equal(choice, two_choice)
     idx = torch.tensor([0, 5, 6, 95], device=DEV)
     assert _same(_members(two, idx), nvfp4.quantize(w[idx].cpu(), scale_rule=rule))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantize_stack_max_on_bit_patterns(dtype):
+    # The stack kernel's max items on 16-bit weights (`_max_pair`, max.u16x2 on CUDA): a negative
+    # maximum beside a smaller positive one in its word, a member of subnormals only, an all-zero
+    # member with -0.0, the largest finite value; NaN and Inf flagged as +Inf in the member maxima.
+    info = torch.finfo(dtype)
+    w = _randn(16, 256, 1024, dtype=dtype, seed=23)
+    w[0, 9, 20], w[0, 9, 21] = -7.5, 7.0
+    w[1] = (torch.arange(256 * 1024, device=DEV).reshape(256, 1024) % 7 - 3).to(dtype) * (info.smallest_normal / 8)
+    w[2] = 0.0
+    w[2, ::2, 1::3] = -0.0
+    w[3, -1, -1] = -info.max
+    got, _, own = kquant.launch(w, "6")
+    assert torch.equal(own, w.float().abs().amax(dim=(1, 2)))
+    idx = torch.tensor([0, 1, 2, 3, 15], device=DEV)
+    assert _same(_members(got, idx), nvfp4.quantize(w[idx].cpu(), scale_rule="6"))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        v = w.clone()
+        v[7, 100, 513] = bad
+        flagged = kquant.launch(v, "6")[2]
+        assert flagged[7] == float("inf") and torch.equal(flagged[:7], own[:7])
 
 
 def test_quantize_stack_kernel_in_a_cuda_graph():
