@@ -490,18 +490,37 @@ def _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo,
 
 
 @triton.jit
-def _member_prep(g, r6, r1536, r2688, RECIP: tl.constexpr, RULE_4O6: tl.constexpr, STEP_MAX: tl.constexpr):
-    """What a member's global amax g (a scalar) fixes for all its tiles: the block-scale divisor
-    den (g / 6 for 4/6, 6 * (g / 2688) for the plain rule; g = 0 counts as 1), y_den = RN(1 / den)
-    and whether the fast path is exact (`_fast_range`). A kernel that quantizes several tiles of
-    one member computes these once, outside its tile loop."""
-    g = tl.where(g == 0.0, 1.0, g)
+def _tile_start(x_lo, x_hi, g):
+    """|x| of both halves and the block maxima; from the global amax g of the blocks' member (a
+    scalar, or one per block): the blocks of an all-zero member (zero: global scale 1, block
+    scales 1, codes 0), the others (live), and g with 0 counted as 1."""
+    a_lo = tl.abs(x_lo)
+    a_hi = tl.abs(x_hi)
+    block_amax = tl.max(tl.maximum(a_lo, a_hi), axis=1, keep_dims=True)  # exact in any order
+    g_b = g + 0.0 * block_amax  # per block
+    return a_lo, a_hi, block_amax, g_b == 0.0, g_b != 0.0, tl.where(g == 0.0, 1.0, g)
+
+
+@triton.jit
+def _divisor(g, r6, r1536, r2688, RECIP: tl.constexpr, RULE_4O6: tl.constexpr):
+    """For a nonzero global amax g: the smallest global scale a step is made of (for
+    `_fast_range`) and the block-scale divisor den (g / 6 for 4/6, 6 * (g / 2688) plain)."""
     if RULE_4O6:
         gs_check = _div_const(g, 1536.0, r1536, RECIP)
         den = _div_const(g, 6.0, r6, RECIP)
     else:
         gs_check = _div_const(g, 2688.0, r2688, RECIP)
         den = 6.0 * gs_check
+    return gs_check, den
+
+
+@triton.jit
+def _member_prep(g, r6, r1536, r2688, RECIP: tl.constexpr, RULE_4O6: tl.constexpr, STEP_MAX: tl.constexpr):
+    """What a member's global amax g (a scalar) fixes for all its tiles: the block-scale divisor
+    den (`_divisor`; g = 0 counts as 1), y_den = RN(1 / den) and whether the fast path is exact
+    (`_fast_range`). A kernel that quantizes several tiles of one member computes these once,
+    outside its tile loop."""
+    gs_check, den = _divisor(tl.where(g == 0.0, 1.0, g), r6, r1536, r2688, RECIP, RULE_4O6)
     return den, tl.math.div_rn(1.0, den), _fast_range(gs_check, gs_check, STEP_MAX)
 
 
@@ -510,13 +529,7 @@ def _member_tile(x_lo, x_hi, g, den, y_den, fast, imp_lo, imp_hi, r6, r1536, r26
                  RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr,
                  ASM: tl.constexpr, BLOCKS: tl.constexpr):
     """`_quantize_tile` of a tile inside one member, with that member's `_member_prep`."""
-    a_lo = tl.abs(x_lo)
-    a_hi = tl.abs(x_hi)
-    block_amax = tl.max(tl.maximum(a_lo, a_hi), axis=1, keep_dims=True)  # exact in any order
-    g_b = g + 0.0 * block_amax  # per block
-    zero = g_b == 0.0  # all-zero tensor/expert: global scale 1, block scales 1, codes 0
-    live = g_b != 0.0
-    g = tl.where(g == 0.0, 1.0, g)
+    a_lo, a_hi, block_amax, zero, live, g = _tile_start(x_lo, x_hi, g)
     if fast:
         out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo, imp_hi,
                          r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True, True, ASM, BLOCKS)
@@ -546,19 +559,8 @@ def _quantize_tile(x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688,
         out = _member_tile(x_lo, x_hi, g, den, y_den, fast, imp_lo, imp_hi, r6, r1536, r2688,
                            RECIP, RULE_4O6, HAS_IMP, ASM, BLOCKS)
     else:
-        a_lo = tl.abs(x_lo)
-        a_hi = tl.abs(x_hi)
-        block_amax = tl.max(tl.maximum(a_lo, a_hi), axis=1, keep_dims=True)  # exact in any order
-        g_b = g + 0.0 * block_amax
-        zero = g_b == 0.0
-        live = g_b != 0.0
-        g = tl.where(g == 0.0, 1.0, g)
-        if RULE_4O6:
-            gs_check = _div_const(g, 1536.0, r1536, RECIP)
-            den = _div_const(g, 6.0, r6, RECIP)
-        else:
-            gs_check = _div_const(g, 2688.0, r2688, RECIP)
-            den = 6.0 * gs_check
+        a_lo, a_hi, block_amax, zero, live, g = _tile_start(x_lo, x_hi, g)
+        gs_check, den = _divisor(g, r6, r1536, r2688, RECIP, RULE_4O6)
         if _fast_range(tl.min(gs_check), tl.max(gs_check), STEP_MAX):
             out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, den, zero, live, imp_lo, imp_hi,
                              r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True, False, ASM, BLOCKS)
