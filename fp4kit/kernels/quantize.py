@@ -529,10 +529,20 @@ def _member_tile(x_lo, x_hi, g, den, y_den, fast, imp_lo, imp_hi, r6, r1536, r26
                  RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr,
                  ASM: tl.constexpr, BLOCKS: tl.constexpr):
     """`_quantize_tile` of a tile inside one member, with that member's `_member_prep`."""
+    return _tile_path(x_lo, x_hi, g, fast, y_den, den, imp_lo, imp_hi, r6, r1536, r2688,
+                      RECIP, RULE_4O6, HAS_IMP, True, ASM, BLOCKS)
+
+
+@triton.jit
+def _tile_path(x_lo, x_hi, g, fast, d_fast, den, imp_lo, imp_hi, r6, r1536, r2688,
+               RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr,
+               MARKSTEIN: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr):
+    """`_tile_core` on the fast path where `fast` (its block-scale divisor argument d_fast: the
+    member's reciprocal y_den with MARKSTEIN, else den), else on the division path (den)."""
     a_lo, a_hi, block_amax, zero, live, g = _tile_start(x_lo, x_hi, g)
     if fast:
-        out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo, imp_hi,
-                         r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True, True, ASM, BLOCKS)
+        out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, d_fast, zero, live, imp_lo, imp_hi,
+                         r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True, MARKSTEIN, ASM, BLOCKS)
     else:
         out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, den, zero, live, imp_lo, imp_hi,
                          r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, False, False, ASM, BLOCKS)
@@ -558,15 +568,11 @@ def _quantize_tile(x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688,
         den, y_den, fast = _member_prep(g, r6, r1536, r2688, RECIP, RULE_4O6, STEP_MAX)
         out = _member_tile(x_lo, x_hi, g, den, y_den, fast, imp_lo, imp_hi, r6, r1536, r2688,
                            RECIP, RULE_4O6, HAS_IMP, ASM, BLOCKS)
-    else:
-        a_lo, a_hi, block_amax, zero, live, g = _tile_start(x_lo, x_hi, g)
-        gs_check, den = _divisor(g, r6, r1536, r2688, RECIP, RULE_4O6)
-        if _fast_range(tl.min(gs_check), tl.max(gs_check), STEP_MAX):
-            out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, den, zero, live, imp_lo, imp_hi,
-                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, True, False, ASM, BLOCKS)
-        else:
-            out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, den, zero, live, imp_lo, imp_hi,
-                             r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, False, False, ASM, BLOCKS)
+    else:  # per-block divisors: the fast path divides by each block's own (MARKSTEIN off)
+        gs_check, den = _divisor(tl.where(g == 0.0, 1.0, g), r6, r1536, r2688, RECIP, RULE_4O6)
+        fast = _fast_range(tl.min(gs_check), tl.max(gs_check), STEP_MAX)
+        out = _tile_path(x_lo, x_hi, g, fast, den, den, imp_lo, imp_hi, r6, r1536, r2688,
+                         RECIP, RULE_4O6, HAS_IMP, False, ASM, BLOCKS)
     return out
 
 
