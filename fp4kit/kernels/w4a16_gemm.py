@@ -575,11 +575,17 @@ def _block_dot(x_ptr, x4_ptr, rows, k_blk, ok, v0, v1, v2, v3, v4, v5, v6, v7, v
 
 @triton.jit
 def _load_blocks(wb_ptr, ws_ptr, n64, n_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+                 EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, KB: tl.constexpr = 0):
     """16-blocks [BLOCK_N, BLOCK_K/16] at K offset k0: the codes (int64 view of the packed bytes,
-    one block each) and the scale bytes, which share their offsets; zeros past N and K."""
+    one block each) and the scale bytes, which share their offsets; zeros past N and K.
+    KB > 0: K / 16 known at compile time, n64 the rows counted from wb_ptr / ws_ptr (the
+    program's first row): each row's blocks lie a constant distance from the first row's, which
+    the loads take as an immediate offset instead of one 64-bit address sum per row and K step."""
     g = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-    off = n64[:, None] * (K // 16) + g[None, :]
+    if KB == 0:
+        off = n64[:, None] * (K // 16) + g[None, :]
+    else:
+        off = n64[:, None] * KB + g[None, :]
     if EVEN_N and EVEN_K:
         codes = tl.load(wb_ptr + off)
         sc = tl.load(ws_ptr + off)
@@ -593,7 +599,8 @@ def _load_blocks(wb_ptr, ws_ptr, n64, n_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_
 @triton.jit
 def _gemv_accumulate(acc, x_ptr, x4_ptr, rows, m_ok, wb_ptr, ws_ptr, gs, n64, n_ok, K, k_start, k_end,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LUT: tl.constexpr, EVEN_N: tl.constexpr,
-                     EVEN_K: tl.constexpr, X_PARTS: tl.constexpr = 0, part_stride=0, ACT: tl.constexpr = None):
+                     EVEN_K: tl.constexpr, X_PARTS: tl.constexpr = 0, part_stride=0, ACT: tl.constexpr = None,
+                     KB: tl.constexpr = 0):
     """acc[BLOCK_M, BLOCK_N, BLOCK_K/16] += per block b: step_b * sum_i v(code_i) * x[m, k + i],
     over K in [k_start, k_end), on the CUDA cores.
 
@@ -605,17 +612,18 @@ def _gemv_accumulate(acc, x_ptr, x4_ptr, rows, m_ok, wb_ptr, ws_ptr, gs, n64, n_
     wb_ptr: the weight's packed bytes as int64 (one 16-block each), ws_ptr its scale bytes;
     X_PARTS, part_stride, ACT: the activations as `_block_dot` reads them. Each thread holds its
     blocks of all BLOCK_N weight rows and BLOCK_M activation rows: a block's codes are decoded
-    once for BLOCK_M rows, an activation converted once for BLOCK_N."""
+    once for BLOCK_M rows, an activation converted once for BLOCK_N. KB > 0: K / 16 at compile
+    time, n64 counted from wb_ptr / ws_ptr (`_load_blocks`)."""
     blk16 = tl.arange(0, BLOCK_K // 16) * 16
-    codes, sc = _load_blocks(wb_ptr, ws_ptr, n64, n_ok, k_start, K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
+    codes, sc = _load_blocks(wb_ptr, ws_ptr, n64, n_ok, k_start, K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, KB)
     for k0 in range(k_start, k_end, BLOCK_K):
-        codes_next, sc_next = _load_blocks(wb_ptr, ws_ptr, n64, n_ok, _ahead(k0, k_end, BLOCK_K, EVEN_K),
-                                           K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
         if EVEN_K:
             ok = m_ok[:, None]
         else:
             ok = m_ok[:, None] & ((k0 + blk16) < K)[None, :]
         v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _codes16(codes[None, :, :], LUT)
+        codes_next, sc_next = _load_blocks(wb_ptr, ws_ptr, n64, n_ok, _ahead(k0, k_end, BLOCK_K, EVEN_K),
+                                           K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, KB)
         t = _block_dot(x_ptr, x4_ptr, rows, (k0 + blk16)[None, :], ok, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9,
                        v10, v11, v12, v13, v14, v15, X_PARTS, part_stride, ACT)
         if LUT:
@@ -632,23 +640,26 @@ def _gemv_kernel(
     x_ptr, x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, stride_xm, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    LUT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    LUT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, KB: tl.constexpr,
 ):
     """y = x @ W^T for a few activation rows on the CUDA cores (grid: N tiles, row tiles, K
-    splits), the block scale factored out of each 16-block (`_gemv_accumulate`)."""
+    splits), the block scale factored out of each 16-block (`_gemv_accumulate`). KB: K / 16 (a
+    compile-time constant: the rows' blocks are addressed from the program's first row)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    n64 = n.to(tl.int64)
+    first = (pid_n * BLOCK_N).to(tl.int64) * KB
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
-    acc = _gemv_accumulate(acc, x_ptr, x4_ptr, m.to(tl.int64)[:, None] * stride_xm, m_ok, wb_ptr, ws_ptr,
-                           tl.load(gs_ptr), n64, n_ok, K, k_start, k_end, BLOCK_N, BLOCK_K, LUT, EVEN_N, EVEN_K)
+    acc = _gemv_accumulate(acc, x_ptr, x4_ptr, m.to(tl.int64)[:, None] * stride_xm, m_ok, wb_ptr + first,
+                           ws_ptr + first, tl.load(gs_ptr), tl.arange(0, BLOCK_N), n_ok, K, k_start, k_end,
+                           BLOCK_N, BLOCK_K, LUT, EVEN_N, EVEN_K, KB=KB)
+    n64 = n.to(tl.int64)
     y = tl.sum(acc, axis=2) * 64.0  # [BLOCK_M, BLOCK_N]; 64: the block values are E2M1 * 2^-6
     out_off = m.to(tl.int64)[:, None] * N + n64[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
@@ -664,24 +675,34 @@ PROBE_ALL, PROBE_LOADS, PROBE_ARITHMETIC = 0, 1, 2
 
 
 @triton.jit
-def _gemv_probe_kernel(x_ptr, x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, N, K,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LUT: tl.constexpr, PART: tl.constexpr):
+def _gemv_probe_kernel(x_ptr, x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, N, K, k_from,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LUT: tl.constexpr, PART: tl.constexpr,
+                       KB: tl.constexpr):
     """The GEMV's loop at one activation row (no split; N % BLOCK_N == 0, K % BLOCK_K == 0) with
     part of its work left out, to place its time (`gemv_limits`). PART: PROBE_ALL, the whole loop
     (`_gemv_accumulate`: `_gemv_kernel`'s result); PROBE_LOADS, the same weight loads with their
     bits folded by xor instead of decoded (the memory traffic alone; each row gets the sum over
     its thread slots of the fold's bytes xor-ed together); PROBE_ARITHMETIC, the whole
     loop with every program reading the first BLOCK_N weight rows (a few KB that stay in cache:
-    the decoding and multiply-adds alone), so row n gets the result of row n % BLOCK_N."""
+    the decoding and multiply-adds alone), so row n gets the result of row n % BLOCK_N. k_from:
+    the loop's first K offset (0), a run-time value as the split GEMV's is: with a compile-time
+    0 Triton lays the weight loads out differently (16-byte vectors, then a layout conversion
+    through shared memory) and the probe would time another loop."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    n64 = n.to(tl.int64)
+    rows = tl.arange(0, BLOCK_N)  # counted from the program's first row, as `_gemv_kernel` does
+    if PART == 2:
+        first = tl.zeros((), dtype=tl.int64)
+    else:
+        first = (tl.program_id(0) * BLOCK_N).to(tl.int64) * KB
+    wb_ptr += first
+    ws_ptr += first
     if PART == 1:
         fold = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.int64)
-        codes, sc = _load_blocks(wb_ptr, ws_ptr, n64, n_ok, 0, K, BLOCK_N, BLOCK_K, True, True)
-        for k0 in range(0, K, BLOCK_K):
-            codes_next, sc_next = _load_blocks(wb_ptr, ws_ptr, n64, n_ok, _ahead(k0, K, BLOCK_K, True), K, BLOCK_N,
-                                               BLOCK_K, True, True)
+        codes, sc = _load_blocks(wb_ptr, ws_ptr, rows, n_ok, k_from, K, BLOCK_N, BLOCK_K, True, True, KB)
+        for k0 in range(k_from, K, BLOCK_K):
+            codes_next, sc_next = _load_blocks(wb_ptr, ws_ptr, rows, n_ok, _ahead(k0, K, BLOCK_K, True), K, BLOCK_N,
+                                               BLOCK_K, True, True, KB)
             fold = fold ^ codes ^ sc.to(tl.int64)
             codes, sc = codes_next, sc_next
         fold = fold ^ (fold >> 32)  # every bit loaded reaches the low byte, which is summed
@@ -689,11 +710,10 @@ def _gemv_probe_kernel(x_ptr, x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, N, K,
         fold = fold ^ (fold >> 8)
         y = tl.sum(fold & 0xFF, axis=1).to(tl.float32)
     else:
-        if PART == 2:
-            n64 = n64 % BLOCK_N
         acc = tl.zeros((1, BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
         acc = _gemv_accumulate(acc, x_ptr, x4_ptr, tl.zeros((1, 1), dtype=tl.int64), tl.arange(0, 1) < 1, wb_ptr,
-                               ws_ptr, tl.load(gs_ptr), n64, n_ok, K, 0, K, BLOCK_N, BLOCK_K, LUT, True, True)
+                               ws_ptr, tl.load(gs_ptr), rows, n_ok, K, k_from, K, BLOCK_N, BLOCK_K, LUT, True, True,
+                               KB=KB)
         y = tl.sum(tl.sum(acc, axis=2), axis=0) * 64.0
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -708,8 +728,8 @@ def gemv_probe(x: torch.Tensor, w: nvfp4.NVFP4Tensor, part: int, cfg: dict) -> t
     x2, x4 = int64_activations(x)
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     _gemv_probe_kernel[(n // bn,)](x2, x4, w.packed.view(torch.int64), w.block_scale.view(torch.uint8), w.global_scale,
-                                   out, n, k, BLOCK_N=bn, BLOCK_K=bk,
-                                   LUT=DEQUANT["lut"] and not interpreted(_gemv_probe_kernel), PART=part,
+                                   out, n, k, 0, BLOCK_N=bn, BLOCK_K=bk,
+                                   LUT=DEQUANT["lut"] and not interpreted(_gemv_probe_kernel), PART=part, KB=k // 16,
                                    num_warps=cfg["num_warps"], num_stages=1, **launch_options())
     return out
 
@@ -1264,6 +1284,22 @@ def _sum_groups(acc, KWARPS: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constex
 
 
 @triton.jit
+def _store_unscaled(y, gs_ptr, out_ptr, part_ptr, cnt_ptr, toks, rows, M, N, pid_m, pid_n, pid_s,
+                    SPLIT: tl.constexpr):
+    """Epilogue of the matrix-unit kernels whose weights are E2M1 * scale * 2^-7: y (fp32 sums, at
+    activation rows `toks` and weight rows `rows`) times the global scale and 2^7, stored (out
+    [M, N]) or, with SPLIT > 1, summed with the other K splits (`_store_split`)."""
+    y = y * (tl.load(gs_ptr) * MMA_UNSCALE)
+    off = toks.to(tl.int64) * N + rows
+    ok = (toks < M) & (rows < N)
+    if SPLIT == 1:
+        tl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        _store_split(y, part_ptr, out_ptr, cnt_ptr, pid_m * tl.num_programs(0) + pid_n, off, ok, M * N, pid_s,
+                     SPLIT)
+
+
+@triton.jit
 def _mma_kernel(x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, stride_x4, k_per_split,
                 TILES: tl.constexpr, ROWS: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr,
                 F16: tl.constexpr, EVEN_K: tl.constexpr, SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
@@ -1295,14 +1331,7 @@ def _mma_kernel(x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N
         row = _first_group(row, KWARPS)
         col = _first_group(col, KWARPS)
     y, rows, toks = _mma_fragments(acc, row, col, TILES, ROWS)
-    y = y * (tl.load(gs_ptr) * MMA_UNSCALE)
-    off = toks.to(tl.int64) * N + rows
-    ok = (toks < M) & (rows < N)
-    if SPLIT == 1:
-        tl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        _store_split(y, part_ptr, out_ptr, cnt_ptr, pid_m * tl.num_programs(0) + pid_n, off, ok, M * N, pid_s,
-                     SPLIT)
+    _store_unscaled(y, gs_ptr, out_ptr, part_ptr, cnt_ptr, toks, rows, M, N, pid_m, pid_n, pid_s, SPLIT)
 
 
 @triton.jit
@@ -1337,6 +1366,15 @@ def _check_activations(x: torch.Tensor, k: int, what: str) -> None:
         raise FormatError(f"{what}: x must be a bf16/fp16/fp32 tensor, got {getattr(x, 'dtype', type(x))}")
     if x.dim() < 1 or x.shape[-1] != k:
         raise FormatError(f"{what}: x of shape {tuple(x.shape)} does not end in K={k}")
+
+
+def activation_rows(x: torch.Tensor, k: int, n: int) -> tuple[tuple, torch.Tensor, torch.Tensor]:
+    """(x's leading shape, x as rows [M, K] with unit stride along K, the output [M, N] to fill
+    in x's dtype) for a GEMM launcher."""
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x.shape[:-1], x2, torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
 
 
 # The table dequantization (inline PTX) for 16-bit activations on a GPU; the arithmetic one
@@ -1415,11 +1453,15 @@ MID = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs
 # shape per activation rows per program (BLOCK_M = 1, 2, 4: `gemv_block_m`): BLOCK_N weight rows
 # per program, BLOCK_K / 16 blocks per K step spread over the program's threads (each holds its
 # blocks of all rows), the split-K target, and optionally a register cap. Picked on an H200 by
-# `scripts/bench_kernels.py --sweep-gemv` (sweep_gemv in benchmarks/results/kernels-sweeps-gemv-h200.json).
+# `scripts/bench_kernels.py --sweep-gemv` with the loop addressing each row's blocks from the
+# program's first row (`KB`): one row 8 x 1024 with 2 warps, 13.3 us on 8192 x 8192 against 14.1
+# for 8 x 2048 with 4 warps (the previous pick; that sweep's file is not committed). The GEMV
+# with this table in benchmarks/results/packed-gemm-h200.json (one run, bf16 side by side): 13.6
+# us on 8192 x 8192 (2.43x bf16), 43.6 on 28672 x 8192 (2.41x).
 GEMV = {
     "max_m": 2,
-    "1": {"BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "programs_per_sm": 4},
-    "2": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 1, "programs_per_sm": 8},
+    "1": {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 2, "programs_per_sm": 4},
+    "2": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 1, "programs_per_sm": 4},
     "4": {"BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "programs_per_sm": 4},
 }
 
@@ -1576,12 +1618,8 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     check_backend(backend, _w4a16_kernel, x, w.packed, w.block_scale, w.global_scale, what=_WHAT)
     if backend == "torch":
         return torch.nn.functional.linear(x, w.dequantize(x.dtype))
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    lead, x2, out = activation_rows(x, k, n)
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
     if cfg is None and m > LARGE_M:
@@ -1616,8 +1654,8 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
         x2, x4 = int64_activations(x2)
         lut = DEQUANT["lut"] and not interpreted(_gemv_kernel)  # the block-dot PTX takes any dtype
         _gemv_kernel[grid](x2, x4, w.packed.view(torch.int64), w.block_scale.view(torch.uint8), w.global_scale,
-                           out, part, counters, m, n, k, x2.stride(0), k_per_split, SPLIT=split, LUT=lut, **even,
-                           **cfg, **launch_options())
+                           out, part, counters, m, n, k, x2.stride(0), k_per_split, SPLIT=split, LUT=lut, KB=k // 16,
+                           **even, **cfg, **launch_options())
     else:
         _w4a16_kernel[grid](x2, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.global_scale, out,
                             part, counters, m, n, k, x2.stride(0), k_per_split, SPLIT=split,
@@ -1772,7 +1810,7 @@ def _sweep_problems(shapes, ms):
 
 def sweep_gemv(shapes=((8192, 8192), (3712, 2688), (2688, 3712)), ms=(1, 2, 4),
                tiles=((1, 4, 2048, 4), (1, 8, 2048, 4), (1, 8, 1024, 2), (1, 16, 1024, 4), (1, 4, 512, 1),
-                      (1, 8, 512, 1), (2, 8, 2048, 4),
+                      (1, 8, 512, 1), (1, 16, 2048, 4), (2, 8, 2048, 4),
                       (2, 8, 512, 1), (4, 8, 2048, 4)),
                programs_per_sm=(4, 8), stages=(1,), maxnreg=(None,)):
     """CUDA-graph times of the CUDA-core kernel's launch shapes (BLOCK_M, BLOCK_N, BLOCK_K, warps)
