@@ -28,6 +28,20 @@ from fp4kit.kernels import moe_gemm, quantize as kquant, w4a16_gemm
 NANO_STACKS = ((128, 1856, 2688), (128, 2688, 1856))
 
 
+def run_record(stem: str, out: str | None) -> tuple[str, dict]:
+    """(the JSON path: `out` or benchmarks/results/<stem>-<gpu>.json, the run's record: GPU,
+    versions, date, command). Exits unless a CUDA GPU is there."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{os.path.basename(sys.argv[0])} needs a CUDA GPU")
+    name = torch.cuda.get_device_name()
+    slug = name.lower().replace("nvidia", "").strip().replace(" ", "-")
+    return out or f"benchmarks/results/{stem}-{slug}.json", {
+        "gpu": name, "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+        "command": "python " + shlex.join(sys.argv),
+    }
+
+
 def copy_ceiling_tbps(n_bytes: int = 2 << 30) -> float:
     src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -65,16 +79,7 @@ def main() -> None:
                         help="time the one-launch stack quantize kernel's schedules (kquant.STACK)")
     parser.add_argument("--skip-quantize", action="store_true", help="do not time quantize (trial runs)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_kernels.py needs a CUDA GPU")
-    name = torch.cuda.get_device_name()
-    slug = name.lower().replace("nvidia", "").strip().replace(" ", "-")
-    out_path = args.out or f"benchmarks/results/kernels-{slug}.json"
-    result = {
-        "gpu": name, "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
-        "command": "python " + shlex.join(sys.argv),
-    }
+    out_path, result = run_record("kernels", args.out)
     result["copy_ceiling_tbps"] = copy_ceiling_tbps()
     print(f"copy ceiling {result['copy_ceiling_tbps']:.2f} TB/s", flush=True)
 

@@ -14,6 +14,7 @@ operands one by one for every scale byte and code).
 """
 from __future__ import annotations
 
+import itertools
 import re
 
 import numpy as np
@@ -99,6 +100,10 @@ def _execute(regs: dict[str, int], line: str) -> None:
             regs[m.group(2)] = src & ((1 << bits) - 1)
             regs[m.group(3)] = (src >> bits) & ((1 << bits) - 1)
             return
+        if (m := re.fullmatch(r"mov\.b32 (\w+), \{(\w+), (\w+)\}", line)):
+            # pack two 16-bit registers into a 32-bit one (the first in the low half)
+            regs[m.group(1)] = (regs[m.group(3)] << 16) | regs[m.group(2)]
+            return
         op, args = line.split(None, 1)
         args = [a.strip() for a in args.split(",")]
         dst = args[0]
@@ -118,6 +123,9 @@ def _execute(regs: dict[str, int], line: str) -> None:
             regs[dst] = val(args[1]) & val(args[2])
         elif op == "or.b32":
             regs[dst] = val(args[1]) | val(args[2])
+        elif op == "shf.l.wrap.b32":  # funnel shift of (b:a) left by c mod 32; a == b: a rotate
+            hi, lo, c = val(args[2]), val(args[1]), val(args[3]) % 32
+            regs[dst] = (((hi << 32 | lo) << c) >> 32) & MASK32
         elif op == "shr.u32":
             regs[dst] = val(args[1]) >> val(args[2])
         elif op == "prmt.b32":
@@ -433,3 +441,48 @@ def test_mma_kernel_keeps_lane_ids_with_their_threads():
     for (tiles, rows, *_), (lane_ids, mma) in zip(cases, json.loads(run.stdout.strip().splitlines()[-1])):
         assert lane_ids == 1
         assert mma == 8 * tiles * rows  # one asm op per K step: its 8 mma per weight and activation tile
+
+
+def _packed_case(seed: int) -> nvfp4.NVFP4Tensor:
+    """One slab (16 rows) by one K tile (128): random codes, and the block scales of all 254
+    non-NaN E4M3 bytes spread over seeds (128 blocks per seed)."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (16, 64), generator=g, dtype=torch.int32).to(torch.uint8)
+    finite = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.int32)
+    scales = finite[(torch.arange(128) + 128 * seed) % len(finite)].to(torch.uint8).reshape(16, 8)
+    return nvfp4.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+def test_packed_decode_every_code_and_scale(kind):
+    # The pre-packed GEMM's decoding (`decode_asm`) on the words `pack` writes: every lane's four
+    # fragment registers of every (group, k half, row half), against E2M1 * scale * 2^-7 of the
+    # element each half stands for (row 8 rs + g, K 16 (4 G + t) + 8 kh + 2 c + h), bit for bit
+    # (signed zeros too). Two seeds cover every scale byte with both signs of every code.
+    from fp4kit.formats import e2m1
+    from fp4kit.kernels import packed_gemm as pg
+
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float16
+    asm = pg.decode_asm(kind)
+    seen = set()
+    for seed in (0, 1):
+        w = _packed_case(seed)
+        p = pg.pack(w, dtype)
+        want = (e2m1.decode(w.codes()).reshape(16, 8, 16) * w.block_scale.float().unsqueeze(-1) * 2.0 ** -7)
+        want = want.reshape(16, 128).to(dtype).view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+        words = p.words[0, 0].numpy().astype(np.int64) & 0xFFFF  # [lane, 16]
+        scales = p.scales[0, 0].view(torch.int16).numpy().astype(np.int64) & 0xFFFF  # [g, 16]
+        codes = w.codes().numpy()
+        for lane in range(32):
+            gg, c = divmod(lane, 4)
+            for grp, kh, rs in itertools.product(range(2), range(2), range(2)):
+                e = 8 * grp + 4 * kh + 2 * rs
+                sv = scales[gg, 8 * grp + 4 * rs: 8 * grp + 4 * rs + 4]  # [t % 2, t // 2]
+                ops = {4: words[lane, e] | words[lane, e + 1] << 16, 5: sv[0] | sv[2] << 16, 6: sv[1] | sv[3] << 16}
+                regs = run_ptx(asm, ops)
+                for t, h in itertools.product(range(4), range(2)):
+                    row, k = 8 * rs + gg, 16 * (4 * grp + t) + 8 * kh + 2 * c + h
+                    assert (regs[t] >> (16 * h)) & 0xFFFF == want[row, k], (kind, seed, lane, grp, kh, rs, t, h)
+                    seen.add((int(codes[row, k]), int(w.block_scale.view(torch.uint8)[row, k // 16])))
+    assert {cd for cd, _ in seen} == set(range(16))
+    assert {sc for _, sc in seen} == {b for b in range(256) if b not in (0x7F, 0xFF)}

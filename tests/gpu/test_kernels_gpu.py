@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
     # (tests/test_kernels_interpret.py may need them under TRITON_INTERPRET=1).
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from fp4kit.formats import nvfp4  # noqa: E402
-from fp4kit.kernels import moe_gemm, quantize as kquant, w4a16_gemm  # noqa: E402
+from fp4kit.formats import e2m1, nvfp4  # noqa: E402
+from fp4kit.kernels import moe_gemm, packed_gemm, quantize as kquant, w4a16_gemm  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -540,14 +540,80 @@ def test_split_k_repeatable_and_graph_captured(monkeypatch):
     assert all(torch.equal(y, eager[0]) for y in eager)  # fixed summation order
     assert int(w4a16_gemm.split_counters(x.device, 1).abs().sum()) == 0
     _assert_within_gemm_bound(eager[0], x, wq)
-    # Captured with no counter buffer yet: the launch gets its own zeroed one inside the graph.
+    _assert_graph_replays(lambda: w4a16_gemm.w4a16_matmul(x, wq), eager[0], monkeypatch)
+
+
+def _assert_graph_replays(fn, want, monkeypatch):
+    """fn captured in a CUDA graph with no split-K counter buffer yet (the launch gets its own
+    zeroed one inside the graph): three replays each give `want` exactly."""
     monkeypatch.setattr(w4a16_gemm, "_COUNTERS", {})
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         with torch.cuda.graph(graph, stream=stream):
-            y = w4a16_gemm.w4a16_matmul(x, wq)
+            y = fn()
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, eager[0])
+        assert torch.equal(y, want)
+
+
+# --------------------------------------------------------------------------------------------
+# W4A16 GEMM on the pre-packed weight (packed_gemm): the PTX decoding and the wgmma kernel
+# --------------------------------------------------------------------------------------------
+def _any_weight(n, k, seed):
+    """Random codes and block-scale bytes of both signs (not NaN), global scale 0.37."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, device=DEV, dtype=torch.int32).to(torch.uint8)
+    finite = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.int32, device=DEV)
+    pick = torch.randint(0, len(finite), (n, k // 16), generator=g, device=DEV)
+    return nvfp4.NVFP4Tensor(packed, finite[pick].to(torch.uint8).view(torch.float8_e4m3fn),
+                             torch.tensor(0.37, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_fragments_exact_every_scale_and_code(dtype):
+    # The kernel's A operand read out through its own PTX decoding (`packed_gemm.fragments`):
+    # E2M1 * scale * 2^-7 exactly, bit for bit (signed zeros too), for 32768 blocks covering every
+    # non-NaN scale byte with every code; `pack` on the GPU writes the same words as on the CPU.
+    w = _any_weight(256, 2048, seed=70)
+    p = packed_gemm.pack(w, dtype)
+    cpu = packed_gemm.pack(w.to("cpu"), dtype)
+    assert torch.equal(p.words.cpu(), cpu.words) and torch.equal(_bits(p.scales).cpu(), _bits(cpu.scales))
+    got = packed_gemm.fragments(p)
+    want = (e2m1.decode(w.codes()).reshape(256, -1, 16) * w.block_scale.float().unsqueeze(-1) * 2.0 ** -7)
+    assert torch.equal(_bits(got), _bits(want.reshape(256, 2048).to(dtype)))
+    pairs = torch.unique(w.codes().reshape(256, -1, 16).int() * 256
+                         + _bits(w.block_scale).int().unsqueeze(-1) % 256)
+    assert len(pairs) == 16 * 254
+
+
+@pytest.mark.parametrize("nk", [(8192, 8192), (3712, 2688), (2688, 3712), (200, 1008), (40, 2704)])
+@pytest.mark.parametrize("m", [1, 5, 16, 37, 64, 100, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_matmul(nk, m, dtype):
+    # Every launch shape the rules pick, and forced: no split-K, 8 warps (two warpgroups), and
+    # 16-row programs (several along M); ragged N (200, 40: slabs past N read the last) and K
+    # (1008, 2704: the tile past K reads zero codes and masked activations). Weights E2M1 * scale
+    # exactly, the global scale applied in fp32 at the end: the mma kernel's bound.
+    n, k = nk
+    if n * k >= 8192 * 8192 and (dtype == torch.float16 or m not in (1, 16, 64)):
+        pytest.skip("the largest weight: bf16 at 1, 16 and 64 rows")
+    wq = kquant.quantize(_randn(n, k, seed=71), scale_rule="4o6")
+    p = packed_gemm.pack(wq, dtype)
+    x = _randn(m, k, seed=72, scale=1.0).to(dtype)
+    for cfg in (None, {"SPLIT": 1}, {"num_warps": 8}, {"BLOCK_M": 16}):
+        _assert_within_gemm_bound(packed_gemm.packed_matmul(x, p, cfg=cfg), x, wq, {"mma": True})
+
+
+def test_packed_matmul_split_repeatable_graph_and_strided_rows(monkeypatch):
+    n, k, m = 3712, 2688, 16
+    wq = kquant.quantize(_randn(n, k, seed=73), scale_rule="4o6")
+    p = packed_gemm.pack(wq)
+    x = _randn(m, 2 * k, seed=74, scale=1.0)[:, :k]  # rows 2K apart
+    assert packed_gemm.config(m, n, k, x.device)["SPLIT"] > 1
+    eager = [packed_gemm.packed_matmul(x, p) for _ in range(3)]
+    assert all(torch.equal(y, eager[0]) for y in eager)  # fixed summation order
+    assert torch.equal(eager[0], packed_gemm.packed_matmul(x.contiguous(), p))
+    _assert_within_gemm_bound(eager[0], x.contiguous(), wq, {"mma": True})
+    _assert_graph_replays(lambda: packed_gemm.packed_matmul(x, p), eager[0], monkeypatch)

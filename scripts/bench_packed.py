@@ -1,0 +1,92 @@
+"""Check, tune and time the pre-packed W4A16 GEMM (fp4kit.kernels.packed_gemm) on a GPU.
+
+Checks first (bit-exact decoded weights for every code and scale byte, bf16 and fp16; GEMM
+outputs against an fp32 reference), then sweeps the launch shapes (`packed_gemm.sweep`, picked
+into PACKED by `pick`), then times, side by side in one process and replayed from CUDA graphs:
+torch.matmul on the bf16 weight, `w4a16_matmul` on the checkpoint layout and `packed_matmul` on
+the packed weight. Writes JSON (default benchmarks/results/packed-gemm-<gpu>.json) and prints a
+table.
+
+    PYTHONPATH=. python scripts/bench_packed.py [--out PATH] [--no-sweep] [--ms 1,4,16,64,256,1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from bench_kernels import run_record
+
+from fp4kit.formats import e2m1, nvfp4
+from fp4kit.kernels import packed_gemm as pg
+from fp4kit.kernels.quantize import quantize
+
+
+def random_weight(n: int, k: int, seed: int = 0) -> nvfp4.NVFP4Tensor:
+    """Every code and every positive finite E4M3 scale byte, at random positions."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, device="cuda", dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(1, 127, (n, k // 16), generator=g, device="cuda", dtype=torch.int32).to(torch.uint8)
+    return nvfp4.NVFP4Tensor(packed, scales.view(torch.float8_e4m3fn), torch.tensor(0.013, device="cuda"))
+
+
+def check() -> dict:
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        w = random_weight(512, 1024)
+        p = pg.pack(w, dtype)
+        back = p.unpack()
+        assert torch.equal(back.packed, w.packed) and torch.equal(back.block_scale.view(torch.uint8),
+                                                                  w.block_scale.view(torch.uint8))
+        got = pg.fragments(p).float()
+        want = (e2m1.decode(w.codes()).reshape(512, -1, 16) * w.block_scale.float().unsqueeze(-1)
+                * 2.0 ** -7).reshape(512, 1024)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), "decoded weights differ"
+        for n, k, m in ((512, 1024, 64), (200, 1008, 37), (3712, 2688, 16), (64, 128, 1)):
+            wq = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+            pq = pg.pack(wq, dtype)
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            ref = x.float() @ wq.dequantize().T
+            for cfg in ({}, {"num_warps": 8}, {"SPLIT": 3}):
+                y = pg.packed_matmul(x, pq, cfg=cfg)
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                assert err < 1e-2, (n, k, m, cfg, err)
+                out[f"{dtype}-{n}x{k}-m{m}-{cfg}"] = err
+    return out
+
+
+def print_rows(rows) -> None:
+    print(f"{'N':>6} {'K':>5} {'M':>5} {'bf16 us':>8} {'w4a16 us':>9} {'packed us':>10} {'w4a16':>6} {'packed':>7}  packed launch")
+    for r in rows:
+        c = r["packed_launch"]
+        print(f"{r['N']:>6} {r['K']:>5} {r['M']:>5} {r['ms_bf16'] * 1e3:>8.1f} {r['ms_w4a16'] * 1e3:>9.1f} "
+              f"{r['ms_packed'] * 1e3:>10.1f} {r['speedup_vs_bf16']:>5.2f}x {r['speedup_vs_bf16_packed']:>6.2f}x  "
+              f"BLOCK_M {c['BLOCK_M']} warps {c['num_warps']} split {c['SPLIT']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/packed-gemm-<gpu>.json)")
+    ap.add_argument("--no-sweep", action="store_true", help="measure with the launch shapes in PACKED as they are")
+    ap.add_argument("--ms", default="1,4,16,64,256,1024", help="activation rows of the timed problems")
+    args = ap.parse_args()
+    path, result = run_record("packed-gemm", args.out)
+    result["check_rel_err"] = check()
+    print("checks passed", flush=True)
+    if not args.no_sweep:
+        result["sweep"] = pg.sweep()
+        pg.PACKED.update(pg.pick(result["sweep"]))
+    result["launch_shapes"] = pg.PACKED
+    print(f"launch shapes: {json.dumps(pg.PACKED)}", flush=True)
+    result["gemm"] = pg.bench(ms=tuple(int(v) for v in args.ms.split(",")))
+    print_rows(result["gemm"])
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
