@@ -155,7 +155,8 @@ class PackedNVFP4:
         return self.scales.dtype
 
     def unpack(self) -> nvfp4.NVFP4Tensor:
-        """The checkpoint layout back, byte for byte."""
+        """The checkpoint layout back, byte for byte (a NaN block scale comes back as a NaN byte,
+        not necessarily the same one)."""
         return unpack(self)
 
 
