@@ -399,7 +399,7 @@ def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", c
 
     x: [..., K] bf16 / fp16 (the dtype `w` was packed for); w: a `PackedNVFP4` (`pack`).
     backend: "triton" (`_packed_kernel`) or "torch" (the checkpoint layout back, dequantized,
-    then torch's matmul). cfg: launch-shape overrides (`PACKED` keys, BLOCK_M, SPLIT)."""
+    then torch's matmul). cfg: launch-shape overrides (any of LAUNCH_KEYS)."""
     if not isinstance(w, PackedNVFP4):
         raise TypeError(f"{_WHAT}: w must be a PackedNVFP4 (kernels.packed_gemm.pack), got {type(w).__name__}")
     n, k = w.shape
@@ -497,7 +497,7 @@ def bench(shapes=SWEEP_SHAPES, ms=(1, 4, 16, 64, 256, 1024)) -> list:
             row = {"N": n, "K": k, "M": m, "ms_bf16": time_graph(lambda: torch.matmul(x, wb.T)),
                    "ms_w4a16": time_graph(lambda: w4a16_matmul(x, wq)), "path_w4a16": path(m, n, k, x.device),
                    "ms_packed": time_graph(lambda: packed_matmul(x, wp)),
-                   "packed_launch": {key: v for key, v in config(m, n, k, x.device).items()}}
+                   "packed_launch": config(m, n, k, x.device)}
             row["speedup_vs_bf16"] = row["ms_bf16"] / row["ms_w4a16"]
             row["speedup_vs_bf16_packed"] = row["ms_bf16"] / row["ms_packed"]
             row["speedup_vs_bf16_best"] = row["ms_bf16"] / min(row["ms_w4a16"], row["ms_packed"])
