@@ -174,10 +174,12 @@ def main() -> None:
 
 
 def print_gemm(rows) -> None:
-    print("\nW4A16 GEMM (CUDA graph; eager in brackets)   N      K      M   us(w4a16)  us(bf16)  speedup")
+    print("\nW4A16 GEMM (CUDA graph; eager in brackets)   N      K      M   us(w4a16)  us(bf16)  speedup"
+          "  us(packed)  speedup")
     for g in rows:
         print(f"{'':38s}{g['N']:7d}{g['K']:7d}{g['M']:7d} {1e3 * g['ms_w4a16']:10.1f} {1e3 * g['ms_bf16']:9.1f}"
-              f" {g['speedup_vs_bf16']:8.2f}  [{1e3 * g['ms_w4a16_eager']:.1f} / {1e3 * g['ms_bf16_eager']:.1f}]"
+              f" {g['speedup_vs_bf16']:8.2f} {1e3 * g['ms_packed']:11.1f} {g['speedup_vs_bf16_packed']:8.2f}"
+              f"  [{1e3 * g['ms_w4a16_eager']:.1f} / {1e3 * g['ms_bf16_eager']:.1f}]"
               f" {g['path']}  (arith dequant {1e3 * g['ms_w4a16_arith_dequant']:.1f})", flush=True)
 
 

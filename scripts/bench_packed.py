@@ -49,7 +49,7 @@ def check() -> dict:
             pq = pg.pack(wq, dtype)
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = x.float() @ wq.dequantize().T
-            for cfg in ({}, {"num_warps": 8}, {"SPLIT": 3}):
+            for cfg in ({}, {"num_warps": 8}, {"SPLIT": 3}, {"SPLIT": 3, "UNROLL": 2}):
                 y = pg.packed_matmul(x, pq, cfg=cfg)
                 err = ((y.float() - ref).norm() / ref.norm()).item()
                 assert err < 1e-2, (n, k, m, cfg, err)
@@ -63,7 +63,7 @@ def print_rows(rows) -> None:
         c = r["packed_launch"]
         print(f"{r['N']:>6} {r['K']:>5} {r['M']:>5} {r['ms_bf16'] * 1e3:>8.1f} {r['ms_w4a16'] * 1e3:>9.1f} "
               f"{r['ms_packed'] * 1e3:>10.1f} {r['speedup_vs_bf16']:>5.2f}x {r['speedup_vs_bf16_packed']:>6.2f}x  "
-              f"BLOCK_M {c['BLOCK_M']} warps {c['num_warps']} split {c['SPLIT']}")
+              f"BLOCK_M {c['BLOCK_M']} warps {c['num_warps']} split {c['SPLIT']} unroll {c['UNROLL']}")
 
 
 def main() -> None:

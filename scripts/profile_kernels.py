@@ -30,6 +30,11 @@ CASES = {
     "mma 8192x8192 M=16": ("gemm:8192:8192:16", "_mma_kernel", 8192 * 8192),
     "wgmma 3712x2688 M=16": ("gemm:3712:2688:16", "_w4a16_kernel", 3712 * 2688),
     "wgmma 3712x2688 M=64": ("gemm:3712:2688:64", "_w4a16_kernel", 3712 * 2688),
+    # The pre-packed weight (kernels.packed_gemm) with PACKED's launch shapes.
+    "packed 8192x8192 M=1": ("packed:8192:8192:1", "_packed_kernel", 8192 * 8192),
+    "packed 8192x8192 M=16": ("packed:8192:8192:16", "_packed_kernel", 8192 * 8192),
+    "packed 3712x2688 M=16": ("packed:3712:2688:16", "_packed_kernel", 3712 * 2688),
+    "packed 3712x2688 M=64": ("packed:3712:2688:64", "_packed_kernel", 3712 * 2688),
     "quantize plain [128,1856,2688]": ("quantize:6:two", "_quantize_kernel", 128 * 1856 * 2688),
     "quantize 4/6 [128,1856,2688]": ("quantize:4o6:two", "_quantize_kernel", 128 * 1856 * 2688),
     "stack kernel plain [128,1856,2688]": ("quantize:6:stack", "_stack_kernel", 128 * 1856 * 2688),
@@ -53,6 +58,8 @@ METRICS = {
     "dram_pct": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
     "dram_read_bytes": "dram__bytes_read.sum",
     "l2_hit_pct": "lts__t_sector_hit_rate.pct",
+    "l2_bytes": "lts__t_bytes.sum",
+    "l2_throughput_pct": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
     **{f"stall_{s}": f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS},
 }
 
@@ -61,16 +68,21 @@ def run_case(case: str) -> None:
     """The workload of one case (in the child process ncu watches): three calls."""
     import torch
 
-    from fp4kit.kernels import quantize as kquant, w4a16_gemm
+    from fp4kit.kernels import packed_gemm, quantize as kquant, w4a16_gemm
 
     torch.manual_seed(0)
     kind, *args = case.split(":")
-    if kind == "gemm":
+    if kind in ("gemm", "packed"):
         n, k, m = map(int, args)
         wq = kquant.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        if kind == "packed":
+            wp = packed_gemm.pack(wq)
         for _ in range(3):
-            w4a16_gemm.w4a16_matmul(x, wq)
+            if kind == "gemm":
+                w4a16_gemm.w4a16_matmul(x, wq)
+            else:
+                packed_gemm.packed_matmul(x, wp)
     elif kind == "quantize":  # rule, then "two" (max pass and quantize launches) or "stack" (one launch)
         if args[1] == "two":
             kquant.STACK["max_member_bytes"] = None
@@ -158,6 +170,7 @@ def main() -> None:
         print(f"{name:32s} {r['us']:9.1f} us  {r['instructions_per_element']:5.2f} instr/elem  "
               f"issue {r['issue_active_pct']:5.1f}%  ALU {r['alu_pipe_pct']:5.1f}%  FMA {r['fma_pipe_pct']:5.1f}%  "
               f"warps {r['warps_active_pct']:5.1f}%  regs {r['registers']:.0f}  "
+              f"DRAM {r['dram_pct']:5.1f}%  L2 {r['l2_throughput_pct']:5.1f}%  "
               f"stalls: long sb {r['stall_long_scoreboard']:.2f}, pipe {r['stall_math_pipe_throttle']:.2f}, "
               f"barrier {r['stall_barrier']:.2f}", flush=True)
     slug = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")

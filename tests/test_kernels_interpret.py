@@ -984,11 +984,12 @@ def test_packed_fragments_exact():
 
 @pytest.mark.parametrize("m", [1, 5, 17, 40])
 @pytest.mark.parametrize("nk", [(64, 256), (40, 272), (72, 160)])
-@pytest.mark.parametrize("cfg", [None, {"SPLIT": 1}, {"SPLIT": 2, "BLOCK_M": 16}, {"num_warps": 8}])
+@pytest.mark.parametrize("cfg", [None, {"SPLIT": 1}, {"SPLIT": 2, "BLOCK_M": 16}, {"num_warps": 8},
+                                 {"SPLIT": 1, "UNROLL": 2}])
 def test_packed_matmul(m, nk, cfg):
     # fp16 activations (the interpreter's bf16 is not reliable); ragged N and K; split-K with
     # the partials summed in the launch and not; several row programs (BLOCK_M 16 below M);
-    # 8 warps per program (two warpgroups).
+    # 8 warps per program (two warpgroups); two K tiles per loop step (2 or 3 tiles here).
     n, k = nk
     wq = nvfp4.quantize(_rand(n, k, seed=10), scale_rule="4o6")
     x = _rand(m, k, seed=11, dtype=torch.float16)
@@ -1000,6 +1001,23 @@ def test_packed_matmul(m, nk, cfg):
     assert torch.all((y.double() - ref).abs() <= _gemm_tolerance(x, wdq, torch.float16)(ref))
     y_torch = packed_gemm.packed_matmul(x, p, backend="torch")
     assert torch.equal(y_torch, torch.nn.functional.linear(x, wq.dequantize(torch.float16)))
+
+
+@pytest.mark.parametrize("unroll", [1, 2])
+@pytest.mark.parametrize("split", [1, 2, 3, 7])
+def test_packed_matmul_long_k(split, unroll):
+    # K ranges of 7, 4 + 3, 3 + 3 + 1 and 1 x 7 tiles (the last ragged), each program's range
+    # from its own start, one or two tiles per loop step (odd ranges end on a half step):
+    # every tile's weights are distinct, so a tile used twice or skipped changes the sums
+    # beyond the bound.
+    cfg = {"SPLIT": split, "UNROLL": unroll}
+    n, k = 24, 784
+    wq = nvfp4.quantize(_rand(n, k, seed=13), scale_rule="6")
+    x = _rand(3, k, seed=14, dtype=torch.float16)
+    y = packed_gemm.packed_matmul(x, packed_gemm.pack(wq, torch.float16), cfg=cfg)
+    wdq = wq.dequantize(torch.float32)
+    ref = x.double() @ wdq.double().T
+    assert torch.all((y.double() - ref).abs() <= _gemm_tolerance(x, wdq, torch.float16)(ref))
 
 
 def test_packed_matmul_batched_strided_and_errors():
@@ -1033,6 +1051,13 @@ def test_packed_config_and_pick():
     assert c["SPLIT"] * c["kt_per_split"] >= 64 > (c["SPLIT"] - 1) * c["kt_per_split"]
     assert packed_gemm.config(3, 64, 256, dev, {"SPLIT": 9})["SPLIT"] == 2  # no empty programs
     assert packed_gemm.row_class(1) == 16 and packed_gemm.row_class(17) == 32 and packed_gemm.row_class(999) == 128
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        packed_gemm.config(3, 64, 256, dev, {"BLOCK_M": 8})
+    with pytest.raises(ValueError, match="num_warps"):
+        packed_gemm.config(3, 64, 256, dev, {"num_warps": 2})
+    with pytest.raises(ValueError, match="UNROLL"):
+        packed_gemm.config(3, 64, 256, dev, {"UNROLL": 4})
+    assert packed_gemm.config(3, 64, 256, dev, {"UNROLL": 2})["UNROLL"] == 2
     rows = []
     for n, k in ((8192, 8192), (3712, 2688)):
         for bm, nw, pps, ms in ((64, 4, 2, 2.0), (64, 8, 2, 1.0), (32, 4, 2, 1.5)):
@@ -1040,6 +1065,6 @@ def test_packed_config_and_pick():
             rows.append({"N": n, "K": k, "M": 64, "BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps,
                          "ms": ms if not small else {4: 1.0, 8: 3.0}[nw] * (0.5 if bm == 32 else 1.0)})
     table = packed_gemm.pick(rows)
-    assert table["64"]["large"] == {"BLOCK_M": 64, "num_warps": 8, "programs_per_sm": 2}
-    assert table["64"]["small"] == {"BLOCK_M": 32, "num_warps": 4, "programs_per_sm": 2}
+    assert table["64"]["large"] == {"BLOCK_M": 64, "num_warps": 8, "programs_per_sm": 2, "UNROLL": 1}
+    assert table["64"]["small"] == {"BLOCK_M": 32, "num_warps": 4, "programs_per_sm": 2, "UNROLL": 1}
     assert table["16"] == packed_gemm.PACKED["16"]  # not swept: kept

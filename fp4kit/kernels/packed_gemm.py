@@ -40,12 +40,19 @@ same words (`_decode_emulated`), so CPU CI covers the layout, loads, masks and e
 
 Measured on an H200 (scripts/bench_packed.py: benchmarks/results/packed-gemm-h200.json, CUDA
 graphs, side by side with torch.matmul on the bf16 weight and `w4a16_matmul` on the checkpoint
-layout): 16 rows 1.76x bf16 on 8192 x 8192 (18.8 us; 1.51x on the checkpoint layout), 1.59x on
-28672 x 8192, 1.26x and 1.16x on the Nano shapes (0.91x and 0.93x), 2.19x on 131072 x 2688; 64
-rows 1.21x, 1.33x, 0.71x and 0.88x, 1.48x (0.50-0.90x). One row: 1.45-1.79x, where the checkpoint
-layout's GEMV is faster except on 131072 x 2688 (2.33x against 2.15x). From 256 rows the kernel is
-matrix-unit bound at 0.4-0.56x bf16: `w4a16_matmul` (dequantize once, then torch.matmul) is the
-faster path there. The loop spends about 3 SASS instructions per weight and thread (1.9 of them
+layout): 16 rows 1.96x bf16 on 8192 x 8192 (17.1 us; 1.54x on the checkpoint layout), 1.93x on
+28672 x 8192, 1.28x and 1.27x on the Nano shapes (0.92x and 0.94x), 2.24x on 131072 x 2688; 64
+rows 1.23x, 1.38x, 0.71x and 0.86x, 1.55x (0.52-0.94x). One row: 1.43-2.50x, where the checkpoint
+layout's GEMV is faster except on 131072 x 2688 (2.50x against 2.20x). From 256 rows the kernel is
+matrix-unit bound at 0.41-0.61x bf16: `w4a16_matmul` (dequantize once, then torch.matmul) is the
+faster path there. Two K tiles per loop step (UNROLL) pay on the large weights at up to 32 rows
+(8192 x 8192, 16 rows: 17.8 against 19.3 us in the sweep). On the Nano shapes at 64 rows the
+kernel is latency bound: under Nsight Compute (scripts/profile_kernels.py, kernels-pipes-h200.json,
+3712 x 2688) issue is 28% busy, DRAM 12% and L2 38% of their peaks, 19% of the warp slots
+occupied, and each instruction issued waits 4.3 cycles on global loads and 2.3 at barriers; two
+tiles per step shorten the waits on loads but not each tile's chain of decoding, barrier and
+wgmma (11.3 against 12.5 us without split-K, none at the picked split of 4). The loop spends
+about 3 SASS instructions per weight and thread (1.9 of them
 decoding, the rest the activation tile's loads and shared-memory stores and the addresses).
 """
 
@@ -233,15 +240,22 @@ def _decode_emulated(word, s0, s1, s2, s3, F16: tl.constexpr):
 
 
 @triton.jit
-def _group(w_ptr, s_ptr, woff, soff, W: tl.constexpr, F16: tl.constexpr, EMULATE: tl.constexpr):
-    """The values of one group's four chunks t, [W, g, c, kh, rs, h, t % 2, t // 2] in the
-    activation dtype: those of row 16 w + 8 rs + g at K 16 t + 8 kh + 2 c + h of the group.
+def _group_load(w_ptr, s_ptr, woff, soff, W: tl.constexpr):
+    """One group's words [W, g, c, kh, rs, h] and scales [W, g, c, -, rs, t % 2, t // 2], as loaded.
 
     woff / soff: [32 * W, 8] offsets, thread 32 w + 4 g + c: its 8 halves of the group's words
-    ([kh, rs, h]) and its row pair's 8 scales ([rs, t % 2, t // 2]; the lanes c of a row read the same ones).
-    Loaded as one 16-byte vector per thread, laid out as the fragments want them."""
-    words = tl.reshape(tl.load(w_ptr + woff), (W, 8, 4, 2, 2, 2))  # [w, g, c, kh, rs, h]
-    sc = tl.reshape(tl.load(s_ptr + soff), (W, 8, 4, 1, 2, 2, 2))  # [w, g, c, -, rs, t % 2, t // 2]
+    ([kh, rs, h]) and its row pair's 8 scales ([rs, t % 2, t // 2]; the lanes c of a row read the
+    same ones). One 16-byte vector per thread each, laid out as the fragments want them."""
+    words = tl.reshape(tl.load(w_ptr + woff), (W, 8, 4, 2, 2, 2))
+    sc = tl.reshape(tl.load(s_ptr + soff), (W, 8, 4, 1, 2, 2, 2))
+    return words, sc
+
+
+@triton.jit
+def _group(words, sc, W: tl.constexpr, F16: tl.constexpr, EMULATE: tl.constexpr):
+    """The values of one group's four chunks t, [W, g, c, kh, rs, h, t % 2, t // 2] in the
+    activation dtype: those of row 16 w + 8 rs + g at K 16 t + 8 kh + 2 c + h of the group
+    (words, sc: `_group_load`'s)."""
     s01, s23 = tl.split(sc)  # [w, g, c, -, rs, t % 2]
     if EMULATE:
         s0, s1 = tl.split(s01)
@@ -269,7 +283,7 @@ def _group(w_ptr, s_ptr, woff, soff, W: tl.constexpr, F16: tl.constexpr, EMULATE
 
 @triton.jit
 def _offsets(pid_n, N16, KT, W: tl.constexpr):
-    """`_group`'s word and scale offsets at K tile 0, group 0 (+ 512 kt + 8 G and 128 kt + 8 G)."""
+    """`_group_load`'s word and scale offsets at K tile 0, group 0 (+ 512 kt + 8 G and 128 kt + 8 G)."""
     t = tl.arange(0, 32 * W)[:, None]
     e = tl.arange(0, 8)[None, :]
     slab = tl.minimum(pid_n * W + t // 32, N16 - 1).to(tl.int64) * KT
@@ -277,24 +291,35 @@ def _offsets(pid_n, N16, KT, W: tl.constexpr):
 
 
 @triton.jit
-def _tile(w_ptr, s_ptr, woff, soff, W: tl.constexpr, F16: tl.constexpr, EMULATE: tl.constexpr):
+def _tile_load(w_ptr, s_ptr, woff, soff, W: tl.constexpr):
+    """A K tile's words and scales (both groups), as loaded: `_tile_decode`'s input."""
+    w0, s0 = _group_load(w_ptr, s_ptr, woff, soff, W)
+    w1, s1 = _group_load(w_ptr, s_ptr, woff + 8, soff + 8, W)
+    return w0, s0, w1, s1
+
+
+@triton.jit
+def _tile_decode(w0, s0, w1, s1, W: tl.constexpr, F16: tl.constexpr, EMULATE: tl.constexpr):
     """A K tile's weights as the matrix units' A operand, [16 * W, 128]. The chunk and group
     axes are joined in as the lowest register axes, so the tile's eight K-16 slices keep every
     fragment register whole (no data moves between the decoding and the wgmma)."""
-    q = tl.join(_group(w_ptr, s_ptr, woff, soff, W, F16, EMULATE),
-                _group(w_ptr, s_ptr, woff + 8, soff + 8, W, F16, EMULATE))  # [.., h, t % 2, t // 2, G]
+    q = tl.join(_group(w0, s0, W, F16, EMULATE), _group(w1, s1, W, F16, EMULATE))  # [.., h, t % 2, t // 2, G]
     q = tl.permute(q, (0, 4, 1, 8, 7, 6, 3, 2, 5))  # [w, rs, g, G, t // 2, t % 2, kh, c, h]
     return tl.reshape(q, (16 * W, 128))
 
 
 @triton.jit
-def _tile_dot(acc, a, x_ptr, xoff, xmask, k0, K, EVEN_K: tl.constexpr, EMULATE: tl.constexpr):
-    """acc += a [BN, 128] @ x[rows, k0:k0 + 128]^T."""
+def _x_load(x_ptr, xoff, xmask, k0, K, EVEN_K: tl.constexpr):
+    """x[rows, k0:k0 + 128]^T, [128, BLOCK_M] (zero where xmask is false or past K)."""
     if EVEN_K:
-        xt = tl.load(x_ptr + xoff + k0, mask=xmask, other=0.0)
-    else:
-        kk = k0 + tl.arange(0, 128)[:, None]
-        xt = tl.load(x_ptr + xoff + k0, mask=xmask & (kk < K), other=0.0)
+        return tl.load(x_ptr + xoff + k0, mask=xmask, other=0.0)
+    kk = k0 + tl.arange(0, 128)[:, None]
+    return tl.load(x_ptr + xoff + k0, mask=xmask & (kk < K), other=0.0)
+
+
+@triton.jit
+def _dot(acc, a, xt, EMULATE: tl.constexpr):
+    """acc += a [BN, 128] @ xt [128, BLOCK_M]."""
     if EMULATE:  # exact products, fp32 sums: the interpreter's 16-bit dot would round them
         return tl.dot(a.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, xt, acc)
@@ -302,8 +327,8 @@ def _tile_dot(acc, a, x_ptr, xoff, xmask, k0, K, EVEN_K: tl.constexpr, EMULATE: 
 
 @triton.jit
 def _packed_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, N16, KT, stride_xm,
-                   kt_per_split, BLOCK_M: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr, F16: tl.constexpr,
-                   EVEN_K: tl.constexpr, EMULATE: tl.constexpr):
+                   kt_per_split, BLOCK_M: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr, UNROLL: tl.constexpr,
+                   F16: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr):
     """out[M, N] = x @ W^T for W a `PackedNVFP4`; grid: (N16 / W programs of W slabs, M / BLOCK_M,
     SPLIT). acc [16 * W, BLOCK_M] = W_tile @ x_tile^T in fp32, per K tile one dot (eight wgmma of
     K 16, issued back to back) with the weight from registers and x from shared memory.
@@ -318,9 +343,22 @@ def _packed_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N
     kt0 = pid_s * kt_per_split
     kt1 = tl.minimum(kt0 + kt_per_split, KT)
     acc = tl.zeros((16 * W, BLOCK_M), dtype=tl.float32)
-    for kt in range(kt0, kt1):  # not software-pipelined: see PACKED
-        a = _tile(w_ptr, s_ptr, woff + kt * 512, soff + kt * 128, W, F16, EMULATE)
-        acc = _tile_dot(acc, a, x_ptr, xoff, xmask, kt * 128, K, EVEN_K, EMULATE)
+    for kt in range(kt0, kt1, UNROLL):  # not software-pipelined: see PACKED
+        if UNROLL == 1:
+            w0, s0, w1, s1 = _tile_load(w_ptr, s_ptr, woff + kt * 512, soff + kt * 128, W)
+            xt = _x_load(x_ptr, xoff, xmask, kt * 128, K, EVEN_K)
+            acc = _dot(acc, _tile_decode(w0, s0, w1, s1, W, F16, EMULATE), xt, EMULATE)
+        else:
+            # Both tiles' loads are issued before the first is decoded, so that their latencies
+            # overlap. Past kt1 the second tile is the first again with zero activations: its
+            # products are zeros (a NaN scale makes NaNs, as the first tile's own products do).
+            kb = tl.minimum(kt + 1, kt1 - 1)
+            w0, s0, w1, s1 = _tile_load(w_ptr, s_ptr, woff + kt * 512, soff + kt * 128, W)
+            w2, s2, w3, s3 = _tile_load(w_ptr, s_ptr, woff + kb * 512, soff + kb * 128, W)
+            xt = _x_load(x_ptr, xoff, xmask, kt * 128, K, EVEN_K)
+            xb = _x_load(x_ptr, xoff, (m < tl.where(kt + 1 < kt1, M, 0))[None, :], kb * 128, K, EVEN_K)
+            acc = _dot(acc, _tile_decode(w0, s0, w1, s1, W, F16, EMULATE), xt, EMULATE)
+            acc = _dot(acc, _tile_decode(w2, s2, w3, s3, W, F16, EMULATE), xb, EMULATE)
     n = pid_n * (16 * W) + tl.arange(0, 16 * W)
     _store_unscaled(acc, gs_ptr, out_ptr, part_ptr, cnt_ptr, m[None, :], n[:, None], M, N, pid_m, pid_n, pid_s, SPLIT)
 
@@ -332,11 +370,10 @@ def _unpacked_kernel(w_ptr, s_ptr, out_ptr, N16, KT, W: tl.constexpr, F16: tl.co
     pid_n = tl.program_id(0)
     kt = tl.program_id(1)
     woff, soff = _offsets(pid_n, N16, KT, W)
-    woff += kt * 512
-    soff += kt * 128
+    w0, s0, w1, s1 = _tile_load(w_ptr, s_ptr, woff + kt * 512, soff + kt * 128, W)
     rows = pid_n * (16 * W) + tl.arange(0, 16 * W)[:, None]
     cols = kt * 128 + tl.arange(0, 128)[None, :]
-    tl.store(out_ptr + rows.to(tl.int64) * (KT * 128) + cols, _tile(w_ptr, s_ptr, woff, soff, W, F16, EMULATE))
+    tl.store(out_ptr + rows.to(tl.int64) * (KT * 128) + cols, _tile_decode(w0, s0, w1, s1, W, F16, EMULATE))
 
 
 def fragments(p: PackedNVFP4, *, warps: int = 4) -> torch.Tensor:
@@ -355,22 +392,24 @@ def fragments(p: PackedNVFP4, *, warps: int = 4) -> torch.Tensor:
 # Launch shapes per row class (`row_class`: M rounded up to a power of two, 16 to 128) and weight
 # size (LARGE_WEIGHTS elements or more): activation rows per program (BLOCK_M, at most the class),
 # warps per program (16 weight rows each; 4 = one warpgroup), and the split-K target (programs
-# per multiprocessor the K split aims for). The loop is not software-pipelined (num_stages 1):
-# Triton's pipeliner splits a dot whose A operand is in registers into K-16 slices with a wait
-# after each, which the assembler turns into one wgmma at a time; unpipelined, a K tile's eight
-# wgmma are issued back to back. Picked by `sweep` / `pick` (scripts/bench_packed.py).
+# per multiprocessor the K split aims for), and K tiles per loop step (UNROLL: with 2, both
+# tiles' loads are issued before the first is decoded, for two loads' latencies in one wait).
+# The loop is not software-pipelined (num_stages 1): Triton's pipeliner splits a dot whose A
+# operand is in registers into K-16 slices with a wait after each, which the assembler turns
+# into one wgmma at a time; unpipelined, a K tile's eight wgmma are issued back to back. Picked
+# by `sweep` / `pick` (scripts/bench_packed.py).
 LARGE_WEIGHTS = 8192 * 8192
 PACKED = {
-    "16": {"small": {"BLOCK_M": 16, "num_warps": 8, "programs_per_sm": 2},
-           "large": {"BLOCK_M": 16, "num_warps": 4, "programs_per_sm": 4}},
-    "32": {"small": {"BLOCK_M": 32, "num_warps": 4, "programs_per_sm": 2},
-           "large": {"BLOCK_M": 32, "num_warps": 4, "programs_per_sm": 4}},
-    "64": {"small": {"BLOCK_M": 32, "num_warps": 4, "programs_per_sm": 4},
-           "large": {"BLOCK_M": 64, "num_warps": 8, "programs_per_sm": 2}},
-    "128": {"small": {"BLOCK_M": 128, "num_warps": 8, "programs_per_sm": 1},
-            "large": {"BLOCK_M": 128, "num_warps": 8, "programs_per_sm": 1}},
+    "16": {"small": {"BLOCK_M": 16, "num_warps": 4, "programs_per_sm": 2, "UNROLL": 1},
+           "large": {"BLOCK_M": 16, "num_warps": 4, "programs_per_sm": 4, "UNROLL": 2}},
+    "32": {"small": {"BLOCK_M": 16, "num_warps": 4, "programs_per_sm": 4, "UNROLL": 1},
+           "large": {"BLOCK_M": 32, "num_warps": 8, "programs_per_sm": 2, "UNROLL": 2}},
+    "64": {"small": {"BLOCK_M": 32, "num_warps": 4, "programs_per_sm": 4, "UNROLL": 1},
+           "large": {"BLOCK_M": 64, "num_warps": 8, "programs_per_sm": 2, "UNROLL": 1}},
+    "128": {"small": {"BLOCK_M": 128, "num_warps": 8, "programs_per_sm": 1, "UNROLL": 1},
+            "large": {"BLOCK_M": 128, "num_warps": 8, "programs_per_sm": 1, "UNROLL": 1}},
 }
-LAUNCH_KEYS = ("BLOCK_M", "num_warps", "programs_per_sm", "SPLIT")
+LAUNCH_KEYS = ("BLOCK_M", "num_warps", "programs_per_sm", "SPLIT", "UNROLL")
 
 
 def row_class(m: int) -> int:
@@ -386,12 +425,15 @@ def config(m: int, n: int, k: int, device: torch.device, cfg: dict | None = None
         raise ValueError(f"{_WHAT}: unknown launch keys {sorted(unknown)}; expected some of {LAUNCH_KEYS}")
     c = dict(PACKED[str(row_class(m))]["large" if n * k >= LARGE_WEIGHTS else "small"])
     c.update(cfg or {})
-    w, bm = c["num_warps"], c["BLOCK_M"]
+    w, bm, unroll = c["num_warps"], c["BLOCK_M"], c.get("UNROLL", 1)
+    if bm not in (16, 32, 64, 128, 256) or w not in (4, 8) or unroll not in (1, 2):
+        raise ValueError(f"{_WHAT}: BLOCK_M must be a power of two from 16 to 256, num_warps 4 or 8 and "
+                         f"UNROLL 1 or 2, got BLOCK_M={bm}, num_warps={w}, UNROLL={unroll}")
     kt = cdiv(k, TILE_K)
     tiles = cdiv(cdiv(n, SLAB), w) * cdiv(m, bm)
     split = c.get("SPLIT") or max(1, min(kt, _sm_count(device) * c["programs_per_sm"] // tiles))
     per = cdiv(kt, split)
-    return {"num_warps": w, "BLOCK_M": bm, "SPLIT": cdiv(kt, per), "kt_per_split": per}
+    return {"num_warps": w, "BLOCK_M": bm, "SPLIT": cdiv(kt, per), "kt_per_split": per, "UNROLL": unroll}
 
 
 def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", cfg: dict | None = None):
@@ -423,7 +465,7 @@ def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", c
         counters = split_counters(x.device, grid[0] * grid[1])
     _packed_kernel[grid](x2, w.words, w.scales, w.global_scale, out, part, counters, m, n, k, n16, kt, x2.stride(0),
                          c["kt_per_split"], BLOCK_M=c["BLOCK_M"], W=c["num_warps"], SPLIT=c["SPLIT"],
-                         F16=x.dtype == torch.float16, EVEN_K=k % TILE_K == 0,
+                         UNROLL=c["UNROLL"], F16=x.dtype == torch.float16, EVEN_K=k % TILE_K == 0,
                          EMULATE=interpreted(_packed_kernel), num_warps=c["num_warps"], num_stages=1,
                          **launch_options())
     return out.reshape(*lead, n)
@@ -439,9 +481,10 @@ def time_graph(fn) -> float:
 SWEEP_SHAPES = ((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688))
 
 
-def sweep(shapes=SWEEP_SHAPES, classes=(16, 32, 64), warps=(4, 8), programs_per_sm=(1, 2, 4)) -> list:
+def sweep(shapes=SWEEP_SHAPES, classes=(16, 32, 64), warps=(4, 8), programs_per_sm=(1, 2, 4), unroll=(1, 2)) -> list:
     """CUDA-graph times of the launch shapes for each row class (M = the class) on each shape:
-    BLOCK_M the class or half of it (two row programs), every warp count and split-K target."""
+    BLOCK_M the class or half of it (two row programs), every warp count, split-K target and
+    number of K tiles per loop step."""
     from .quantize import quantize
 
     rows = []
@@ -452,10 +495,11 @@ def sweep(shapes=SWEEP_SHAPES, classes=(16, 32, 64), warps=(4, 8), programs_per_
             for bm in sorted({m, max(16, m // 2)}):
                 for nw in warps:
                     for pps in programs_per_sm:
-                        cfg = {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps}
-                        c = config(m, n, k, x.device, cfg)
-                        rows.append({"N": n, "K": k, "M": m, **cfg, "SPLIT": c["SPLIT"],
-                                     "ms": time_graph(lambda: packed_matmul(x, w, cfg=cfg))})
+                        for u in unroll:
+                            cfg = {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps, "UNROLL": u}
+                            c = config(m, n, k, x.device, cfg)
+                            rows.append({"N": n, "K": k, "M": m, **cfg, "SPLIT": c["SPLIT"],
+                                         "ms": time_graph(lambda: packed_matmul(x, w, cfg=cfg))})
         del w
     return rows
 
@@ -471,13 +515,13 @@ def pick(rows) -> dict:
     totals: dict = {}
     for r in rows:
         size = "large" if r["N"] * r["K"] >= LARGE_WEIGHTS else "small"
-        key = (str(row_class(r["M"])), size, r["BLOCK_M"], r["num_warps"], r["programs_per_sm"])
+        key = (str(row_class(r["M"])), size, r["BLOCK_M"], r["num_warps"], r["programs_per_sm"], r.get("UNROLL", 1))
         totals[key] = totals.get(key, 0.0) + r["ms"] / best[r["N"], r["K"], r["M"]]
     table = {cls: dict(entry) for cls, entry in PACKED.items()}
     for cls, size in {key[:2] for key in totals}:
         keys = [key for key in totals if key[:2] == (cls, size)]
-        _, _, bm, nw, pps = min(keys, key=totals.get)
-        table[cls] = dict(table[cls], **{size: {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps}})
+        _, _, bm, nw, pps, u = min(keys, key=totals.get)
+        table[cls] = dict(table[cls], **{size: {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps, "UNROLL": u}})
     return table
 
 

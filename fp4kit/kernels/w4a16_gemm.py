@@ -49,15 +49,16 @@ programs evenly over the multiprocessors (`split_count`). Above LARGE_M rows the
 dequantized once by the same helper and multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1: 2.25x on 8192 x 8192 (GEMV, 15.3 us), 2.39x on 28672 x 8192 (GEMV; bf16
-118.8 us there, 106.7-121.0 across runs), 1.75-1.87x on the Nano shapes (GEMV), 2.16x on
-131072 x 2688 (mma, `ROW_MMA`; 1.92x on the GEMV before); M = 4 (mma): 1.88x, 2.11x,
-1.34x, 1.55x and 2.12x; M = 16: 1.56-1.81x on the three large shapes (mma, two activation tiles),
-0.88x and 0.94x on the Nano shapes (wgmma); M = 64: 0.53-0.93x. The GEMV
+the bf16 weight): M = 1: 2.52x on 8192 x 8192 (GEMV, 13.5 us), 2.47x on 28672 x 8192 (GEMV,
+43.6 us; 2.45x in packed-gemm-h200.json's run, bf16's time moving most), 1.95x and 1.63x on
+the Nano shapes (GEMV), 2.17x on 131072 x 2688 (mma, `ROW_MMA`); M = 4 (mma): 1.87x, 1.93x,
+1.14x, 1.54x and 2.14x; M = 16: 1.42-1.94x on the three large shapes (mma, two activation tiles),
+0.79x and 0.93x on the Nano shapes (wgmma); M = 64: 0.50-0.94x (`packed_gemm` on the pre-packed
+weight is faster from 4-16 rows up: 1.08-2.24x at 16 rows, 0.66-1.52x at 64). The GEMV
 loop spends 4.5 SASS instructions per weight at one row (fma, fp16-to-fp32 conversion, 0.9 of
 code decoding, loads and addresses), and that arithmetic sets its time: `gemv_limits` runs the
-loop with its weight loads alone and with its arithmetic alone on cache-resident weights, 8.0
-and 13.8 us on 8192 x 8192 against 14.9 for the whole loop (36.0 and 43.7 against 49.2 on
+loop with its weight loads alone and with its arithmetic alone on cache-resident weights, 7.0
+and 13.0 us on 8192 x 8192 against 12.7 for the whole loop (36.5 and 39.1 against 42.8 on
 28672 x 8192); under Nsight Compute (scripts/profile_kernels.py, kernels-pipes-h200.json) its
 issue is 69% busy and the integer ALU pipe, which takes about 44% of its instructions at half
 the issue rate, 61%. The mma kernel's loop spends 3.5-3.9 SASS instructions per weight (one or two
@@ -1456,8 +1457,9 @@ MID = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs
 # `scripts/bench_kernels.py --sweep-gemv` with the loop addressing each row's blocks from the
 # program's first row (`KB`): one row 8 x 1024 with 2 warps, 13.3 us on 8192 x 8192 against 14.1
 # for 8 x 2048 with 4 warps (the previous pick; that sweep's file is not committed). The GEMV
-# with this table in benchmarks/results/packed-gemm-h200.json (one run, bf16 side by side): 13.6
-# us on 8192 x 8192 (2.43x bf16), 43.6 on 28672 x 8192 (2.41x).
+# with this table in benchmarks/results/kernels-h200.json (one run, bf16 side by side): 13.5 us on
+# 8192 x 8192 (2.52x bf16), 43.6 on 28672 x 8192 (2.47x); in packed-gemm-h200.json 13.6 and 44.1
+# (2.51x, 2.45x).
 GEMV = {
     "max_m": 2,
     "1": {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 2, "programs_per_sm": 4},
@@ -2050,15 +2052,18 @@ def bench(nk=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 
           ms=(1, 4, 16, 64, 256, 1024)):
     """Median times of this GEMM and of torch.matmul on the bf16 weight, side by side: replayed
     from CUDA graphs (the GPU's time; how decode runs in serving engines) and eager (including
-    each call's host-side launch cost)."""
+    each call's host-side launch cost); and, from CUDA graphs, `packed_gemm.packed_matmul` on the
+    same weight pre-packed (`speedup_vs_bf16_packed`; `speedup_vs_bf16_best`: the faster of the two)."""
     from triton.testing import do_bench, do_bench_cudagraph
 
+    from .packed_gemm import pack, packed_matmul
     from .quantize import quantize
 
     rows = []
     for n, k in nk:
         wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
         wq = quantize(wb)
+        wp = pack(wq)
         for m in ms:
             x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
             fp4 = lambda: w4a16_matmul(x, wq)  # noqa: E731
@@ -2081,12 +2086,15 @@ def bench(nk=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 
                 "path": path(m, n, k, x.device),
             }
             row["speedup_vs_bf16_eager"] = row["ms_bf16_eager"] / row["ms_w4a16_eager"]
+            row["ms_packed"] = do_bench_cudagraph(lambda: packed_matmul(x, wp), rep=50, return_mode="median")
+            row["speedup_vs_bf16_packed"] = t_bf16 / row["ms_packed"]
+            row["speedup_vs_bf16_best"] = t_bf16 / min(t_fp4, row["ms_packed"])
             if m > LARGE_M:  # the fused kernel at this size, for the record
                 cfg = config(m, n, k, x.device)
                 row["ms_w4a16_fused"] = do_bench_cudagraph(lambda: w4a16_matmul(x, wq, cfg=cfg), rep=50,
                                                            return_mode="median")
             rows.append(row)
-        del wb, wq
+        del wb, wq, wp
     return rows
 
 

@@ -592,8 +592,8 @@ def test_packed_fragments_exact_every_scale_and_code(dtype):
 @pytest.mark.parametrize("m", [1, 5, 16, 37, 64, 100, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_packed_matmul(nk, m, dtype):
-    # Every launch shape the rules pick, and forced: no split-K, 8 warps (two warpgroups), and
-    # 16-row programs (several along M); ragged N (200, 40: slabs past N read the last) and K
+    # Every launch shape the rules pick, and forced: no split-K, 8 warps (two warpgroups),
+    # 16-row programs (several along M), one and two K tiles per loop step; ragged N (200, 40: slabs past N read the last) and K
     # (1008, 2704: the tile past K reads zero codes and masked activations). Weights E2M1 * scale
     # exactly, the global scale applied in fp32 at the end: the mma kernel's bound.
     n, k = nk
@@ -602,7 +602,7 @@ def test_packed_matmul(nk, m, dtype):
     wq = kquant.quantize(_randn(n, k, seed=71), scale_rule="4o6")
     p = packed_gemm.pack(wq, dtype)
     x = _randn(m, k, seed=72, scale=1.0).to(dtype)
-    for cfg in (None, {"SPLIT": 1}, {"num_warps": 8}, {"BLOCK_M": 16}):
+    for cfg in (None, {"SPLIT": 1}, {"num_warps": 8}, {"BLOCK_M": 16}, {"UNROLL": 1}, {"UNROLL": 2, "SPLIT": 1}):
         _assert_within_gemm_bound(packed_gemm.packed_matmul(x, p, cfg=cfg), x, wq, {"mma": True})
 
 
