@@ -78,11 +78,11 @@ def run_case(case: str) -> None:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         if kind == "packed":
             wp = packed_gemm.pack(wq)
+            call = lambda: packed_gemm.packed_matmul(x, wp)  # noqa: E731
+        else:
+            call = lambda: w4a16_gemm.w4a16_matmul(x, wq)  # noqa: E731
         for _ in range(3):
-            if kind == "gemm":
-                w4a16_gemm.w4a16_matmul(x, wq)
-            else:
-                packed_gemm.packed_matmul(x, wp)
+            call()
     elif kind == "quantize":  # rule, then "two" (max pass and quantize launches) or "stack" (one launch)
         if args[1] == "two":
             kquant.STACK["max_member_bytes"] = None

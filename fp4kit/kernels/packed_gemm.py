@@ -350,8 +350,11 @@ def _packed_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N
             acc = _dot(acc, _tile_decode(w0, s0, w1, s1, W, F16, EMULATE), xt, EMULATE)
         else:
             # Both tiles' loads are issued before the first is decoded, so that their latencies
-            # overlap. Past kt1 the second tile is the first again with zero activations: its
-            # products are zeros (a NaN scale makes NaNs, as the first tile's own products do).
+            # overlap (written in this order: with the first tile's loads and x shared with the
+            # branch above, the sm_90 assembler places the second tile's weight loads after the
+            # first tile's decoding). Past kt1 the second tile is the first again with zero
+            # activations: its products are zeros (a NaN scale makes NaNs, as the first tile's
+            # own products do).
             kb = tl.minimum(kt + 1, kt1 - 1)
             w0, s0, w1, s1 = _tile_load(w_ptr, s_ptr, woff + kt * 512, soff + kt * 128, W)
             w2, s2, w3, s3 = _tile_load(w_ptr, s_ptr, woff + kb * 512, soff + kb * 128, W)

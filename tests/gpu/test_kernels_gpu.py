@@ -593,9 +593,10 @@ def test_packed_fragments_exact_every_scale_and_code(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_packed_matmul(nk, m, dtype):
     # Every launch shape the rules pick, and forced: no split-K, 8 warps (two warpgroups),
-    # 16-row programs (several along M), one and two K tiles per loop step; ragged N (200, 40: slabs past N read the last) and K
-    # (1008, 2704: the tile past K reads zero codes and masked activations). Weights E2M1 * scale
-    # exactly, the global scale applied in fp32 at the end: the mma kernel's bound.
+    # 16-row programs (several along M), one and two K tiles per loop step; ragged N (200, 40:
+    # slabs past N read the last) and K (1008, 2704: the tile past K reads zero codes and masked
+    # activations). Weights E2M1 * scale exactly, the global scale applied in fp32 at the end:
+    # the mma kernel's bound.
     n, k = nk
     if n * k >= 8192 * 8192 and (dtype == torch.float16 or m not in (1, 16, 64)):
         pytest.skip("the largest weight: bf16 at 1, 16 and 64 rows")
