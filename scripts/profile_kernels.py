@@ -86,8 +86,10 @@ def run_case(case: str) -> None:
     elif kind == "quantize":  # rule, then "two" (max pass and quantize launches) or "stack" (one launch)
         if args[1] == "two":
             kquant.STACK["max_member_bytes"] = None
-        if len(args) == 5:  # stack: lag, tiles per max item, tiles per quantize item
+        if len(args) >= 5:  # stack: lag, tiles per max item, tiles per quantize item[, prefetch, programs/SM]
             kquant.STACK.update(lag=int(args[2]), max_tiles=int(args[3]), quant_tiles=int(args[4]))
+        if len(args) == 7:
+            kquant.STACK.update(prefetch=args[5] == "1", programs_per_sm=int(args[6]))
         w = torch.randn(128, 1856, 2688, device="cuda", dtype=torch.bfloat16)
         for _ in range(3):
             kquant.quantize(w, scale_rule=args[0])

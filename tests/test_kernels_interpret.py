@@ -985,7 +985,7 @@ def test_packed_fragments_exact():
 @pytest.mark.parametrize("m", [1, 5, 17, 40])
 @pytest.mark.parametrize("nk", [(64, 256), (40, 272), (72, 160)])
 @pytest.mark.parametrize("cfg", [None, {"SPLIT": 1}, {"SPLIT": 2, "BLOCK_M": 16}, {"num_warps": 8},
-                                 {"SPLIT": 1, "UNROLL": 2}])
+                                 {"SPLIT": 1, "UNROLL": 2}, {"SPLIT": 1, "UNROLL": 2, "PREFETCH": 3}])
 def test_packed_matmul(m, nk, cfg):
     # fp16 activations (the interpreter's bf16 is not reliable); ragged N and K; split-K with
     # the partials summed in the launch and not; several row programs (BLOCK_M 16 below M);
@@ -1058,6 +1058,11 @@ def test_packed_config_and_pick():
     with pytest.raises(ValueError, match="UNROLL"):
         packed_gemm.config(3, 64, 256, dev, {"UNROLL": 4})
     assert packed_gemm.config(3, 64, 256, dev, {"UNROLL": 2})["UNROLL"] == 2
+    with pytest.raises(ValueError, match="PREFETCH"):
+        packed_gemm.config(3, 64, 256, dev, {"PREFETCH": 17})
+    with pytest.raises(ValueError, match="PREFETCH"):
+        packed_gemm.config(3, 64, 256, dev, {"PREFETCH": -1})
+    assert packed_gemm.config(3, 64, 256, dev, {"PREFETCH": 16})["PREFETCH"] == 16
     rows = []
     for n, k in ((8192, 8192), (3712, 2688)):
         for bm, nw, pps, ms in ((64, 4, 2, 2.0), (64, 8, 2, 1.0), (32, 4, 2, 1.5)):
@@ -1065,6 +1070,11 @@ def test_packed_config_and_pick():
             rows.append({"N": n, "K": k, "M": 64, "BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps,
                          "ms": ms if not small else {4: 1.0, 8: 3.0}[nw] * (0.5 if bm == 32 else 1.0)})
     table = packed_gemm.pick(rows)
-    assert table["64"]["large"] == {"BLOCK_M": 64, "num_warps": 8, "programs_per_sm": 2, "UNROLL": 1}
-    assert table["64"]["small"] == {"BLOCK_M": 32, "num_warps": 4, "programs_per_sm": 2, "UNROLL": 1}
+    assert table["64"]["large"] == {"BLOCK_M": 64, "num_warps": 8, "programs_per_sm": 2, "UNROLL": 1, "PREFETCH": 0}
+    # a prefetch distance is picked like the other keys
+    rows.append({"N": 8192, "K": 8192, "M": 64, "BLOCK_M": 64, "num_warps": 8, "programs_per_sm": 2, "PREFETCH": 4,
+                 "ms": 0.8})
+    assert packed_gemm.pick(rows)["64"]["large"]["PREFETCH"] == 4
+    table = packed_gemm.pick(rows[:-1])
+    assert table["64"]["small"] == {"BLOCK_M": 32, "num_warps": 4, "programs_per_sm": 2, "UNROLL": 1, "PREFETCH": 0}
     assert table["16"] == packed_gemm.PACKED["16"]  # not swept: kept

@@ -58,6 +58,7 @@ decoding, the rest the activation tile's loads and shared-memory stores and the 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +70,7 @@ from fp4kit.formats.errors import FormatError
 
 from .backend import cdiv, check_backend, interpreted, launch_options, next_power_of_2
 from .backend import sm_count as _sm_count
-from .w4a16_gemm import _check_activations, _store_unscaled, activation_rows, check_weight, split_counters
+from .w4a16_gemm import _check_activations, _prefetch_l2, _store_unscaled, activation_rows, check_weight, split_counters
 
 _WHAT = "kernels.packed_matmul"
 SLAB = 16  # weight rows per warp
@@ -291,6 +292,25 @@ def _offsets(pid_n, N16, KT, W: tl.constexpr):
 
 
 @triton.jit
+def _line_offsets(pid_n, N16, KT, W: tl.constexpr):
+    """Per thread, the first word and scale offsets of its 32 bytes of words and 16 of scales at
+    K tile 0 (`_offsets`' column 0, [32 * W]; + 512 kt and + 128 kt): what `_prefetch_tile` asks
+    L2 for."""
+    t = tl.arange(0, 32 * W)
+    slab = tl.minimum(pid_n * W + t // 32, N16 - 1).to(tl.int64) * KT
+    return (slab * 32 + t % 32) * 16, (slab * 8 + (t % 32) // 4) * 16
+
+
+@triton.jit
+def _prefetch_tile(w_ptr, s_ptr, poff, psoff, kt, kt1):
+    """L2 prefetch of K tile kt's words and scales where kt < kt1: no registers written, so the
+    wgmma fences do not wait for it, unlike a load issued ahead into registers."""
+    ahead = (tl.arange(0, poff.shape[0]) * 0 + kt) < kt1
+    _prefetch_l2(w_ptr + poff + kt * 512, ahead)
+    _prefetch_l2(s_ptr + psoff + kt * 128, ahead)
+
+
+@triton.jit
 def _tile_load(w_ptr, s_ptr, woff, soff, W: tl.constexpr):
     """A K tile's words and scales (both groups), as loaded: `_tile_decode`'s input."""
     w0, s0 = _group_load(w_ptr, s_ptr, woff, soff, W)
@@ -328,7 +348,7 @@ def _dot(acc, a, xt, EMULATE: tl.constexpr):
 @triton.jit
 def _packed_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, N16, KT, stride_xm,
                    kt_per_split, BLOCK_M: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr, UNROLL: tl.constexpr,
-                   F16: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr):
+                   PREFETCH: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr):
     """out[M, N] = x @ W^T for W a `PackedNVFP4`; grid: (N16 / W programs of W slabs, M / BLOCK_M,
     SPLIT). acc [16 * W, BLOCK_M] = W_tile @ x_tile^T in fp32, per K tile one dot (eight wgmma of
     K 16, issued back to back) with the weight from registers and x from shared memory.
@@ -343,7 +363,14 @@ def _packed_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N
     kt0 = pid_s * kt_per_split
     kt1 = tl.minimum(kt0 + kt_per_split, KT)
     acc = tl.zeros((16 * W, BLOCK_M), dtype=tl.float32)
+    poff, psoff = _line_offsets(pid_n, N16, KT, W)
+    if PREFETCH > 0 and not EMULATE:  # the tiles the loop's prefetches (PREFETCH ahead) do not cover
+        for j in tl.static_range(UNROLL, PREFETCH):
+            _prefetch_tile(w_ptr, s_ptr, poff, psoff, kt0 + j, kt1)
     for kt in range(kt0, kt1, UNROLL):  # not software-pipelined: see PACKED
+        if PREFETCH > 0 and not EMULATE:
+            for j in tl.static_range(UNROLL):
+                _prefetch_tile(w_ptr, s_ptr, poff, psoff, kt + PREFETCH + j, kt1)
         if UNROLL == 1:
             w0, s0, w1, s1 = _tile_load(w_ptr, s_ptr, woff + kt * 512, soff + kt * 128, W)
             xt = _x_load(x_ptr, xoff, xmask, kt * 128, K, EVEN_K)
@@ -396,7 +423,10 @@ def fragments(p: PackedNVFP4, *, warps: int = 4) -> torch.Tensor:
 # size (LARGE_WEIGHTS elements or more): activation rows per program (BLOCK_M, at most the class),
 # warps per program (16 weight rows each; 4 = one warpgroup), and the split-K target (programs
 # per multiprocessor the K split aims for), and K tiles per loop step (UNROLL: with 2, both
-# tiles' loads are issued before the first is decoded, for two loads' latencies in one wait).
+# tiles' loads are issued before the first is decoded, for two loads' latencies in one wait), and
+# PREFETCH: the L2 prefetch distance in K tiles (0: none; an entry without it has none). A
+# prefetch writes no register, so the wgmma fences do not wait for it as they wait for loads
+# issued ahead into registers; tests/gpu check that it changes no output byte.
 # The loop is not software-pipelined (num_stages 1): Triton's pipeliner splits a dot whose A
 # operand is in registers into K-16 slices with a wait after each, which the assembler turns
 # into one wgmma at a time; unpipelined, a K tile's eight wgmma are issued back to back. Picked
@@ -412,7 +442,7 @@ PACKED = {
     "128": {"small": {"BLOCK_M": 128, "num_warps": 8, "programs_per_sm": 1, "UNROLL": 1},
             "large": {"BLOCK_M": 128, "num_warps": 8, "programs_per_sm": 1, "UNROLL": 1}},
 }
-LAUNCH_KEYS = ("BLOCK_M", "num_warps", "programs_per_sm", "SPLIT", "UNROLL")
+LAUNCH_KEYS = ("BLOCK_M", "num_warps", "programs_per_sm", "SPLIT", "UNROLL", "PREFETCH")
 
 
 def row_class(m: int) -> int:
@@ -428,15 +458,17 @@ def config(m: int, n: int, k: int, device: torch.device, cfg: dict | None = None
         raise ValueError(f"{_WHAT}: unknown launch keys {sorted(unknown)}; expected some of {LAUNCH_KEYS}")
     c = dict(PACKED[str(row_class(m))]["large" if n * k >= LARGE_WEIGHTS else "small"])
     c.update(cfg or {})
-    w, bm, unroll = c["num_warps"], c["BLOCK_M"], c.get("UNROLL", 1)
-    if bm not in (16, 32, 64, 128, 256) or w not in (4, 8) or unroll not in (1, 2):
-        raise ValueError(f"{_WHAT}: BLOCK_M must be a power of two from 16 to 256, num_warps 4 or 8 and "
-                         f"UNROLL 1 or 2, got BLOCK_M={bm}, num_warps={w}, UNROLL={unroll}")
+    w, bm, unroll, ahead = c["num_warps"], c["BLOCK_M"], c.get("UNROLL", 1), c.get("PREFETCH", 0)
+    if bm not in (16, 32, 64, 128, 256) or w not in (4, 8) or unroll not in (1, 2) or ahead not in range(17):
+        raise ValueError(f"{_WHAT}: BLOCK_M must be a power of two from 16 to 256, num_warps 4 or 8, "
+                         f"UNROLL 1 or 2 and PREFETCH 0 to 16, got BLOCK_M={bm}, num_warps={w}, UNROLL={unroll}, "
+                         f"PREFETCH={ahead}")
     kt = cdiv(k, TILE_K)
     tiles = cdiv(cdiv(n, SLAB), w) * cdiv(m, bm)
     split = c.get("SPLIT") or max(1, min(kt, _sm_count(device) * c["programs_per_sm"] // tiles))
     per = cdiv(kt, split)
-    return {"num_warps": w, "BLOCK_M": bm, "SPLIT": cdiv(kt, per), "kt_per_split": per, "UNROLL": unroll}
+    return {"num_warps": w, "BLOCK_M": bm, "SPLIT": cdiv(kt, per), "kt_per_split": per, "UNROLL": unroll,
+            "PREFETCH": ahead}
 
 
 def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", cfg: dict | None = None):
@@ -468,7 +500,7 @@ def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", c
         counters = split_counters(x.device, grid[0] * grid[1])
     _packed_kernel[grid](x2, w.words, w.scales, w.global_scale, out, part, counters, m, n, k, n16, kt, x2.stride(0),
                          c["kt_per_split"], BLOCK_M=c["BLOCK_M"], W=c["num_warps"], SPLIT=c["SPLIT"],
-                         UNROLL=c["UNROLL"], F16=x.dtype == torch.float16, EVEN_K=k % TILE_K == 0,
+                         UNROLL=c["UNROLL"], PREFETCH=c["PREFETCH"], F16=x.dtype == torch.float16, EVEN_K=k % TILE_K == 0,
                          EMULATE=interpreted(_packed_kernel), num_warps=c["num_warps"], num_stages=1,
                          **launch_options())
     return out.reshape(*lead, n)
@@ -482,12 +514,14 @@ def time_graph(fn) -> float:
 
 
 SWEEP_SHAPES = ((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688))
+SWEEP_PREFETCH = (0, 4)
 
 
-def sweep(shapes=SWEEP_SHAPES, classes=(16, 32, 64), warps=(4, 8), programs_per_sm=(1, 2, 4), unroll=(1, 2)) -> list:
+def sweep(shapes=SWEEP_SHAPES, classes=(16, 32, 64), warps=(4, 8), programs_per_sm=(1, 2, 4), unroll=(1, 2),
+          prefetch=SWEEP_PREFETCH) -> list:
     """CUDA-graph times of the launch shapes for each row class (M = the class) on each shape:
-    BLOCK_M the class or half of it (two row programs), every warp count, split-K target and
-    number of K tiles per loop step."""
+    BLOCK_M the class or half of it (two row programs), every warp count, split-K target, number
+    of K tiles per loop step and L2 prefetch distance."""
     from .quantize import quantize
 
     rows = []
@@ -498,8 +532,9 @@ def sweep(shapes=SWEEP_SHAPES, classes=(16, 32, 64), warps=(4, 8), programs_per_
             for bm in sorted({m, max(16, m // 2)}):
                 for nw in warps:
                     for pps in programs_per_sm:
-                        for u in unroll:
-                            cfg = {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps, "UNROLL": u}
+                        for u, ahead in itertools.product(unroll, prefetch):
+                            cfg = {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps, "UNROLL": u,
+                                   "PREFETCH": ahead}
                             c = config(m, n, k, x.device, cfg)
                             rows.append({"N": n, "K": k, "M": m, **cfg, "SPLIT": c["SPLIT"],
                                          "ms": time_graph(lambda: packed_matmul(x, w, cfg=cfg))})
@@ -518,13 +553,15 @@ def pick(rows) -> dict:
     totals: dict = {}
     for r in rows:
         size = "large" if r["N"] * r["K"] >= LARGE_WEIGHTS else "small"
-        key = (str(row_class(r["M"])), size, r["BLOCK_M"], r["num_warps"], r["programs_per_sm"], r.get("UNROLL", 1))
+        key = (str(row_class(r["M"])), size, r["BLOCK_M"], r["num_warps"], r["programs_per_sm"], r.get("UNROLL", 1),
+               r.get("PREFETCH", 0))
         totals[key] = totals.get(key, 0.0) + r["ms"] / best[r["N"], r["K"], r["M"]]
     table = {cls: dict(entry) for cls, entry in PACKED.items()}
     for cls, size in {key[:2] for key in totals}:
         keys = [key for key in totals if key[:2] == (cls, size)]
-        _, _, bm, nw, pps, u = min(keys, key=totals.get)
-        table[cls] = dict(table[cls], **{size: {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps, "UNROLL": u}})
+        _, _, bm, nw, pps, u, ahead = min(keys, key=totals.get)
+        table[cls] = dict(table[cls], **{size: {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps, "UNROLL": u,
+                                                "PREFETCH": ahead}})
     return table
 
 

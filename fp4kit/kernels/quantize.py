@@ -66,7 +66,12 @@ from DRAM caps any two-pass schedule at 2.40 TB/s as
 the bench counts it (bf16 in, codes and scales out: 2.5625 bytes per element, 4.5625 moved),
 and the stack kernel does read it twice: 2.55 GB per 1.28 GB stack with DRAM 89% busy under
 Nsight Compute (scripts/profile_kernels.py: benchmarks/results/kernels-pipes-h200.json), which
-puts plain at the DRAM limit. The quantization itself is bound by instruction issue and the
+puts plain at the DRAM limit. Serving the second read from L2 would need the quantize items
+close behind the max items (a lag of one or two 10 MB members, small items so that the programs
+in flight span less than a member); such schedules lose more to their per-item atomics and
+waits than L2 saves: 0.81-1.43 ms plain and 1.20-1.76 ms 4/6 against 0.69 and 1.09 for the pick
+(lag 1-3, 4-8 tiles per max item, 1-4 per quantize item, 4-16 programs per multiprocessor;
+benchmarks/results/kernels-sweeps-stack-fine-h200.json). The quantization itself is bound by instruction issue and the
 integer ALU pipe: `_quantize_kernel` plain 22.4 instructions per element with issue 74% and
 the ALU pipe 71% busy, 4/6 43.1 with issue 77% busy; the stack kernel 22.8 (plain) and 43.3
 (4/6, issue 77%), its max items' taken on 16-bit patterns two elements per instruction
@@ -1135,15 +1140,18 @@ def sweep(shape=(128, 1856, 2688), configs=((64, 2), (128, 4), (128, 2), (256, 8
     return out
 
 
-_SCHEDULE = ("lag", "max_tiles", "quant_tiles", "prefetch")
-# (lag, max_tiles, quant_tiles, prefetch) per swept schedule.
-STACK_SWEEP = ((6, 32, 8, True), (4, 32, 8, True), (8, 32, 8, True), (3, 16, 8, True), (4, 16, 8, True),
-               (2, 16, 8, True), (2, 8, 8, True), (4, 16, 4, True), (6, 32, 8, False))
+_SCHEDULE = ("lag", "max_tiles", "quant_tiles", "prefetch", "programs_per_sm")
+# (lag, max_tiles, quant_tiles, prefetch, programs_per_sm) per swept schedule.
+STACK_SWEEP = ((8, 32, 8, True, 8), (6, 32, 8, True, 8), (4, 16, 8, True, 8), (2, 16, 8, True, 8),
+               (1, 4, 1, True, 8), (1, 4, 2, True, 8), (1, 8, 2, True, 8), (1, 4, 1, True, 4),
+               (1, 4, 2, True, 4), (1, 8, 4, True, 4), (2, 4, 2, True, 8), (2, 8, 2, True, 8),
+               (2, 4, 2, True, 4), (2, 8, 4, True, 4), (3, 8, 2, True, 8), (3, 8, 4, True, 4),
+               (1, 4, 1, False, 16), (2, 4, 2, True, 16))
 
 
 def sweep_stack(shapes=((128, 1856, 2688), (128, 2688, 1856)), configs=STACK_SWEEP):
     """Times of the one-launch stack kernel per schedule (`_SCHEDULE`: lag, tiles per max item,
-    tiles per quantize item, prefetch) on the Nano expert stacks, both rules,
+    tiles per quantize item, prefetch, programs per multiprocessor) on the Nano expert stacks, both rules,
     beside the two launches; every config's bytes are checked against the two launches'."""
     from triton.testing import do_bench_cudagraph
 

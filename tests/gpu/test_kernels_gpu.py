@@ -596,7 +596,8 @@ def test_packed_matmul(nk, m, dtype):
     # 16-row programs (several along M), one and two K tiles per loop step; ragged N (200, 40:
     # slabs past N read the last) and K (1008, 2704: the tile past K reads zero codes and masked
     # activations). Weights E2M1 * scale exactly, the global scale applied in fp32 at the end:
-    # the mma kernel's bound.
+    # the mma kernel's bound. The L2 prefetch distance is a hint: any distance, including one
+    # past the program's K range, gives the same bytes as none.
     n, k = nk
     if n * k >= 8192 * 8192 and (dtype == torch.float16 or m not in (1, 16, 64)):
         pytest.skip("the largest weight: bf16 at 1, 16 and 64 rows")
@@ -604,7 +605,11 @@ def test_packed_matmul(nk, m, dtype):
     p = packed_gemm.pack(wq, dtype)
     x = _randn(m, k, seed=72, scale=1.0).to(dtype)
     for cfg in (None, {"SPLIT": 1}, {"num_warps": 8}, {"BLOCK_M": 16}, {"UNROLL": 1}, {"UNROLL": 2, "SPLIT": 1}):
-        _assert_within_gemm_bound(packed_gemm.packed_matmul(x, p, cfg=cfg), x, wq, {"mma": True})
+        y = packed_gemm.packed_matmul(x, p, cfg=cfg)
+        _assert_within_gemm_bound(y, x, wq, {"mma": True})
+        if cfg is None or cfg.get("UNROLL") == 2:
+            for ahead in (0, 3, 16):
+                assert torch.equal(packed_gemm.packed_matmul(x, p, cfg={**(cfg or {}), "PREFETCH": ahead}), y)
 
 
 def test_packed_matmul_split_repeatable_graph_and_strided_rows(monkeypatch):
