@@ -283,22 +283,21 @@ def _group(words, sc, W: tl.constexpr, F16: tl.constexpr, EMULATE: tl.constexpr)
 
 
 @triton.jit
-def _offsets(pid_n, N16, KT, W: tl.constexpr):
-    """`_group_load`'s word and scale offsets at K tile 0, group 0 (+ 512 kt + 8 G and 128 kt + 8 G)."""
-    t = tl.arange(0, 32 * W)[:, None]
-    e = tl.arange(0, 8)[None, :]
-    slab = tl.minimum(pid_n * W + t // 32, N16 - 1).to(tl.int64) * KT
-    return (slab * 32 + t % 32) * 16 + e, (slab * 8 + (t % 32) // 4) * 16 + e
-
-
-@triton.jit
 def _line_offsets(pid_n, N16, KT, W: tl.constexpr):
-    """Per thread, the first word and scale offsets of its 32 bytes of words and 16 of scales at
-    K tile 0 (`_offsets`' column 0, [32 * W]; + 512 kt and + 128 kt): what `_prefetch_tile` asks
-    L2 for."""
+    """Per thread ([32 * W]), the first word and scale offsets of its 32 bytes of words and 16 of
+    scales at K tile 0 (+ 512 kt and + 128 kt): what `_prefetch_tile` asks L2 for."""
     t = tl.arange(0, 32 * W)
     slab = tl.minimum(pid_n * W + t // 32, N16 - 1).to(tl.int64) * KT
     return (slab * 32 + t % 32) * 16, (slab * 8 + (t % 32) // 4) * 16
+
+
+@triton.jit
+def _offsets(pid_n, N16, KT, W: tl.constexpr):
+    """`_group_load`'s word and scale offsets at K tile 0, group 0 (+ 512 kt + 8 G and 128 kt + 8 G):
+    each thread's `_line_offsets` and the 8 halves after them."""
+    wline, sline = _line_offsets(pid_n, N16, KT, W)
+    e = tl.arange(0, 8)[None, :]
+    return wline[:, None] + e, sline[:, None] + e
 
 
 @triton.jit

@@ -71,8 +71,8 @@ close behind the max items (a lag of one or two 10 MB members, small items so th
 in flight span less than a member); such schedules lose more to their per-item atomics and
 waits than L2 saves: 0.81-1.43 ms plain and 1.20-1.76 ms 4/6 against 0.69 and 1.09 for the pick
 (lag 1-3, 4-8 tiles per max item, 1-4 per quantize item, 4-16 programs per multiprocessor;
-benchmarks/results/kernels-sweeps-stack-fine-h200.json). The quantization itself is bound by instruction issue and the
-integer ALU pipe: `_quantize_kernel` plain 22.4 instructions per element with issue 74% and
+benchmarks/results/kernels-sweeps-stack-fine-h200.json). The quantization itself is bound by
+instruction issue and the integer ALU pipe: `_quantize_kernel` plain 22.4 instructions per element with issue 74% and
 the ALU pipe 71% busy, 4/6 43.1 with issue 77% busy; the stack kernel 22.8 (plain) and 43.3
 (4/6, issue 77%), its max items' taken on 16-bit patterns two elements per instruction
 (`_max_pair`: 1.75 SASS instructions per element against 4.6 on fp32 values). The SASS fast
