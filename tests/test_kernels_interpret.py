@@ -546,6 +546,36 @@ def test_split_k_counters_reset_between_launches():
     assert torch.all((ys[0].double() - ref).abs() <= _gemm_tolerance(x.cpu(), wq.dequantize(), torch.float32)(ref))
 
 
+def test_split_counters_per_stream_and_per_capture(monkeypatch):
+    # Eager launches share a buffer per (device, stream); the launches of one graph capture share
+    # a buffer of their own, zeroed when it is made; the next capture gets a new one; without a
+    # capture id every launch in the capture gets a fresh one.
+    dev = torch.device("cpu")
+    state = {"value": (7, False, None)}
+    monkeypatch.setattr(w4a16_gemm, "_stream_state", lambda device: state["value"])
+    monkeypatch.setattr(w4a16_gemm, "_COUNTERS", {})
+    monkeypatch.setattr(w4a16_gemm, "_CAPTURE_COUNTERS", {})
+    eager = w4a16_gemm.split_counters(dev, 10)
+    assert eager is w4a16_gemm.split_counters(dev, 10) and int(eager.abs().sum()) == 0
+    state["value"] = (8, False, None)
+    assert w4a16_gemm.split_counters(dev, 10) is not eager  # another stream
+    state["value"] = (7, True, 41)
+    eager[:3] = 5  # a graph's buffer is not the eager one, and starts at zero
+    first = w4a16_gemm.split_counters(dev, 10)
+    assert first is not eager and int(first.abs().sum()) == 0
+    assert w4a16_gemm.split_counters(dev, 100) is first  # the same capture
+    bigger = w4a16_gemm.split_counters(dev, first.numel() + 1)
+    assert bigger is not first and bigger.numel() > first.numel() and int(bigger.abs().sum()) == 0
+    state["value"] = (7, True, 42)  # the next capture on the stream
+    second = w4a16_gemm.split_counters(dev, 10)
+    assert second is not bigger and int(second.abs().sum()) == 0
+    state["value"] = (7, True, None)  # capturing, id unknown
+    a, b = w4a16_gemm.split_counters(dev, 10), w4a16_gemm.split_counters(dev, 10)
+    assert a is not b and a.numel() == 10 and int(a.abs().sum()) == 0
+    state["value"] = (7, False, None)
+    assert w4a16_gemm.split_counters(dev, 10) is eager
+
+
 def test_w4a16_matmul_batched_input_and_errors():
     wq = nvfp4.quantize(_rand(32, 64, seed=10))
     x = _rand(2, 3, 64, seed=11)

@@ -43,7 +43,10 @@ graphs, side by side with torch.matmul on the bf16 weight and `w4a16_matmul` on 
 layout): 16 rows 1.96x bf16 on 8192 x 8192 (17.1 us; 1.54x on the checkpoint layout), 1.93x on
 28672 x 8192, 1.28x and 1.27x on the Nano shapes (0.92x and 0.94x), 2.24x on 131072 x 2688; 64
 rows 1.23x, 1.38x, 0.71x and 0.86x, 1.55x (0.52-0.94x). One row: 1.43-2.50x, where the checkpoint
-layout's GEMV is faster except on 131072 x 2688 (2.50x against 2.20x). From 256 rows the kernel is
+layout's GEMV is faster except on 131072 x 2688 (2.50x against 2.20x). That run's split-K
+times include a clearing of the tile counters per launch, which CUDA graphs now pay once per
+replay (`split_counters`): about 1 us less per split launch in kernels-h200.json's run (3712 x
+2688: 6.0 against 6.9 us at 16 rows, 9.1 against 9.8 at 64; 1.26x and 0.71x bf16). From 256 rows the kernel is
 matrix-unit bound at 0.41-0.61x bf16: `w4a16_matmul` (dequantize once, then torch.matmul) is the
 faster path there. Two K tiles per loop step (UNROLL) pay on the large weights at up to 32 rows
 (8192 x 8192, 16 rows: 17.8 against 19.3 us in the sweep). On the Nano shapes at 64 rows the

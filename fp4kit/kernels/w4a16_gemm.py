@@ -44,21 +44,23 @@ scale): no re-layout, so a checkpoint tensor is used as loaded. Three kernels:
 
 Split-K keeps the GPU full when N / BLOCK_N alone is too few programs: the partials are fp32,
 and the last program of each tile to finish sums them in a fixed order in the same launch
-(`_store_split`); the mma kernel also splits long K ranges further where that spreads its
+(`_store_split`), counting in at tile counters that each launch leaves at 0 for the next
+(`split_counters`: no clearing per launch, one per CUDA-graph replay); the mma kernel also splits long K ranges further where that spreads its
 programs evenly over the multiprocessors (`split_count`). Above LARGE_M rows the weight is
 dequantized once by the same helper and multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1: 2.52x on 8192 x 8192 (GEMV, 13.5 us), 2.47x on 28672 x 8192 (GEMV,
-43.6 us; 2.45x in packed-gemm-h200.json's run, bf16's time moving most), 1.95x and 1.63x on
-the Nano shapes (GEMV), 2.17x on 131072 x 2688 (mma, `ROW_MMA`); M = 4 (mma): 1.87x, 1.93x,
-1.14x, 1.54x and 2.14x; M = 16: 1.42-1.94x on the three large shapes (mma, two activation tiles),
-0.79x and 0.93x on the Nano shapes (wgmma); M = 64: 0.50-0.94x (`packed_gemm` on the pre-packed
-weight is faster from 4-16 rows up: 1.08-2.24x at 16 rows, 0.66-1.52x at 64). The GEMV
+the bf16 weight): M = 1: 2.46x on 8192 x 8192 (GEMV, 13.6 us), 2.60x on 28672 x 8192 (GEMV,
+44.5 us; 2.52x and 2.47x in the previous run, 2.45x on the larger in packed-gemm-h200.json's,
+bf16's time moving most), 2.05x and 1.88x on the Nano shapes (GEMV), 2.17x on 131072 x 2688
+(mma, `ROW_MMA`); M = 4 (mma): 1.99x, 2.07x, 1.45x, 1.33x and 2.12x; M = 16: 1.54-1.85x on the
+three large shapes (mma, two activation tiles), 0.89x and 0.96x on the Nano shapes (wgmma);
+M = 64: 0.53-0.96x (`packed_gemm` on the pre-packed weight is faster from 4-16 rows up:
+1.26-2.22x at 16 rows, 0.71-1.54x at 64). The GEMV
 loop spends 4.5 SASS instructions per weight at one row (fma, fp16-to-fp32 conversion, 0.9 of
 code decoding, loads and addresses), and that arithmetic sets its time: `gemv_limits` runs the
-loop with its weight loads alone and with its arithmetic alone on cache-resident weights, 7.0
-and 13.0 us on 8192 x 8192 against 12.7 for the whole loop (36.5 and 39.1 against 42.8 on
+loop with its weight loads alone and with its arithmetic alone on cache-resident weights, 7.2
+and 13.0 us on 8192 x 8192 against 13.1 for the whole loop (36.5 and 39.1 against 44.4 on
 28672 x 8192); under Nsight Compute (scripts/profile_kernels.py, kernels-pipes-h200.json) its
 issue is 69% busy and the integer ALU pipe, which takes about 44% of its instructions at half
 the issue rate, 61%. The mma kernel's loop spends 3.5-3.9 SASS instructions per weight (one or two
@@ -80,6 +82,7 @@ the tile written to shared memory and read back in the wgmma operand layout (8 S
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 
@@ -1457,9 +1460,9 @@ MID = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs
 # `scripts/bench_kernels.py --sweep-gemv` with the loop addressing each row's blocks from the
 # program's first row (`KB`): one row 8 x 1024 with 2 warps, 13.3 us on 8192 x 8192 against 14.1
 # for 8 x 2048 with 4 warps (the previous pick; that sweep's file is not committed). The GEMV
-# with this table in benchmarks/results/kernels-h200.json (one run, bf16 side by side): 13.5 us on
-# 8192 x 8192 (2.52x bf16), 43.6 on 28672 x 8192 (2.47x); in packed-gemm-h200.json 13.6 and 44.1
-# (2.51x, 2.45x).
+# with this table in benchmarks/results/kernels-h200.json (one run, bf16 side by side): 13.6 us on
+# 8192 x 8192 (2.46x bf16), 44.5 on 28672 x 8192 (2.60x); 13.5 and 43.6 (2.52x, 2.47x) in the
+# previous run, 13.6 and 44.1 (2.51x, 2.45x) in packed-gemm-h200.json.
 GEMV = {
     "max_m": 2,
     "1": {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 2, "programs_per_sm": 4},
@@ -1694,24 +1697,70 @@ def int64_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.view(torch.int64)
 
 
-_COUNTERS: dict = {}
+_COUNTERS: dict = {}  # (device, stream) -> counters of eager launches
+_CAPTURE_COUNTERS: dict = {}  # (device, stream) -> (capture id, counters of that capture's launches)
+_DRIVER: list = []  # [cuStreamGetCaptureInfo_v2 or None], looked up once
+
+
+def _capture_info():
+    """The driver's cuStreamGetCaptureInfo_v2 (libcuda), or None where it cannot be found."""
+    if not _DRIVER:
+        fn = None
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuStreamGetCaptureInfo_v2
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        except (OSError, AttributeError):
+            fn = None
+        _DRIVER.append(fn)
+    return _DRIVER[0]
+
+
+def capture_id(stream: int) -> int | None:
+    """The id of the CUDA-graph capture sequence `stream` (a raw stream handle) is recorded into,
+    unique in the process; None if the stream is not capturing or the driver does not say."""
+    fn = _capture_info()
+    if fn is None:
+        return None
+    status, cid = ctypes.c_int(0), ctypes.c_uint64(0)
+    if fn(ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(cid), None, None, None) != 0:
+        return None
+    return cid.value if status.value == 1 else None  # CU_STREAM_CAPTURE_STATUS_ACTIVE
+
+
+def _stream_state(device: torch.device) -> tuple[int, bool, int | None]:
+    """(stream handle, capturing, capture id) of the current stream of `device`."""
+    if device.type != "cuda":
+        return 0, False, None
+    stream = torch.cuda.current_stream(device).cuda_stream
+    if not torch.cuda.is_current_stream_capturing():
+        return stream, False, None
+    return stream, True, capture_id(stream)
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 tile counters for the split-K epilogue (`_store_split`), at least `tiles`.
 
-    Kept per device and stream: launches on one stream run one after another, and each leaves
-    the counters it used at 0, so the buffer is reused without clearing. While a CUDA graph is
-    being captured a buffer cannot be created for later use, so a fresh zeroed one is made for
-    that launch (the clearing is then part of the graph). Graphs captured on one stream once its
-    buffer exists share that buffer: replay them one after another (as on one stream), not
-    concurrently on several streams."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    Each launch leaves the counters it used at 0, so a buffer is reused without clearing by the
+    launches that run one after another: eager launches share one buffer per device and stream.
+    A CUDA graph's launches share one buffer of their own, made (and zeroed, one fill in the graph,
+    run at each replay) at the first split-K launch of the capture, and the next capture on that
+    stream gets a new one: graphs replay in any order, alongside eager launches and each other,
+    and a replay pays one fill, not one per launch. Where the driver does not give the capture's
+    id (`capture_id`), each launch in a capture gets a fresh zeroed buffer of its own."""
+    stream, capturing, cid = _stream_state(device)
     key = (str(device), stream)
+    if capturing:
+        if cid is None:
+            return torch.zeros(tiles, dtype=torch.int32, device=device)
+        held = _CAPTURE_COUNTERS.get(key)
+        if held is None or held[0] != cid or held[1].numel() < tiles:
+            held = (cid, torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
+            _CAPTURE_COUNTERS[key] = held
+        return held[1]
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return torch.zeros(tiles, dtype=torch.int32, device=device)
         buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
         _COUNTERS[key] = buf
     return buf

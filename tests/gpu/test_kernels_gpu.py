@@ -544,18 +544,31 @@ def test_split_k_repeatable_and_graph_captured(monkeypatch):
 
 
 def _assert_graph_replays(fn, want, monkeypatch):
-    """fn captured in a CUDA graph with no split-K counter buffer yet (the launch gets its own
-    zeroed one inside the graph): three replays each give `want` exactly."""
+    """fn captured twice, into two CUDA graphs on one stream, after eager launches there (each
+    graph's split-K launches get counters of their own, zeroed in the graph): replayed in the
+    other order, alternately and between eager launches, each gives `want` exactly; two
+    launches in one capture share their counters."""
     monkeypatch.setattr(w4a16_gemm, "_COUNTERS", {})
-    graph = torch.cuda.CUDAGraph()
+    monkeypatch.setattr(w4a16_gemm, "_CAPTURE_COUNTERS", {})
     stream = torch.cuda.Stream()
+    graphs, outs, bufs = [], [], []
     with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            y = fn()
-    for _ in range(3):
-        graph.replay()
+        assert torch.equal(fn(), want)
+        for _ in range(2):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                outs.append(fn())
+                bufs.append((w4a16_gemm.split_counters(want.device, 1), w4a16_gemm.split_counters(want.device, 1),
+                             w4a16_gemm.capture_id(stream.cuda_stream)))
+            graphs.append(graph)
+    assert w4a16_gemm.capture_id(stream.cuda_stream) is None  # not capturing now
+    assert all(a is b for a, b, _ in bufs) and bufs[0][0] is not bufs[1][0]
+    assert None not in (bufs[0][2], bufs[1][2]) and bufs[0][2] != bufs[1][2]
+    for i in (1, 0, 1, 1, 0):
+        graphs[i].replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, want)
+        assert torch.equal(outs[i], want)
+        assert torch.equal(fn(), want)
 
 
 # --------------------------------------------------------------------------------------------
