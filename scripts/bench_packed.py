@@ -7,7 +7,7 @@ torch.matmul on the bf16 weight, `w4a16_matmul` on the checkpoint layout and `pa
 the packed weight. Writes JSON (default benchmarks/results/packed-gemm-<gpu>.json) and prints a
 table.
 
-    PYTHONPATH=. python scripts/bench_packed.py [--out PATH] [--no-sweep] [--ms 1,4,16,64,256,1024]
+    PYTHONPATH=. python scripts/bench_packed.py [--out PATH] [--no-sweep] [--ms 1,4,16,64,256,1024] [--pipeline]
 """
 
 from __future__ import annotations
@@ -71,7 +71,18 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/packed-gemm-<gpu>.json)")
     ap.add_argument("--no-sweep", action="store_true", help="measure with the launch shapes in PACKED as they are")
     ap.add_argument("--ms", default="1,4,16,64,256,1024", help="activation rows of the timed problems")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="only time the software-pipelined and TMA variants against the plain loop "
+                         "(packed_gemm.sweep_pipeline; default JSON packed-gemm-pipeline-<gpu>.json)")
     args = ap.parse_args()
+    if args.pipeline:
+        path, result = run_record("packed-gemm-pipeline", args.out)
+        result["sweep_pipeline"] = pg.sweep_pipeline()
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {path}")
+        return
     path, result = run_record("packed-gemm", args.out)
     result["check_rel_err"] = check()
     print("checks passed", flush=True)

@@ -1093,6 +1093,15 @@ def test_packed_config_and_pick():
     with pytest.raises(ValueError, match="PREFETCH"):
         packed_gemm.config(3, 64, 256, dev, {"PREFETCH": -1})
     assert packed_gemm.config(3, 64, 256, dev, {"PREFETCH": 16})["PREFETCH"] == 16
+    for stages in (0, 5):
+        with pytest.raises(ValueError, match="num_stages"):
+            packed_gemm.config(3, 64, 256, dev, {"num_stages": stages})
+    c = packed_gemm.config(3, 64, 256, dev, {"num_stages": 3, "TMA": True})
+    assert (c["num_stages"], c["TMA"]) == (3, True)
+    assert (packed_gemm.config(3, 64, 256, dev)["num_stages"], packed_gemm.config(3, 64, 256, dev)["TMA"]) == (1, False)
+    x = torch.zeros((4, 64), dtype=torch.bfloat16)
+    assert packed_gemm.tma_ready(x) and not packed_gemm.tma_ready(x[:, 1:]) and not packed_gemm.tma_ready(x.T)
+    assert not packed_gemm.tma_ready(torch.zeros((4, 68), dtype=torch.bfloat16)[:, :64])  # rows 136 bytes apart
     rows = []
     for n, k in ((8192, 8192), (3712, 2688)):
         for bm, nw, pps, ms in ((64, 4, 2, 2.0), (64, 8, 2, 1.0), (32, 4, 2, 1.5)):

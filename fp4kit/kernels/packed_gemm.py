@@ -62,11 +62,13 @@ decoding, the rest the activation tile's loads and shared-memory stores and the 
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fp4kit.formats import nvfp4
 from fp4kit.formats.errors import FormatError
@@ -348,9 +350,10 @@ def _dot(acc, a, xt, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _packed_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, N16, KT, stride_xm,
+def _packed_kernel(x_ptr, x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, N16, KT, stride_xm,
                    kt_per_split, BLOCK_M: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr, UNROLL: tl.constexpr,
-                   PREFETCH: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr):
+                   PREFETCH: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr,
+                   TMA: tl.constexpr):
     """out[M, N] = x @ W^T for W a `PackedNVFP4`; grid: (N16 / W programs of W slabs, M / BLOCK_M,
     SPLIT). acc [16 * W, BLOCK_M] = W_tile @ x_tile^T in fp32, per K tile one dot (eight wgmma of
     K 16, issued back to back) with the weight from registers and x from shared memory.
@@ -369,13 +372,16 @@ def _packed_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N
     if PREFETCH > 0 and not EMULATE:  # the tiles the loop's prefetches (PREFETCH ahead) do not cover
         for j in tl.static_range(UNROLL, PREFETCH):
             _prefetch_tile(w_ptr, s_ptr, poff, psoff, kt0 + j, kt1)
-    for kt in range(kt0, kt1, UNROLL):  # not software-pipelined: see PACKED
+    for kt in range(kt0, kt1, UNROLL):  # software-pipelined only with num_stages > 1: see PACKED
         if PREFETCH > 0 and not EMULATE:
             for j in tl.static_range(UNROLL):
                 _prefetch_tile(w_ptr, s_ptr, poff, psoff, kt + PREFETCH + j, kt1)
         if UNROLL == 1:
             w0, s0, w1, s1 = _tile_load(w_ptr, s_ptr, woff + kt * 512, soff + kt * 128, W)
-            xt = _x_load(x_ptr, xoff, xmask, kt * 128, K, EVEN_K)
+            if TMA:
+                xt = tl.trans(x_desc.load([pid_m * BLOCK_M, kt * 128]))
+            else:
+                xt = _x_load(x_ptr, xoff, xmask, kt * 128, K, EVEN_K)
             acc = _dot(acc, _tile_decode(w0, s0, w1, s1, W, F16, EMULATE), xt, EMULATE)
         else:
             # Both tiles' loads are issued before the first is decoded, so that their latencies
@@ -387,8 +393,12 @@ def _packed_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N
             kb = tl.minimum(kt + 1, kt1 - 1)
             w0, s0, w1, s1 = _tile_load(w_ptr, s_ptr, woff + kt * 512, soff + kt * 128, W)
             w2, s2, w3, s3 = _tile_load(w_ptr, s_ptr, woff + kb * 512, soff + kb * 128, W)
-            xt = _x_load(x_ptr, xoff, xmask, kt * 128, K, EVEN_K)
-            xb = _x_load(x_ptr, xoff, (m < tl.where(kt + 1 < kt1, M, 0))[None, :], kb * 128, K, EVEN_K)
+            if TMA:  # past kt1 the second tile's activations are read past K: zeros
+                xt = tl.trans(x_desc.load([pid_m * BLOCK_M, kt * 128]))
+                xb = tl.trans(x_desc.load([pid_m * BLOCK_M, tl.where(kt + 1 < kt1, kb, KT) * 128]))
+            else:
+                xt = _x_load(x_ptr, xoff, xmask, kt * 128, K, EVEN_K)
+                xb = _x_load(x_ptr, xoff, (m < tl.where(kt + 1 < kt1, M, 0))[None, :], kb * 128, K, EVEN_K)
             acc = _dot(acc, _tile_decode(w0, s0, w1, s1, W, F16, EMULATE), xt, EMULATE)
             acc = _dot(acc, _tile_decode(w2, s2, w3, s3, W, F16, EMULATE), xb, EMULATE)
     n = pid_n * (16 * W) + tl.arange(0, 16 * W)
@@ -429,10 +439,18 @@ def fragments(p: PackedNVFP4, *, warps: int = 4) -> torch.Tensor:
 # PREFETCH: the L2 prefetch distance in K tiles (0: none; an entry without it has none). A
 # prefetch writes no register, so the wgmma fences do not wait for it as they wait for loads
 # issued ahead into registers; tests/gpu check that it changes no output byte.
-# The loop is not software-pipelined (num_stages 1): Triton's pipeliner splits a dot whose A
-# operand is in registers into K-16 slices with a wait after each, which the assembler turns
-# into one wgmma at a time; unpipelined, a K tile's eight wgmma are issued back to back. Picked
-# by `sweep` / `pick` (scripts/bench_packed.py).
+# The loop is not software-pipelined by default (num_stages 1): Triton's pipeliner copies the
+# next tile's words to shared memory ahead, but gives each K-16 slice of the dot its own wgmma
+# fence, interleaved with the next slice's decoding; unpipelined, a K tile's eight wgmma are
+# issued back to back. `num_stages` 2-4 and `TMA` (the activation tile read by the tensor-memory
+# accelerator straight into shared memory, in place of loads into registers and a store) are
+# launch keys, byte-identical in output (tests/gpu), and measured slower where it matters
+# (scripts/bench_packed.py --pipeline, benchmarks/results/packed-gemm-pipeline-h200.json, best
+# over BLOCK_M and split for each): 3712 x 2688 at 64 rows 9.8-12.7 us against 9.3 unpipelined,
+# at 16 rows 7.8-8.3 against 6.0 (2688 x 3712 alike); 8192 x 8192 at 16 rows 24.4-25.8 against
+# 18.1, at 64 rows 31.8 (3 stages with TMA) against 37.4, within that shape's spread across runs
+# (PACKED's own entry: 30.1 in kernels-h200.json). Launch shapes picked by `sweep` / `pick`
+# (scripts/bench_packed.py).
 LARGE_WEIGHTS = 8192 * 8192
 PACKED = {
     "16": {"small": {"BLOCK_M": 16, "num_warps": 4, "programs_per_sm": 2, "UNROLL": 1},
@@ -444,7 +462,14 @@ PACKED = {
     "128": {"small": {"BLOCK_M": 128, "num_warps": 8, "programs_per_sm": 1, "UNROLL": 1},
             "large": {"BLOCK_M": 128, "num_warps": 8, "programs_per_sm": 1, "UNROLL": 1}},
 }
-LAUNCH_KEYS = ("BLOCK_M", "num_warps", "programs_per_sm", "SPLIT", "UNROLL", "PREFETCH")
+LAUNCH_KEYS = ("BLOCK_M", "num_warps", "programs_per_sm", "SPLIT", "UNROLL", "PREFETCH", "TMA", "num_stages")
+
+
+def tma_ready(x2: torch.Tensor) -> bool:
+    """Whether the activations [M, K] can be read by the tensor-memory accelerator: rows of
+    contiguous elements, the base and the row stride multiples of 16 bytes."""
+    size = x2.element_size()
+    return x2.stride(1) == 1 and x2.data_ptr() % 16 == 0 and (x2.stride(0) * size) % 16 == 0
 
 
 def row_class(m: int) -> int:
@@ -461,16 +486,18 @@ def config(m: int, n: int, k: int, device: torch.device, cfg: dict | None = None
     c = dict(PACKED[str(row_class(m))]["large" if n * k >= LARGE_WEIGHTS else "small"])
     c.update(cfg or {})
     w, bm, unroll, ahead = c["num_warps"], c["BLOCK_M"], c.get("UNROLL", 1), c.get("PREFETCH", 0)
-    if bm not in (16, 32, 64, 128, 256) or w not in (4, 8) or unroll not in (1, 2) or ahead not in range(17):
+    stages = c.get("num_stages", 1)
+    if (bm not in (16, 32, 64, 128, 256) or w not in (4, 8) or unroll not in (1, 2) or ahead not in range(17)
+            or stages not in (1, 2, 3, 4)):
         raise ValueError(f"{_WHAT}: BLOCK_M must be a power of two from 16 to 256, num_warps 4 or 8, "
-                         f"UNROLL 1 or 2 and PREFETCH 0 to 16, got BLOCK_M={bm}, num_warps={w}, UNROLL={unroll}, "
-                         f"PREFETCH={ahead}")
+                         f"UNROLL 1 or 2, PREFETCH 0 to 16 and num_stages 1 to 4, got BLOCK_M={bm}, num_warps={w}, "
+                         f"UNROLL={unroll}, PREFETCH={ahead}, num_stages={stages}")
     kt = cdiv(k, TILE_K)
     tiles = cdiv(cdiv(n, SLAB), w) * cdiv(m, bm)
     split = c.get("SPLIT") or max(1, min(kt, _sm_count(device) * c["programs_per_sm"] // tiles))
     per = cdiv(kt, split)
     return {"num_warps": w, "BLOCK_M": bm, "SPLIT": cdiv(kt, per), "kt_per_split": per, "UNROLL": unroll,
-            "PREFETCH": ahead}
+            "PREFETCH": ahead, "TMA": bool(c.get("TMA", False)), "num_stages": stages}
 
 
 def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", cfg: dict | None = None):
@@ -500,10 +527,13 @@ def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", c
     if c["SPLIT"] > 1:
         part = torch.empty((c["SPLIT"], m, n), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, grid[0] * grid[1])
-    _packed_kernel[grid](x2, w.words, w.scales, w.global_scale, out, part, counters, m, n, k, n16, kt, x2.stride(0),
-                         c["kt_per_split"], BLOCK_M=c["BLOCK_M"], W=c["num_warps"], SPLIT=c["SPLIT"],
+    emulate = interpreted(_packed_kernel)
+    tma = c["TMA"] and not emulate and tma_ready(x2)
+    x_desc = TensorDescriptor.from_tensor(x2, [c["BLOCK_M"], TILE_K]) if tma else x2
+    _packed_kernel[grid](x2, x_desc, w.words, w.scales, w.global_scale, out, part, counters, m, n, k, n16, kt,
+                         x2.stride(0), c["kt_per_split"], BLOCK_M=c["BLOCK_M"], W=c["num_warps"], SPLIT=c["SPLIT"],
                          UNROLL=c["UNROLL"], PREFETCH=c["PREFETCH"], F16=x.dtype == torch.float16, EVEN_K=k % TILE_K == 0,
-                         EMULATE=interpreted(_packed_kernel), num_warps=c["num_warps"], num_stages=1,
+                         EMULATE=emulate, TMA=tma, num_warps=c["num_warps"], num_stages=c["num_stages"],
                          **launch_options())
     return out.reshape(*lead, n)
 
@@ -540,6 +570,38 @@ def sweep(shapes=SWEEP_SHAPES, classes=(16, 32, 64), warps=(4, 8), programs_per_
                             c = config(m, n, k, x.device, cfg)
                             rows.append({"N": n, "K": k, "M": m, **cfg, "SPLIT": c["SPLIT"],
                                          "ms": time_graph(lambda: packed_matmul(x, w, cfg=cfg))})
+        del w
+    return rows
+
+
+PIPELINE_SHAPES = ((3712, 2688), (2688, 3712), (8192, 8192))
+
+
+def sweep_pipeline(shapes=PIPELINE_SHAPES, classes=(16, 64), programs_per_sm=(1, 2, 4), stages=(1, 2, 3),
+                   tma=(False, True)) -> list:
+    """CUDA-graph times of the software-pipelined loop (num_stages > 1: the next K tile's weights
+    copied to shared memory while this one is decoded and multiplied) and of the activations read
+    by the tensor-memory accelerator (TMA), against the unpipelined loop, 4 warps, one K tile per
+    step, for each row class on each shape (BLOCK_M the class or half of it). Each row records
+    whether its output equals the unpipelined pointer-load launch's byte for byte."""
+    from .quantize import quantize
+
+    rows = []
+    for n, k in shapes:
+        w = pack(quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02))
+        for m in classes:
+            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+            for bm in sorted({m, max(16, m // 2)}):
+                for pps in programs_per_sm:
+                    base = {"BLOCK_M": bm, "num_warps": 4, "programs_per_sm": pps, "UNROLL": 1}
+                    want = packed_matmul(x, w, cfg=base)
+                    for st, t in itertools.product(stages, tma):
+                        cfg = {**base, "num_stages": st, "TMA": t}
+                        c = config(m, n, k, x.device, cfg)
+                        rows.append({"N": n, "K": k, "M": m, **cfg, "SPLIT": c["SPLIT"],
+                                     "equal": bool(torch.equal(packed_matmul(x, w, cfg=cfg), want)),
+                                     "ms": time_graph(lambda: packed_matmul(x, w, cfg=cfg))})
+                        print(json.dumps(rows[-1]), flush=True)
         del w
     return rows
 

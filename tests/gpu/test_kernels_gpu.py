@@ -610,7 +610,9 @@ def test_packed_matmul(nk, m, dtype):
     # slabs past N read the last) and K (1008, 2704: the tile past K reads zero codes and masked
     # activations). Weights E2M1 * scale exactly, the global scale applied in fp32 at the end:
     # the mma kernel's bound. The L2 prefetch distance is a hint: any distance, including one
-    # past the program's K range, gives the same bytes as none.
+    # past the program's K range, gives the same bytes as none; so do the software-pipelined
+    # loop and the activations read by TMA (zeros past M and K, and past the program's K range
+    # for the second tile of a step).
     n, k = nk
     if n * k >= 8192 * 8192 and (dtype == torch.float16 or m not in (1, 16, 64)):
         pytest.skip("the largest weight: bf16 at 1, 16 and 64 rows")
@@ -623,6 +625,9 @@ def test_packed_matmul(nk, m, dtype):
         if cfg is None or cfg.get("UNROLL") == 2:
             for ahead in (0, 3, 16):
                 assert torch.equal(packed_gemm.packed_matmul(x, p, cfg={**(cfg or {}), "PREFETCH": ahead}), y)
+            for stages, tma in ((2, False), (2, True), (1, True)):
+                assert torch.equal(packed_gemm.packed_matmul(x, p, cfg={**(cfg or {}), "num_stages": stages,
+                                                                        "TMA": tma}), y)
 
 
 def test_packed_matmul_split_repeatable_graph_and_strided_rows(monkeypatch):
@@ -634,5 +639,7 @@ def test_packed_matmul_split_repeatable_graph_and_strided_rows(monkeypatch):
     eager = [packed_gemm.packed_matmul(x, p) for _ in range(3)]
     assert all(torch.equal(y, eager[0]) for y in eager)  # fixed summation order
     assert torch.equal(eager[0], packed_gemm.packed_matmul(x.contiguous(), p))
+    assert packed_gemm.tma_ready(x)  # rows 2K apart: TMA reads them as they are
+    assert torch.equal(eager[0], packed_gemm.packed_matmul(x, p, cfg={"TMA": True, "num_stages": 3}))
     _assert_within_gemm_bound(eager[0], x.contiguous(), wq, {"mma": True})
     _assert_graph_replays(lambda: packed_gemm.packed_matmul(x, p), eager[0], monkeypatch)
