@@ -549,28 +549,37 @@ SWEEP_SHAPES = ((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072
 SWEEP_PREFETCH = (0, 4)
 
 
-def sweep(shapes=SWEEP_SHAPES, classes=(16, 32, 64), warps=(4, 8), programs_per_sm=(1, 2, 4), unroll=(1, 2),
-          prefetch=SWEEP_PREFETCH) -> list:
-    """CUDA-graph times of the launch shapes for each row class (M = the class) on each shape:
-    BLOCK_M the class or half of it (two row programs), every warp count, split-K target, number
-    of K tiles per loop step and L2 prefetch distance."""
+def _sweep_problems(shapes, classes):
+    """(N, K, M, BLOCK_M, packed weight, activations) for each shape (a random weight, quantized
+    and packed once), each row class M and BLOCK_M the class or half of it (two row programs)."""
     from .quantize import quantize
 
-    rows = []
     for n, k in shapes:
         w = pack(quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02))
         for m in classes:
             x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
             for bm in sorted({m, max(16, m // 2)}):
-                for nw in warps:
-                    for pps in programs_per_sm:
-                        for u, ahead in itertools.product(unroll, prefetch):
-                            cfg = {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps, "UNROLL": u,
-                                   "PREFETCH": ahead}
-                            c = config(m, n, k, x.device, cfg)
-                            rows.append({"N": n, "K": k, "M": m, **cfg, "SPLIT": c["SPLIT"],
-                                         "ms": time_graph(lambda: packed_matmul(x, w, cfg=cfg))})
+                yield n, k, m, bm, w, x
         del w
+
+
+def _timed(n, k, m, x, w, cfg, **extra) -> dict:
+    """A sweep row: the problem, the launch keys, the split they give, `extra`, the graph time."""
+    split = config(m, n, k, x.device, cfg)["SPLIT"]
+    return {"N": n, "K": k, "M": m, **cfg, "SPLIT": split, **extra,
+            "ms": time_graph(lambda: packed_matmul(x, w, cfg=cfg))}
+
+
+def sweep(shapes=SWEEP_SHAPES, classes=(16, 32, 64), warps=(4, 8), programs_per_sm=(1, 2, 4), unroll=(1, 2),
+          prefetch=SWEEP_PREFETCH) -> list:
+    """CUDA-graph times of the launch shapes for each row class (M = the class) on each shape:
+    BLOCK_M the class or half of it (two row programs), every warp count, split-K target, number
+    of K tiles per loop step and L2 prefetch distance."""
+    rows = []
+    for n, k, m, bm, w, x in _sweep_problems(shapes, classes):
+        for nw, pps, u, ahead in itertools.product(warps, programs_per_sm, unroll, prefetch):
+            cfg = {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps, "UNROLL": u, "PREFETCH": ahead}
+            rows.append(_timed(n, k, m, x, w, cfg))
     return rows
 
 
@@ -584,25 +593,15 @@ def sweep_pipeline(shapes=PIPELINE_SHAPES, classes=(16, 64), programs_per_sm=(1,
     by the tensor-memory accelerator (TMA), against the unpipelined loop, 4 warps, one K tile per
     step, for each row class on each shape (BLOCK_M the class or half of it). Each row records
     whether its output equals the unpipelined pointer-load launch's byte for byte."""
-    from .quantize import quantize
-
     rows = []
-    for n, k in shapes:
-        w = pack(quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02))
-        for m in classes:
-            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
-            for bm in sorted({m, max(16, m // 2)}):
-                for pps in programs_per_sm:
-                    base = {"BLOCK_M": bm, "num_warps": 4, "programs_per_sm": pps, "UNROLL": 1}
-                    want = packed_matmul(x, w, cfg=base)
-                    for st, t in itertools.product(stages, tma):
-                        cfg = {**base, "num_stages": st, "TMA": t}
-                        c = config(m, n, k, x.device, cfg)
-                        rows.append({"N": n, "K": k, "M": m, **cfg, "SPLIT": c["SPLIT"],
-                                     "equal": bool(torch.equal(packed_matmul(x, w, cfg=cfg), want)),
-                                     "ms": time_graph(lambda: packed_matmul(x, w, cfg=cfg))})
-                        print(json.dumps(rows[-1]), flush=True)
-        del w
+    for n, k, m, bm, w, x in _sweep_problems(shapes, classes):
+        for pps in programs_per_sm:
+            base = {"BLOCK_M": bm, "num_warps": 4, "programs_per_sm": pps, "UNROLL": 1}
+            want = packed_matmul(x, w, cfg=base)
+            for st, t in itertools.product(stages, tma):
+                cfg = {**base, "num_stages": st, "TMA": t}
+                rows.append(_timed(n, k, m, x, w, cfg, equal=bool(torch.equal(packed_matmul(x, w, cfg=cfg), want))))
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
