@@ -46,8 +46,8 @@ rows 1.23x, 1.38x, 0.71x and 0.86x, 1.55x (0.52-0.94x). One row: 1.43-2.50x, whe
 layout's GEMV is faster except on 131072 x 2688 (2.50x against 2.20x). That run's split-K
 times include a clearing of the tile counters per launch, which CUDA graphs now pay once per
 replay (`split_counters`): about 1 us less per split launch in kernels-h200.json's run (3712 x
-2688: 6.0 against 6.9 us at 16 rows, 9.1 against 9.8 at 64; 1.26x and 0.71x bf16). From 256 rows the kernel is
-matrix-unit bound at 0.41-0.61x bf16: `w4a16_matmul` (dequantize once, then torch.matmul) is the
+2688: 6.0 against 6.9 us at 16 rows, 9.1 against 9.8 at 64; 1.26x and 0.71x bf16). From 256
+rows the kernel is matrix-unit bound at 0.41-0.61x bf16: `w4a16_matmul` (dequantize once, then torch.matmul) is the
 faster path there. Two K tiles per loop step (UNROLL) pay on the large weights at up to 32 rows
 (8192 x 8192, 16 rows: 17.8 against 19.3 us in the sweep). On the Nano shapes at 64 rows the
 kernel is latency bound: under Nsight Compute (scripts/profile_kernels.py, kernels-pipes-h200.json,
@@ -342,6 +342,15 @@ def _x_load(x_ptr, xoff, xmask, k0, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _x_tile(x_ptr, x_desc, xoff, xmask, row0, kt, K, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+    """K tile kt of the activations, transposed ([128, BLOCK_M]): by TMA from rows row0 on (zeros
+    past M and K), or `_x_load` (zeros where xmask is false or past K)."""
+    if TMA:
+        return tl.trans(x_desc.load([row0, kt * 128]))
+    return _x_load(x_ptr, xoff, xmask, kt * 128, K, EVEN_K)
+
+
+@triton.jit
 def _dot(acc, a, xt, EMULATE: tl.constexpr):
     """acc += a [BN, 128] @ xt [128, BLOCK_M]."""
     if EMULATE:  # exact products, fp32 sums: the interpreter's 16-bit dot would round them
@@ -378,10 +387,7 @@ def _packed_kernel(x_ptr, x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_p
                 _prefetch_tile(w_ptr, s_ptr, poff, psoff, kt + PREFETCH + j, kt1)
         if UNROLL == 1:
             w0, s0, w1, s1 = _tile_load(w_ptr, s_ptr, woff + kt * 512, soff + kt * 128, W)
-            if TMA:
-                xt = tl.trans(x_desc.load([pid_m * BLOCK_M, kt * 128]))
-            else:
-                xt = _x_load(x_ptr, xoff, xmask, kt * 128, K, EVEN_K)
+            xt = _x_tile(x_ptr, x_desc, xoff, xmask, pid_m * BLOCK_M, kt, K, EVEN_K, TMA)
             acc = _dot(acc, _tile_decode(w0, s0, w1, s1, W, F16, EMULATE), xt, EMULATE)
         else:
             # Both tiles' loads are issued before the first is decoded, so that their latencies
@@ -393,12 +399,12 @@ def _packed_kernel(x_ptr, x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_p
             kb = tl.minimum(kt + 1, kt1 - 1)
             w0, s0, w1, s1 = _tile_load(w_ptr, s_ptr, woff + kt * 512, soff + kt * 128, W)
             w2, s2, w3, s3 = _tile_load(w_ptr, s_ptr, woff + kb * 512, soff + kb * 128, W)
-            if TMA:  # past kt1 the second tile's activations are read past K: zeros
-                xt = tl.trans(x_desc.load([pid_m * BLOCK_M, kt * 128]))
-                xb = tl.trans(x_desc.load([pid_m * BLOCK_M, tl.where(kt + 1 < kt1, kb, KT) * 128]))
-            else:
-                xt = _x_load(x_ptr, xoff, xmask, kt * 128, K, EVEN_K)
-                xb = _x_load(x_ptr, xoff, (m < tl.where(kt + 1 < kt1, M, 0))[None, :], kb * 128, K, EVEN_K)
+            kx = kb
+            if TMA:  # past kt1 TMA reads the second tile's activations past K: zeros
+                kx = tl.where(kt + 1 < kt1, kb, KT)
+            xt = _x_tile(x_ptr, x_desc, xoff, xmask, pid_m * BLOCK_M, kt, K, EVEN_K, TMA)
+            xb = _x_tile(x_ptr, x_desc, xoff, (m < tl.where(kt + 1 < kt1, M, 0))[None, :], pid_m * BLOCK_M, kx, K,
+                         EVEN_K, TMA)
             acc = _dot(acc, _tile_decode(w0, s0, w1, s1, W, F16, EMULATE), xt, EMULATE)
             acc = _dot(acc, _tile_decode(w2, s2, w3, s3, W, F16, EMULATE), xb, EMULATE)
     n = pid_n * (16 * W) + tl.arange(0, 16 * W)

@@ -45,8 +45,9 @@ scale): no re-layout, so a checkpoint tensor is used as loaded. Three kernels:
 Split-K keeps the GPU full when N / BLOCK_N alone is too few programs: the partials are fp32,
 and the last program of each tile to finish sums them in a fixed order in the same launch
 (`_store_split`), counting in at tile counters that each launch leaves at 0 for the next
-(`split_counters`: no clearing per launch, one per CUDA-graph replay); the mma kernel also splits long K ranges further where that spreads its
-programs evenly over the multiprocessors (`split_count`). Above LARGE_M rows the weight is
+(`split_counters`: no clearing per launch, one per CUDA-graph replay); the mma kernel also
+splits long K ranges further where that spreads its programs evenly over the multiprocessors
+(`split_count`). Above LARGE_M rows the weight is
 dequantized once by the same helper and multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
@@ -1699,22 +1700,19 @@ def int64_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 _COUNTERS: dict = {}  # (device, stream) -> counters of eager launches
 _CAPTURE_COUNTERS: dict = {}  # (device, stream) -> (capture id, counters of that capture's launches)
-_DRIVER: list = []  # [cuStreamGetCaptureInfo_v2 or None], looked up once
 
 
+@functools.cache
 def _capture_info():
     """The driver's cuStreamGetCaptureInfo_v2 (libcuda), or None where it cannot be found."""
-    if not _DRIVER:
-        fn = None
-        try:
-            fn = ctypes.CDLL("libcuda.so.1").cuStreamGetCaptureInfo_v2
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
-                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        except (OSError, AttributeError):
-            fn = None
-        _DRIVER.append(fn)
-    return _DRIVER[0]
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuStreamGetCaptureInfo_v2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
 
 
 def capture_id(stream: int) -> int | None:
