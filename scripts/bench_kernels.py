@@ -6,7 +6,9 @@ Measures (triton.testing.do_bench, median): the device-to-device copy ceiling; N
 (plain and 4/6) bandwidth on the Nemotron-3-Nano expert stacks and an 8192^2 tensor, against
 ModelOpt's 4/6 weight calibration where modelopt imports (scripts/bench_modelopt_4o6.py); the
 W4A16 GEMM against bf16 torch.matmul; the grouped MoE against a bf16 grouped baseline. Writes
-JSON and prints a table.
+JSON and prints a table, then each target judged on this run (`targets` in the JSON).
+
+    python scripts/bench_kernels.py --targets benchmarks/results/kernels-h200.json   # no GPU
 """
 
 from __future__ import annotations
@@ -78,7 +80,13 @@ def main() -> None:
     parser.add_argument("--sweep-stack", action="store_true",
                         help="time the one-launch stack quantize kernel's schedules (kquant.STACK)")
     parser.add_argument("--skip-quantize", action="store_true", help="do not time quantize (trial runs)")
+    parser.add_argument("--targets", metavar="JSON", default=None,
+                        help="print the targets table of an earlier run's JSON and exit (no GPU needed)")
     args = parser.parse_args()
+    if args.targets:
+        with open(args.targets) as f:
+            print_targets(targets(json.load(f)))
+        return
     out_path, result = run_record("kernels", args.out)
     result["copy_ceiling_tbps"] = copy_ceiling_tbps()
     print(f"copy ceiling {result['copy_ceiling_tbps']:.2f} TB/s", flush=True)
@@ -166,11 +174,71 @@ def main() -> None:
     print_gemv_limits(result["gemv_limits"])
     result["moe"] = moe_gemm.bench()
 
+    result["targets"] = targets(result)
+
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
     print_table(result)
+    print_targets(result["targets"])
     print(f"wrote {out_path}")
+
+
+# The kernels' targets (GEMM shapes and MoE token counts as benched), each judged on this run's
+# figures alone. Where several figures measure one target, `measured` lists them all and `met`
+# takes the most favourable: the target holds if any of fp4kit's ways of running the work meets it.
+GEMM_M1_TARGET = ((8192, 8192), (28672, 8192))
+
+
+def targets(r: dict) -> list[dict]:
+    """[{target, threshold, measured: {what: figure}, met: bool or None (not measured), short:
+    the figures that miss}] from one bench result (`main`'s JSON)."""
+    out = []
+
+    def add(target, threshold, measured, met, short=()):
+        out.append({"target": target, "threshold": threshold, "measured": measured, "met": met,
+                    "short": list(short)})
+
+    q = r.get("quantize")
+    if q:
+        tbps = {"eager call 4/6 (expert_stack_tbps)": q["expert_stack_tbps"],
+                "eager call plain": q["expert_stack_tbps_plain"],
+                "stack kernel 4/6": q["expert_stack_tbps_kernels_4o6"],
+                "stack kernel plain": q["expert_stack_tbps_kernels_plain"]}
+        add("quantize, Nano expert stacks (TB/s)", ">= 2.5", tbps, max(tbps.values()) >= 2.5)
+        ratio = {"eager call (ratio_4o6_to_plain)": q["ratio_4o6_to_plain"],
+                 "stack kernel": q["ratio_4o6_to_plain_kernels"]}
+        add("quantize, 4/6 time over plain", "<= 1.3", ratio, min(ratio.values()) <= 1.3)
+        mo = q.get("speedup_vs_modelopt")
+        add("quantize vs ModelOpt's 4/6 calibration", ">= 100", {"speedup_vs_modelopt": mo},
+            None if mo is None else mo >= 100)
+    gemm = r.get("gemm", [])
+    best = {(g["N"], g["K"], g["M"]): g.get("speedup_vs_bf16_best", g["speedup_vs_bf16"]) for g in gemm}
+    m1 = {f"{n}x{k}": best[(n, k, 1)] for n, k in GEMM_M1_TARGET if (n, k, 1) in best}
+    if m1:
+        add("W4A16 GEMM at M = 1 over bf16 (best layout)", ">= 2.5", m1, min(m1.values()) >= 2.5,
+            [f"{key}: {v:.2f}" for key, v in m1.items() if v < 2.5])
+    small = {f"{n}x{k} M={m}": v for (n, k, m), v in best.items() if m <= 64}
+    if small:
+        add("W4A16 GEMM for M <= 64 over bf16 (best layout)", ">= 1.0 everywhere",
+            {"lowest": min(small.values())}, min(small.values()) >= 1.0,
+            [f"{key}: {v:.2f}" for key, v in small.items() if v < 1.0])
+    moe = {m["tokens"]: m["speedup_vs_bf16"] for m in r.get("moe", []) if m["tokens"] <= 64}
+    if moe:
+        add("grouped MoE at <= 64 tokens over bf16 grouped_mm", ">= 2.0",
+            {f"{t} tokens": v for t, v in moe.items()}, min(moe.values()) >= 2.0,
+            [f"{t} tokens: {v:.2f}" for t, v in moe.items() if v < 2.0])
+    return out
+
+
+def print_targets(rows) -> None:
+    print("\ntarget                                             threshold            met   measured")
+    for t in rows:
+        met = {True: "yes", False: "NO", None: "-"}[t["met"]]
+        figures = ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in t["measured"].items())
+        print(f"{t['target']:50s} {t['threshold']:20s} {met:5s} {figures}")
+        if t["short"]:
+            print(f"{'':77s}short: {'; '.join(t['short'])}")
 
 
 def print_gemm(rows) -> None:

@@ -8,6 +8,7 @@ the packed weight. Writes JSON (default benchmarks/results/packed-gemm-<gpu>.jso
 table.
 
     PYTHONPATH=. python scripts/bench_packed.py [--out PATH] [--no-sweep] [--ms 1,4,16,64,256,1024] [--pipeline]
+        [--shapes 3712x2688,2688x3712]
 """
 
 from __future__ import annotations
@@ -57,6 +58,17 @@ def check() -> dict:
     return out
 
 
+def shapes_arg(text: str) -> tuple:
+    """"3712x2688,2688x3712" -> ((3712, 2688), (2688, 3712))."""
+    try:
+        shapes = tuple(tuple(int(v) for v in part.lower().split("x")) for part in text.split(","))
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"expected weight shapes as NxK[,NxK...], got {text!r}")
+    return shapes
+
+
 def print_rows(rows) -> None:
     print(f"{'N':>6} {'K':>5} {'M':>5} {'bf16 us':>8} {'w4a16 us':>9} {'packed us':>10} {'w4a16':>6} {'packed':>7}  packed launch")
     for r in rows:
@@ -71,6 +83,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/packed-gemm-<gpu>.json)")
     ap.add_argument("--no-sweep", action="store_true", help="measure with the launch shapes in PACKED as they are")
     ap.add_argument("--ms", default="1,4,16,64,256,1024", help="activation rows of the timed problems")
+    ap.add_argument("--shapes", default=None, type=shapes_arg,
+                    help="weight shapes NxK to sweep and time, comma-separated (default: packed_gemm.SWEEP_SHAPES)")
     ap.add_argument("--pipeline", action="store_true",
                     help="only time the software-pipelined and TMA variants against the plain loop "
                          "(packed_gemm.sweep_pipeline; default JSON packed-gemm-pipeline-<gpu>.json)")
@@ -86,12 +100,13 @@ def main() -> None:
     path, result = run_record("packed-gemm", args.out)
     result["check_rel_err"] = check()
     print("checks passed", flush=True)
+    shapes = args.shapes or pg.SWEEP_SHAPES
     if not args.no_sweep:
-        result["sweep"] = pg.sweep()
+        result["sweep"] = pg.sweep(shapes=shapes)
         pg.PACKED.update(pg.pick(result["sweep"]))
     result["launch_shapes"] = pg.PACKED
     print(f"launch shapes: {json.dumps(pg.PACKED)}", flush=True)
-    result["gemm"] = pg.bench(ms=tuple(int(v) for v in args.ms.split(",")))
+    result["gemm"] = pg.bench(shapes=shapes, ms=tuple(int(v) for v in args.ms.split(",")))
     print_rows(result["gemm"])
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

@@ -41,10 +41,10 @@ Beyond, `_moe_sorted`, one launch per projection:
 
 Measured on an H200 against transformers' grouped_mm experts in bf16 (CUDA graphs, 128 experts,
 top-6, H=2688, I=1856; benchmarks/results/kernels-h200.json, `bench_kernels.py`, launch shapes
-swept in benchmarks/results/kernels-sweeps-mma-wide-h200.json): 5.36x at 1 token (23.0 us on the
-CUDA cores; the sorted path on the register-fed matrix units took 63.4), 2.86x at 8 (134.3 us, the
-register-fed units; 198.1 on wgmma), 3.01x at 64 (325.7 us, the register-fed units; 524.9 on
-wgmma), 1.68x at 256 (wgmma), 0.66x at 2048. The CUDA-core tiles win up to 4 tokens and the
+swept in benchmarks/results/kernels-sweeps-mma-wide-h200.json): 5.44x at 1 token (23.2 us on the
+CUDA cores; the sorted path on the register-fed matrix units took 63.2), 2.81x at 8 (134.1 us, the
+register-fed units; 197.6 on wgmma), 2.97x at 64 (333.3 us, the register-fed units; 539.5 on
+wgmma), 1.53x at 256 (wgmma), 0.66x at 2048. The CUDA-core tiles win up to 4 tokens and the
 register-fed units from 8 to 128 tokens (about 6 assignments per expert); they lose to wgmma at
 256 (sweep_moe_gemv, sweep_moe_mma). On the CUDA cores the experts' weights stream at about 1.5
 TB/s at 8 tokens (about 41 experts of 5.6 MB); the wgmma tiles are instruction bound (about 6.5

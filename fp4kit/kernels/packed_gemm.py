@@ -45,8 +45,9 @@ layout): 16 rows 1.96x bf16 on 8192 x 8192 (17.1 us; 1.54x on the checkpoint lay
 rows 1.23x, 1.38x, 0.71x and 0.86x, 1.55x (0.52-0.94x). One row: 1.43-2.50x, where the checkpoint
 layout's GEMV is faster except on 131072 x 2688 (2.50x against 2.20x). That run's split-K
 times include a clearing of the tile counters per launch, which CUDA graphs now pay once per
-replay (`split_counters`): about 1 us less per split launch in kernels-h200.json's run (3712 x
-2688: 6.0 against 6.9 us at 16 rows, 9.1 against 9.8 at 64; 1.26x and 0.71x bf16). From 256
+replay (`split_counters`): about 1 us less per split launch in the runs since (3712 x 2688:
+6.0-6.2 against 6.9 us at 16 rows, 9.0-9.1 against 9.8 at 64; 1.25x and 0.72x bf16 in
+kernels-h200.json). From 256
 rows the kernel is matrix-unit bound at 0.41-0.61x bf16: `w4a16_matmul` (dequantize once, then torch.matmul) is the
 faster path there. Two K tiles per loop step (UNROLL) pay on the large weights at up to 32 rows
 (8192 x 8192, 16 rows: 17.8 against 19.3 us in the sweep). On the Nano shapes at 64 rows the
@@ -455,8 +456,13 @@ def fragments(p: PackedNVFP4, *, warps: int = 4) -> torch.Tensor:
 # over BLOCK_M and split for each): 3712 x 2688 at 64 rows 9.8-12.7 us against 9.3 unpipelined,
 # at 16 rows 7.8-8.3 against 6.0 (2688 x 3712 alike); 8192 x 8192 at 16 rows 24.4-25.8 against
 # 18.1, at 64 rows 31.8 (3 stages with TMA) against 37.4, within that shape's spread across runs
-# (PACKED's own entry: 30.1 in kernels-h200.json). Launch shapes picked by `sweep` / `pick`
-# (scripts/bench_packed.py).
+# (PACKED's own entry: 30.3 in kernels-h200.json). Launch shapes picked by `sweep` / `pick`
+# (scripts/bench_packed.py). Swept again on the two Nano shapes once split-K launches stopped
+# clearing their counters each time, with up to 8 programs per multiprocessor (bench_packed.py
+# --shapes 3712x2688,2688x3712: benchmarks/results/packed-gemm-nano-h200.json): more split-K
+# does not help there, and no launch shape is clearly faster than the entries below: at 64 rows
+# the best took 9.1 and 9.2 us, the entries 9.1 and 9.7 in that sweep and 9.0 and 9.2 in
+# kernels-h200.json's bench; at 16 rows 5.9 against 6.1 and 5.9. So the entries stay.
 LARGE_WEIGHTS = 8192 * 8192
 PACKED = {
     "16": {"small": {"BLOCK_M": 16, "num_warps": 4, "programs_per_sm": 2, "UNROLL": 1},
@@ -576,7 +582,7 @@ def _timed(n, k, m, x, w, cfg, **extra) -> dict:
             "ms": time_graph(lambda: packed_matmul(x, w, cfg=cfg))}
 
 
-def sweep(shapes=SWEEP_SHAPES, classes=(16, 32, 64), warps=(4, 8), programs_per_sm=(1, 2, 4), unroll=(1, 2),
+def sweep(shapes=SWEEP_SHAPES, classes=(16, 32, 64), warps=(4, 8), programs_per_sm=(1, 2, 4, 8), unroll=(1, 2),
           prefetch=SWEEP_PREFETCH) -> list:
     """CUDA-graph times of the launch shapes for each row class (M = the class) on each shape:
     BLOCK_M the class or half of it (two row programs), every warp count, split-K target, number

@@ -51,17 +51,17 @@ splits long K ranges further where that spreads its programs evenly over the mul
 dequantized once by the same helper and multiplied by torch.matmul.
 
 Measured on an H200 (benchmarks/results/kernels-h200.json, CUDA graphs, against torch.matmul on
-the bf16 weight): M = 1: 2.46x on 8192 x 8192 (GEMV, 13.6 us), 2.60x on 28672 x 8192 (GEMV,
-44.5 us; 2.52x and 2.47x in the previous run, 2.45x on the larger in packed-gemm-h200.json's,
-bf16's time moving most), 2.05x and 1.88x on the Nano shapes (GEMV), 2.17x on 131072 x 2688
-(mma, `ROW_MMA`); M = 4 (mma): 1.99x, 2.07x, 1.45x, 1.33x and 2.12x; M = 16: 1.54-1.85x on the
-three large shapes (mma, two activation tiles), 0.89x and 0.96x on the Nano shapes (wgmma);
-M = 64: 0.53-0.96x (`packed_gemm` on the pre-packed weight is faster from 4-16 rows up:
-1.26-2.22x at 16 rows, 0.71-1.54x at 64). The GEMV
+the bf16 weight): M = 1: 2.49x on 8192 x 8192 (GEMV, 13.6 us), 2.53x on 28672 x 8192 (GEMV,
+43.6 us; 2.46x / 2.60x and 2.52x / 2.47x in earlier runs, bf16's time moving most), 1.90x and
+1.67x on the Nano shapes (GEMV), 2.18x on 131072 x 2688 (mma, `ROW_MMA`); M = 4 (mma): 1.99x,
+1.97x, 1.36x, 1.29x and 2.15x; M = 16: 1.45-1.86x on the three large shapes (mma, two
+activation tiles), 0.89x and 0.94x on the Nano shapes (wgmma); M = 64: 0.52-0.96x
+(`packed_gemm` on the pre-packed weight is faster from 4-16 rows up: 1.25-2.23x at 16 rows,
+0.72-1.55x at 64). The GEMV
 loop spends 4.5 SASS instructions per weight at one row (fma, fp16-to-fp32 conversion, 0.9 of
 code decoding, loads and addresses), and that arithmetic sets its time: `gemv_limits` runs the
-loop with its weight loads alone and with its arithmetic alone on cache-resident weights, 7.2
-and 13.0 us on 8192 x 8192 against 13.1 for the whole loop (36.5 and 39.1 against 44.4 on
+loop with its weight loads alone and with its arithmetic alone on cache-resident weights, 7.5
+and 13.0 us on 8192 x 8192 against 13.2 for the whole loop (36.9 and 39.2 against 44.1 on
 28672 x 8192); under Nsight Compute (scripts/profile_kernels.py, kernels-pipes-h200.json) its
 issue is 69% busy and the integer ALU pipe, which takes about 44% of its instructions at half
 the issue rate, 61%. The mma kernel's loop spends 3.5-3.9 SASS instructions per weight (one or two
@@ -1462,8 +1462,8 @@ MID = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs
 # program's first row (`KB`): one row 8 x 1024 with 2 warps, 13.3 us on 8192 x 8192 against 14.1
 # for 8 x 2048 with 4 warps (the previous pick; that sweep's file is not committed). The GEMV
 # with this table in benchmarks/results/kernels-h200.json (one run, bf16 side by side): 13.6 us on
-# 8192 x 8192 (2.46x bf16), 44.5 on 28672 x 8192 (2.60x); 13.5 and 43.6 (2.52x, 2.47x) in the
-# previous run, 13.6 and 44.1 (2.51x, 2.45x) in packed-gemm-h200.json.
+# 8192 x 8192 (2.49x bf16), 43.6 on 28672 x 8192 (2.53x); 13.6 and 44.5 (2.46x, 2.60x) and 13.5
+# and 43.6 (2.52x, 2.47x) in earlier runs, 13.6 and 44.1 (2.51x, 2.45x) in packed-gemm-h200.json.
 GEMV = {
     "max_m": 2,
     "1": {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 2, "programs_per_sm": 4},
