@@ -1,12 +1,13 @@
 """fp4kit.kernels against the fp4kit.formats reference, on small shapes.
 
-Without CUDA the kernels run in Triton's interpreter: TRITON_INTERPRET=1 is set here before
-triton is imported (Triton reads it when `triton.language` and the kernels are decorated). If
-some earlier module imported triton without it, the tests cannot run in this process, and
-`test_in_fresh_process` runs this file in a subprocess instead. With CUDA they run compiled on
-the GPU. Quantized bytes and dequantized weights must be identical; GEMM and MoE outputs within
-the tolerances stated at each test. fp32 / fp16 activations only: bf16 arithmetic is not
-reliable in the interpreter (tests/gpu covers bf16).
+The kernels run in Triton's interpreter, on CPU tensors, on every machine: TRITON_INTERPRET=1
+is set here before triton is imported (Triton reads it when `triton.language` and the kernels
+are decorated). Where that cannot hold in this process (some earlier module imported triton
+without it, or a CUDA machine, whose kernels in this process are compiled for the GPU that
+tests/gpu uses), `test_in_fresh_process` runs this file in a subprocess with TRITON_INTERPRET=1.
+tests/gpu runs the kernels compiled, on bf16 and real shapes. Quantized bytes and dequantized
+weights must be identical; GEMM and MoE outputs within the tolerances stated at each test.
+fp32 / fp16 activations only: bf16 arithmetic is not reliable in the interpreter.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-# triton already imported, and not in interpreter mode: this process cannot interpret kernels.
-IN_SUBPROCESS_ONLY = (not HAS_CUDA and "triton" in sys.modules
-                      and os.environ.get("TRITON_INTERPRET") != "1")
-if not HAS_CUDA:
+# Not interpreting already, and triton imported without it or a GPU here (whose tests need
+# compiled kernels in this process): the interpreter runs in a subprocess instead.
+IN_SUBPROCESS_ONLY = (os.environ.get("TRITON_INTERPRET") != "1"
+                      and ("triton" in sys.modules or torch.cuda.is_available()))
+if not IN_SUBPROCESS_ONLY:
     os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton")
@@ -40,7 +41,8 @@ from fp4kit.kernels import backend, moe_gemm, packed_gemm, quantize as kquant, w
 @pytest.fixture(autouse=True)
 def _in_this_process(request):
     if IN_SUBPROCESS_ONLY and request.node.name != "test_in_fresh_process":
-        pytest.skip("triton was imported without TRITON_INTERPRET=1; see test_in_fresh_process")
+        pytest.skip("the interpreter cannot run in this process (triton imported without "
+                    "TRITON_INTERPRET=1, or a GPU here); see test_in_fresh_process")
 
 
 def test_in_fresh_process():
@@ -52,7 +54,7 @@ def test_in_fresh_process():
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
 
 
-DEVICE = "cuda" if HAS_CUDA else "cpu"
+DEVICE = "cpu"  # the interpreter's
 
 
 def _rand(*shape, dtype=torch.float32, scale=1.0, seed=0):

@@ -136,6 +136,30 @@ def test_quantize_stack_kernel_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("rule", ["6", "4o6"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(256,), (1, 16), (8, 32), (4, 496), (16, 128), (130, 16)])
+def test_quantize_one_small_tensor(rule, dtype, shape, monkeypatch):
+    # One member of fewer 16-blocks than a program takes (TUNING["blocks"]), exactly one
+    # program's, and a little more. Outputs are allocated poisoned (every byte 0xFF): a global
+    # scale or byte the kernel does not write shows (the global scale was once left unwritten
+    # for a member shorter than a program: a modulo by zero blocks // BLOCKS, which the
+    # interpreter evaluates to 0 and the GPU does not).
+    w = _randn(*shape, dtype=dtype, seed=90, scale=1.0)
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        t.reshape(-1).view(torch.uint8).fill_(0xFF)
+        return t
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", poisoned)
+        got, choice = kquant.quantize(w, scale_rule=rule, return_choice=True)
+    ref, ref_choice = nvfp4.quantize(w.cpu(), scale_rule=rule, return_choice=True)
+    assert _same(got, ref) and torch.equal(choice.cpu(), ref_choice)
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
 def test_quantize_matches_reference_run_on_gpu(rule):
     # The same bytes as the reference evaluated on this GPU, and as on the CPU.
     w = _randn(16, 1856, 2688, seed=12)
@@ -302,7 +326,7 @@ def _assert_within_gemm_bound(y: torch.Tensor, x: torch.Tensor, wq: nvfp4.NVFP4T
 
 
 @pytest.mark.parametrize("nk", [(8192, 8192), (3712, 2688), (2688, 3712)])
-@pytest.mark.parametrize("m", [1, 4, 16, 64, 256, 1024])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256, 1024, 4096])
 @pytest.mark.parametrize("fused", [False, True])
 def test_w4a16_matmul_bf16(nk, m, fused):
     n, k = nk
@@ -602,7 +626,7 @@ def test_packed_fragments_exact_every_scale_and_code(dtype):
 
 
 @pytest.mark.parametrize("nk", [(8192, 8192), (3712, 2688), (2688, 3712), (200, 1008), (40, 2704)])
-@pytest.mark.parametrize("m", [1, 5, 16, 37, 64, 100, 128])
+@pytest.mark.parametrize("m", [1, 5, 16, 37, 64, 100, 128, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_packed_matmul(nk, m, dtype):
     # Every launch shape the rules pick, and forced: no split-K, 8 warps (two warpgroups),
