@@ -127,27 +127,25 @@ def test_quantize_subnormal_block_scales_at_the_saturation_edge(rule):
     check_quantize(w.to(torch.bfloat16), scale_rule=rule)
 
 
+def _check_markstein():
+    spec = importlib.util.spec_from_file_location("check_markstein", Path(__file__).parents[1] / "scripts" / "check_markstein.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    return check
+
+
 def test_reciprocal_quotient_is_the_ieee_quotient():
     # The kernel's division-free quotient (scripts/check_markstein.py; that script covers every
     # bf16 mantissa against every fp32 step mantissa): here every bf16 mantissa against every
     # 64th step mantissa, and 2^20 random fp32 pairs.
     pytest.importorskip("triton._C.libtriton")
-    spec = importlib.util.spec_from_file_location("check_markstein", Path(__file__).parents[1] / "scripts" / "check_markstein.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = _check_markstein()
     assert check.bf16_against_steps(step_stride=64)[0] == 0
     assert check.random_pairs(2**20)[0] == 0
     # and the check can fail: a plain reciprocal multiply is wrong on some pairs
     a = np.linspace(1.0, 4.0, 2**16, dtype=np.float32)
     s = np.full_like(a, np.float32(1.2345679))
     assert int(((a * (np.float32(1.0) / s)).astype(np.float32) != (a / s).astype(np.float32)).sum()) > 0
-
-
-def _check_markstein():
-    spec = importlib.util.spec_from_file_location("check_markstein", Path(__file__).parents[1] / "scripts" / "check_markstein.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
-    return check
 
 
 @pytest.mark.parametrize("rule", ["6", "4o6"])
@@ -168,7 +166,7 @@ def test_quantize_where_the_uncorrected_quotient_misrounds(rule):
         cand = torch.zeros(amax.numel(), 16)
         cand[:, 0], cand[:, 1] = amax, a
         cand[:, 2] = -a
-        ref = nvfp4.quantize(torch.cat([torch.full((1, 16), g), cand]).reshape(-1, 16), scale_rule=rule)
+        ref = nvfp4.quantize(torch.cat([torch.full((1, 16), g), cand]), scale_rule=rule)
         keep = ref.block_scale.view(torch.uint8)[1:, 0] == code
         blocks.append(cand[keep][:2])
     blocks = torch.cat(blocks)

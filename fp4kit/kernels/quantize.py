@@ -681,14 +681,8 @@ def _quantize_kernel(
         STEP_MAX, ASM, BLOCKS)
     _store_tile(packed_ptr, scale_ptr, choice_ptr, blk, ok, code_lo, code_hi, scale_code, choose4,
                 WRITE_CHOICE)
-    if MEMBERS == 2:
-        tl.store(gs_ptr + member, gs, mask=ok & (blk % blocks_per_member == 0))
-    else:  # the member's first block (of its first program) writes its global scale
-        if MEMBERS == 0:  # one member, which may be shorter than a program's BLOCKS blocks
-            first = blk == 0
-        else:  # members of whole multiples of BLOCKS blocks
-            first = (blk - pid * BLOCKS + pid % (blocks_per_member // BLOCKS)) == 0
-        tl.store(gs_ptr + member + blk * 0, gs, mask=first)
+    # Each member's first block writes its global scale (a member may be shorter than a program).
+    tl.store(gs_ptr + member + blk * 0, gs, mask=ok & (blk % blocks_per_member == 0))
     if OWN_MAX:
         m = _nan_max(x_lo, x_hi)
         if MEMBERS == 2:
