@@ -1,0 +1,93 @@
+"""Sweeps launch shapes on this GPU and writes the picks to fp4kit/kernels/tuning/<gpu>.json.
+
+    python scripts/tune_kernels.py --list
+    python scripts/tune_kernels.py w4a16.gemv moe.small [--gpu h200] [--dry-run]
+
+Each sweep (scripts/sweeps/<kernel>.py, `SWEEPS`) times candidate launch shapes side by side and
+returns its rows; its pick turns the rows into one table. The rows go to
+benchmarks/results/kernels-sweeps-<sweep>-<gpu>.json (date, command, versions) and the pick into
+the tuning file, with the command and date that chose it. The library only reads that file
+(fp4kit.kernels.launch); nothing here changes a live table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+KERNELS = ("quantize", "w4a16", "moe", "packed")
+
+
+def sweeps() -> dict:
+    """{"kernel.sweep": Sweep} over every scripts/sweeps/<kernel>.py."""
+    out = {}
+    for kernel in KERNELS:
+        module = importlib.import_module(f"sweeps.{kernel}")
+        for name, sweep in module.SWEEPS.items():
+            out[f"{kernel}.{name}"] = sweep
+    return out
+
+
+def versions() -> dict:
+    import torch
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def write_pick(gpu: str, kernel: str, table: str, value, chosen_by: dict) -> Path:
+    from fp4kit.kernels.launch import thaw, tuning_path
+
+    path = Path(str(tuning_path(gpu)))
+    doc = json.loads(path.read_text())
+    entry = doc["kernels"][kernel]
+    entry["tables"][table] = thaw(value)
+    entry.setdefault("chosen_by", {})[table] = chosen_by
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help="sweeps to run, as kernel.sweep (see --list)")
+    ap.add_argument("--list", action="store_true", help="list the sweeps and the table each one picks")
+    ap.add_argument("--gpu", default="h200", help="tuning file to write (fp4kit/kernels/tuning/<gpu>.json)")
+    ap.add_argument("--dry-run", action="store_true", help="sweep and print the picks; write nothing")
+    args = ap.parse_args(argv)
+    known = sweeps()
+    if args.list or not args.names:
+        for name, sweep in known.items():
+            print(f"{name:24s} -> {sweep.kernel}.{sweep.table}: {sweep.doc}")
+        return 0
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        print(f"error: unknown sweep(s) {', '.join(unknown)}; --list shows them", file=sys.stderr)
+        return 2
+    command = "python scripts/tune_kernels.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+    for name in args.names:
+        sweep = known[name]
+        rows = sweep.run()
+        pick = sweep.pick(rows)
+        print(f"{name}: {sweep.kernel}.{sweep.table} = {json.dumps(pick)}")
+        if args.dry_run:
+            continue
+        result = ROOT / "benchmarks" / "results" / f"kernels-sweeps-{name.replace('.', '-')}-{args.gpu}.json"
+        result.write_text(json.dumps({"date": date, "command": command, "versions": versions(), "sweep": name,
+                                      "pick": pick, "rows": rows}, indent=1) + "\n")
+        write_pick(args.gpu, sweep.kernel, sweep.table, pick,
+                   {"command": command, "date": date, "results": str(result.relative_to(ROOT))})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""fp4kit.kernels on a CUDA GPU: bf16 inputs and real Nemotron-3-Nano shapes.
+
+Run: python -m pytest -q tests/gpu   (skipped without CUDA)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Skip before importing the kernels: their decorators must not run here without CUDA
+    # (tests/kernels may need them under TRITON_INTERPRET=1).
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from fp4kit.formats import e2m1, nvfp4  # noqa: E402
+from fp4kit.kernels import moe_gemm, packed_gemm, quantize as kquant, w4a16_gemm  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _same(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor) -> bool:
+    return (torch.equal(a.packed.cpu(), b.packed.cpu())
+            and torch.equal(_bits(a.block_scale).cpu(), _bits(b.block_scale).cpu())
+            and torch.equal(_bits(a.global_scale).cpu(), _bits(b.global_scale).cpu()))
+
+
+def _randn(*shape, dtype=torch.bfloat16, seed=0, scale=0.02):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(shape, generator=g, device=DEV) * scale).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# quantize: identical bytes to the reference (fp4kit.formats.nvfp4.quantize on the CPU)
+# --------------------------------------------------------------------------------------------
+def _members(t: nvfp4.NVFP4Tensor, idx) -> nvfp4.NVFP4Tensor:
+    return nvfp4.NVFP4Tensor(t.packed[idx], t.block_scale[idx], t.global_scale[idx])
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+@pytest.mark.parametrize("shape", [(4, 1856, 2688), (4, 2688, 1856), (2688, 1856)])
+def test_quantize_bf16_expert_shapes(rule, shape):
+    w = _randn(*shape, seed=1)
+    w[1, :7] = 0.0  # zero rows / blocks
+    got, got_choice = kquant.quantize(w, scale_rule=rule, return_choice=True)
+    ref, ref_choice = nvfp4.quantize(w.cpu(), scale_rule=rule, return_choice=True)
+    assert _same(got, ref)
+    assert torch.equal(got_choice.cpu(), ref_choice)
+
+
+def test_quantize_4o6_importance_and_shared_amax_bf16():
+    w = _randn(8, 512, 1024, seed=2)
+    imp = torch.rand((8, 1024), device=DEV)
+    g = w.abs().amax().float() * 1.25
+    for kw in (dict(importance=imp), dict(importance=imp[0]), dict(global_amax=g)):
+        got, gc = kquant.quantize(w, scale_rule="4o6", return_choice=True, **kw)
+        ref, rc = nvfp4.quantize(w.cpu(), scale_rule="4o6", return_choice=True,
+                                 **{k: v.cpu() for k, v in kw.items()})
+        assert _same(got, ref) and torch.equal(gc.cpu(), rc)
+
+
+def test_quantize_full_expert_stack_one_launch():
+    # The Nano layer's full 128-expert stack in one call; members quantize independently, so a
+    # sample of them is checked against the CPU reference.
+    w = _randn(128, 1856, 2688, seed=4)
+    got = kquant.quantize(w, scale_rule="4o6")
+    assert got.global_scale.shape == (128,)
+    idx = torch.tensor([0, 1, 63, 127])
+    assert _same(_members(got, idx.to(DEV)), nvfp4.quantize(w[idx.to(DEV)].cpu(), scale_rule="4o6"))
+
+
+@pytest.mark.parametrize("schedule", [{}, dict(lag=1, max_tiles=8, quant_tiles=4)])
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_quantize_stack_kernel_against_two_launches(rule, schedule, monkeypatch):
+    # 96 members of 128 tiles each in one `_stack_kernel` launch, whose quantize items wait on
+    # other programs' max items: every call gives the two-launch path's bytes and choices, with
+    # the picked schedule and others (lag 1: most quantize items wait).
+    for key, value in schedule.items():
+        monkeypatch.setitem(kquant.STACK, key, value)
+    w = _randn(96, 256, 1024, seed=21)
+    w[5] *= 1000.0
+    w[6] = 0.0
+    assert kquant.fused_stack(w, 96, 256 * 1024 // 16)
+    assert not kquant.fused_stack(torch.empty(2, 8192, 8192, dtype=torch.bfloat16, device=DEV), 2, 8192 * 512)
+    runs = [kquant.quantize(w, scale_rule=rule, return_choice=True) for _ in range(4)]
+    monkeypatch.setitem(kquant.STACK, "max_member_bytes", None)
+    two, two_choice = kquant.quantize(w, scale_rule=rule, return_choice=True)
+    for qt, choice in runs:
+        assert _same(qt, two) and torch.equal(choice, two_choice)
+    idx = torch.tensor([0, 5, 6, 95], device=DEV)
+    assert _same(_members(two, idx), nvfp4.quantize(w[idx].cpu(), scale_rule=rule))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantize_stack_max_on_bit_patterns(dtype):
+    # The stack kernel's max items on 16-bit weights (`_max_pair`, max.u16x2 on CUDA): a negative
+    # maximum beside a smaller positive one in its word, a member of subnormals only, an all-zero
+    # member with -0.0, the largest finite value; NaN and Inf flagged as +Inf in the member maxima.
+    info = torch.finfo(dtype)
+    w = _randn(16, 256, 1024, dtype=dtype, seed=23)
+    w[0, 9, 20], w[0, 9, 21] = -7.5, 7.0
+    w[1] = (torch.arange(256 * 1024, device=DEV).reshape(256, 1024) % 7 - 3).to(dtype) * (info.smallest_normal / 8)
+    w[2] = 0.0
+    w[2, ::2, 1::3] = -0.0
+    w[3, -1, -1] = -info.max
+    got, _, own = kquant.launch(w, "6")
+    assert torch.equal(own, w.float().abs().amax(dim=(1, 2)))
+    idx = torch.tensor([0, 1, 2, 3, 15], device=DEV)
+    assert _same(_members(got, idx), nvfp4.quantize(w[idx].cpu(), scale_rule="6"))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        v = w.clone()
+        v[7, 100, 513] = bad
+        flagged = kquant.launch(v, "6")[2]
+        assert flagged[7] == float("inf") and torch.equal(flagged[:7], own[:7])
+
+
+def test_quantize_stack_kernel_in_a_cuda_graph():
+    # The stack kernel (its counters zeroed by a captured memset) replays from a CUDA graph, as the bench times it.
+    w = _randn(8, 1856, 2688, seed=22)
+    ref = kquant.quantize(w, scale_rule="4o6")
+    kquant.launch(w, "4o6")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _, own = kquant.launch(w, "4o6")
+    for _ in range(3):
+        out.packed.zero_()
+        graph.replay()
+    torch.cuda.synchronize()
+    assert _same(out, ref)
+    assert torch.equal(own, w.float().abs().amax(dim=(1, 2)))
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(256,), (1, 16), (8, 32), (4, 496), (16, 128), (130, 16)])
+def test_quantize_one_small_tensor(rule, dtype, shape, monkeypatch):
+    # One member of fewer 16-blocks than a program takes (TUNING["blocks"]), exactly one
+    # program's, and a little more. Outputs are allocated poisoned (every byte 0xFF): a global
+    # scale or byte the kernel does not write shows (the global scale was once left unwritten
+    # for a member shorter than a program: a modulo by zero blocks // BLOCKS, which the
+    # interpreter evaluates to 0 and the GPU does not).
+    w = _randn(*shape, dtype=dtype, seed=90, scale=1.0)
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        t.reshape(-1).view(torch.uint8).fill_(0xFF)
+        return t
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", poisoned)
+        got, choice = kquant.quantize(w, scale_rule=rule, return_choice=True)
+    ref, ref_choice = nvfp4.quantize(w.cpu(), scale_rule=rule, return_choice=True)
+    assert _same(got, ref) and torch.equal(choice.cpu(), ref_choice)
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_quantize_matches_reference_run_on_gpu(rule):
+    # The same bytes as the reference evaluated on this GPU, and as on the CPU.
+    w = _randn(16, 1856, 2688, seed=12)
+    got = kquant.quantize(w, scale_rule=rule)
+    ref_gpu = nvfp4.quantize(w, scale_rule=rule)
+    ref_cpu = nvfp4.quantize(w.cpu(), scale_rule=rule)
+    assert _same(ref_gpu, ref_cpu), "the reference itself differs between this GPU and the CPU"
+    assert _same(got, ref_gpu)
+
+
+@pytest.mark.parametrize("blocks,warps", [(64, 2), (128, 4), (256, 4), (256, 8)])
+def test_quantize_launch_shapes(blocks, warps):
+    # Bytes must not depend on the launch shape (kquant.TUNING, which the bench's sweep changes).
+    w = _randn(4, 1856, 2688, seed=13)
+    saved = dict(kquant.TUNING)
+    try:
+        kquant.TUNING.update(blocks=blocks, num_warps=warps)
+        got = {rule: kquant.quantize(w, scale_rule=rule, return_choice=True) for rule in ("6", "4o6")}
+    finally:
+        kquant.TUNING.update(saved)
+    for rule, (qt, choice) in got.items():
+        ref, ref_choice = nvfp4.quantize(w.cpu(), scale_rule=rule, return_choice=True)
+        assert _same(qt, ref) and torch.equal(choice.cpu(), ref_choice), rule
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_quantize_edge_values_fp32_and_fp16(rule):
+    values = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 0.0, -0.25])
+    g = torch.Generator().manual_seed(3)
+    ties = values[torch.randint(0, 16, (256, 256), generator=g)]
+    ties[:, ::16] = 6.0
+    ties = ties * 2.0 ** torch.randint(-3, 3, (256, 1), generator=g).float()
+    cases = [ties, ties.half(), torch.zeros(64, 64), torch.randn(3, 64, 64, generator=g) * 1e-39,
+             torch.randn(64, 64, generator=g) * 1e37]
+    cases[3][1] = 0.0
+    for w in cases:
+        assert _same(kquant.quantize(w.to(DEV), scale_rule=rule), nvfp4.quantize(w, scale_rule=rule))
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_quantize_every_bf16_value(rule):
+    # Every finite bf16 bit pattern, shuffled into 16-element blocks: once as is (global amax
+    # near bf16's max: steps too large for the fast quotient, the per-element division path),
+    # and once with |x| <= 1 and each row scaled by 2^-100..2^0 (global amax <= 1: the fast
+    # quotient, with quotients over the whole E2M1 range and far below it, subnormals included).
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    vals = bits.view(torch.bfloat16)
+    vals = vals[torch.isfinite(vals.float())]
+    g = torch.Generator().manual_seed(14)
+    vals = vals[torch.randperm(vals.numel(), generator=g)]
+    vals = vals[: vals.numel() // 256 * 256].reshape(-1, 256)
+    amax = vals.float().abs().max()
+    for global_amax in (None, amax * 1.003):
+        got = kquant.quantize(vals.to(DEV), scale_rule=rule, global_amax=global_amax)
+        assert _same(got, nvfp4.quantize(vals, scale_rule=rule, global_amax=global_amax)), global_amax
+    scales = 2.0 ** torch.randint(-100, 1, (vals.shape[0], 1), generator=g).float()
+    small = vals.float().clamp(-1.0, 1.0)
+    for w in ((small * scales).to(torch.bfloat16), small.to(torch.bfloat16)):
+        got, choice = kquant.quantize(w.to(DEV), scale_rule=rule, return_choice=True)
+        ref, ref_choice = nvfp4.quantize(w, scale_rule=rule, return_choice=True)
+        assert _same(got, ref) and torch.equal(choice.cpu(), ref_choice)
+
+
+@pytest.mark.parametrize("rule", ["6", "4o6"])
+def test_quantize_given_amax_one_launch_equals_own(rule):
+    # With a given global amax (one launch, member maxima folded in atomically) equal to the
+    # members' own maxima, the bytes are those of the two-launch path; the own maxima come back.
+    w = _randn(24, 512, 1024, seed=15)
+    w[3] = 0.0
+    w[7, 5, 9] = 1.5  # one expert with an outlier
+    own = w.float().abs().amax(dim=(1, 2))
+    one = kquant.quantize(w, scale_rule=rule, return_choice=True, global_amax=own)
+    two = kquant.quantize(w, scale_rule=rule, return_choice=True)
+    assert _same(one[0], two[0]) and torch.equal(one[1], two[1])
+    qt, _, got_own = kquant.launch(w, rule, global_amax=own)
+    assert torch.equal(got_own, own)
+    ref, ref_choice = nvfp4.quantize(w.cpu(), scale_rule=rule, return_choice=True)
+    assert _same(one[0], ref) and torch.equal(one[1].cpu(), ref_choice)
+
+
+def test_quantize_sign_word_asm_on_every_bf16_pattern():
+    # The fast path's inline-PTX sign word (`_sign_word`) against the per-element route
+    # (`_sign8`, checked against x < 0 in tests/test_kernels_interpret.py): every bf16 bit
+    # pattern but NaN, both zeros included, with indices 0..8 and with E2M1 values.
+    every = (torch.arange(0, 1 << 16, dtype=torch.int32, device=DEV) << 16).view(torch.float32)
+    x = every[~torch.isnan(every)]
+    x = torch.cat([x, x.flip(0)])[: (2 * x.numel()) // 8 * 8].reshape(-1, 8)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    idx = torch.randint(0, 9, x.shape, generator=g, device=DEV, dtype=torch.int32)
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=DEV)[idx.clamp(max=7)]
+    for i in (idx, values):
+        assert torch.equal(kquant.codes_probe(x, i), kquant.codes_probe(x, i, asm=False))
+
+
+def test_quantize_given_amax_below_own_is_an_error():
+    w = _randn(8, 256, 512, seed=18)
+    with pytest.raises(Exception, match="below"):
+        kquant.quantize(w, scale_rule="4o6", global_amax=w.float().abs().amax() * 0.5)
+
+
+def test_quantize_flags_nan_and_inf():
+    w = _randn(8, 256, 512, seed=16)
+    w[2, 3, 4] = float("nan")
+    with pytest.raises(Exception, match="finite|NaN|nan"):
+        kquant.quantize(w, scale_rule="4o6")
+    w[2, 3, 4] = float("inf")
+    with pytest.raises(Exception, match="finite|inf|Inf"):
+        kquant.quantize(w, scale_rule="4o6")
