@@ -4,7 +4,7 @@
 per token, KL(reference || quantized) over the vocabulary (mean, median, p99), top-1 agreement
 and both perplexities; and, per quantized module, the weight SQNR of the dequantized checkpoint
 tensors against the reference weights and the fraction of NVFP4 blocks whose stored scale is the
-Four-Over-Six "4" candidate. Both are computed from what the loader holds (`export.load`), so they
+Four-Over-Six "4" candidate. Both are computed from what the loader holds (`fp4kit.modules`), so they
 describe the checkpoint as the engines read it. `compare_recipes` quantizes one model under the
 default recipe's scale-rule variants and tabulates the same figures side by side.
 """
@@ -19,10 +19,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .export.load import FP8Linear, NVFP4Experts, NVFP4Linear
+from .calibration import build_calibration_set, iter_documents
+from .export.load import load_quantized
+from .export.modelopt import export_checkpoint
 from .formats import nvfp4
-from .formats.arith import ARITH_MODES, div_const
-from .formats.constants import E2M1_MAX, FOUR_OVER_SIX_MULTIPLIERS, FP8_NORM_4O6, NVFP4_BLOCK_SIZE, NVFP4_GLOBAL_DENOM
+from .formats.arith import ARITH_MODES
+from .formats.metrics import sqnr_db
+from .models import adapter_for
+from .models.tiny import tiny_model_path
+from .modules import FP4KIT_MODULES, FP8Linear, NVFP4Experts, NVFP4Linear
+from .quantize import DEFAULT_CALIB, EMBEDDED_CALIB, load_model, quantize
+from .recipe import DEFAULT_RECIPE, load_recipe, recipe_from_dict
 
 DEFAULT_TOKENS = 8192
 DEFAULT_SEQ_LEN = 512
@@ -48,8 +55,6 @@ def token_rows(tokenizer, data=None, tokens: int = DEFAULT_TOKENS, seq_len: int 
         raise ValueError(f"need seq_len >= 2 and tokens >= seq_len, got tokens={tokens}, seq_len={seq_len}")
     if tokenizer is None:
         raise ValueError("a tokenizer is needed to turn text into token rows (pass the reference as a folder, or tokenizer=)")
-    from .calibration import iter_documents
-
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no EOS token to put between documents")
@@ -108,56 +113,41 @@ def compare_outputs(reference: nn.Module, quantized: nn.Module, rows: torch.Tens
 # --------------------------------------------------------------------------------------------
 # Weights
 # --------------------------------------------------------------------------------------------
-def _sqnr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    w = w.double()
-    noise = float((w - w_hat.double()).pow(2).sum())
-    signal = float(w.pow(2).sum())
-    if noise == 0:
-        return math.inf
-    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
-
-
-def four_over_six_choice(w: torch.Tensor, qt: nvfp4.NVFP4Tensor, global_amax=None) -> tuple[str, float | None]:
+def stored_scale_rule(w: torch.Tensor, qt: nvfp4.NVFP4Tensor, global_amax=None) -> tuple[str, float | None]:
     """(scale rule, fraction of blocks that chose 4) of a stored NVFP4 weight, from its reference.
 
     The rule is read off the global scale: amax/1536 is the 4/6 (static, normalisation 256)
     path, amax/2688 the plain one (amax = max|W| per expert, or the fused group's `global_amax`),
     with the division in either of the formats' `arith` modes. For 4/6, both candidates
     (block amax x1.0 and x1.5) are recomputed with `nvfp4.static_block_scale` in the mode that
-    explains the stored scales, and a block counts as "4" iff its stored scale byte equals the
-    x1.5 candidate and differs from the x1.0 one (where both are equal the choice is moot).
+    explains the stored scales, and a block counts as "4" as `nvfp4.four_over_six_choice` says.
     """
     w = w.detach().cpu()
-    blocks = w.reshape(*w.shape[:-1], w.shape[-1] // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)
-    block_amax = blocks.abs().amax(dim=-1).float()
+    block_amax = nvfp4.block_amax(w)
     own = w.abs().amax(dim=(-2, -1)).float()
     g = own if global_amax is None else torch.broadcast_to(torch.as_tensor(global_amax, dtype=torch.float32), own.shape)
     gs = qt.global_scale.cpu()
     live = g > 0
     if not bool(live.any()):
         return "unknown", None
-    modes = [m for m in ARITH_MODES if torch.equal(gs[live], div_const(g, E2M1_MAX * FP8_NORM_4O6, m)[live])]
+    modes = [m for m in ARITH_MODES if torch.equal(gs[live], nvfp4.global_scale_of(g, "4o6", m)[live])]
     if not modes:
-        plain = any(torch.equal(gs[live], div_const(g, NVFP4_GLOBAL_DENOM, m)[live]) for m in ARITH_MODES)
+        plain = any(torch.equal(gs[live], nvfp4.global_scale_of(g, "6", m)[live]) for m in ARITH_MODES)
         return ("6" if plain else "unknown"), None
     g_b = torch.where(live, g, torch.ones_like(g)).reshape(*g.shape, 1, 1)
     live_b = live.reshape(*live.shape, 1, 1)
-    stored = qt.block_scale.cpu().view(torch.uint8)
+    stored = qt.block_scale.cpu()
     best = None
     for mode in modes:
-        six, four = (nvfp4.static_block_scale(block_amax * m, g_b, FP8_NORM_4O6, mode).view(torch.uint8)
-                     for m in FOUR_OVER_SIX_MULTIPLIERS)
-        explained = int((((stored == six) | (stored == four)) & live_b).sum())
-        chose4 = (stored == four) & (four != six) & live_b
-        if best is None or explained > best[0]:
-            best = (explained, float(chose4.float().mean()))
+        chose4, explained = nvfp4.four_over_six_choice(stored, block_amax, g_b, mode)
+        count = int((explained & live_b).sum())
+        if best is None or count > best[0]:
+            best = (count, float((chose4 & live_b).float().mean()))
     return "4o6", best[1]
 
 
 def _group_amax(reference: nn.Module) -> dict[str, torch.Tensor]:
     """Weight key -> the max|W| its fused group shares (q/k/v, gate/up), as the quantizer uses it."""
-    from .models import adapter_for
-
     groups: dict[str, list] = {}
     for t in adapter_for(reference).targets(reference):
         if t.fuse_group:
@@ -171,8 +161,6 @@ def _group_amax(reference: nn.Module) -> dict[str, torch.Tensor]:
 
 def weight_report(reference: nn.Module, quantized: nn.Module) -> list[dict]:
     """One row per quantized module (an expert stack is one row): format, SQNR, 4/6 fraction."""
-    from .models import adapter_for
-
     adapter = adapter_for(reference)
     ref = dict(reference.named_modules())
     group = _group_amax(reference)
@@ -192,19 +180,17 @@ def weight_report(reference: nn.Module, quantized: nn.Module) -> list[dict]:
                 w_hat, rule, frac4 = module.dequantized_weight().cpu(), None, None
             else:
                 w_hat = qt.to("cpu").dequantize()
-                rule, frac4 = four_over_six_choice(w, qt.to("cpu"), group.get(key))
+                rule, frac4 = stored_scale_rule(w, qt.to("cpu"), group.get(key))
             name = key[: -len(".weight")] if key.endswith(".weight") else key
             rows.append({
                 "module": adapter.disk_name(name), "format": module.algo, "scale_rule": rule,
-                "params": w.numel(), "sqnr_db": _sqnr_db(w, w_hat), "frac4": frac4,
+                "params": w.numel(), "sqnr_db": sqnr_db(w, w_hat), "frac4": frac4,
             })
     return rows
 
 
 def _runs_as(model: nn.Module) -> str:
     """How the quantized layers ran: backend and W4A16 / W4A4, from the loaded modules."""
-    from .export.load import FP4KIT_MODULES
-
     kinds = set()
     for m in model.modules():
         if isinstance(m, FP4KIT_MODULES) and hasattr(m, "backend"):
@@ -228,8 +214,6 @@ def _weighted(rows: list[dict], field: str) -> float | None:
 def _load_reference(reference, device):
     if isinstance(reference, nn.Module):
         return reference, None, getattr(reference, "name_or_path", "") or "a model in memory"
-    from .quantize import load_model
-
     model, tokenizer = load_model(str(reference), device=device)
     return model, tokenizer, str(reference)
 
@@ -259,8 +243,6 @@ def evaluate(
     kl_hist.png there; `data_label` names given token rows in the report. Returns the figures
     as a dict (per-token KL values under "kl_values").
     """
-    from .export.load import load_quantized
-
     ref_model, ref_tok, ref_name = _load_reference(reference, device)
     if isinstance(quantized, nn.Module):
         q_model, q_name = quantized, getattr(quantized, "name_or_path", "") or "a model in memory"
@@ -419,8 +401,6 @@ def _finite(v):
 # --------------------------------------------------------------------------------------------
 def variant_recipe(base, variant: str):
     """The base recipe with every NVFP4 rule set to one scale-rule variant of RECIPE_VARIANTS."""
-    from .recipe import recipe_from_dict
-
     if variant not in RECIPE_VARIANTS or RECIPE_VARIANTS[variant] is None:
         raise ValueError(f"unknown recipe variant {variant!r}; expected one of {[v for v, r in RECIPE_VARIANTS.items() if r]}")
     scale_rule, importance = RECIPE_VARIANTS[variant]
@@ -459,13 +439,6 @@ def compare_recipes(
     temporary folder (to `out/<variant>/checkpoint` with the reports when `out` is given).
     Returns {"rows": [...], "markdown": table, "results": {variant: evaluate() result}}.
     """
-    from .calibration import build_calibration_set
-    from .export.load import load_quantized
-    from .export.modelopt import export_checkpoint
-    from .models.tiny import tiny_model_path
-    from .quantize import DEFAULT_CALIB, DEFAULT_RECIPE, EMBEDDED_CALIB, load_model, quantize
-    from .recipe import load_recipe
-
     for v in recipes:
         if v not in RECIPE_VARIANTS:
             raise ValueError(f"unknown recipe variant {v!r}; expected some of {list(RECIPE_VARIANTS)}")
@@ -532,84 +505,3 @@ def recipes_markdown(summary: dict) -> str:
             f"{r['ppl']:.3f} | {_num(r['weight_sqnr_db_mean'], '.2f')} | {_num(r['frac4'], '.1%')} |"
         )
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
-def add_eval_parser(subparsers):
-    """`fp4kit eval`: --reference + --quantized, or --compare-recipes."""
-    p = subparsers.add_parser(
-        "eval",
-        help="quality of a quantized checkpoint against its BF16 model (KL, top-1, perplexity, weight SQNR)",
-        description="Either --reference DIR --quantized DIR, or --compare-recipes [--model DIR].",
-    )
-    p.add_argument("--reference", help="the BF16 model folder")
-    p.add_argument("--quantized", help="the quantized checkpoint folder (ModelOpt format)")
-    p.add_argument("--compare-recipes", action="store_true",
-                   help="quantize --model under plain NVFP4, 4/6 and 4/6 + importance and compare with BF16")
-    p.add_argument("--model", help="with --compare-recipes: the BF16 model folder (default: the embedded tiny Nemotron-H)")
-    p.add_argument("--recipe", help="with --compare-recipes: the base recipe whose NVFP4 rules are varied (default: the default recipe)")
-    p.add_argument("--calib", help="with --compare-recipes: calibration set NxL (as for quantize)")
-    p.add_argument("--dataset", help="with --compare-recipes: calibration text source (default: bundled corpus)")
-    p.add_argument("--data", help="evaluation text: file, folder or hub dataset id (default: the bundled eval split)")
-    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"evaluation tokens (default {DEFAULT_TOKENS})")
-    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per row (default {DEFAULT_SEQ_LEN})")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--backend", choices=("torch", "triton"), help="how quantized layers run (default: triton on CUDA, torch on CPU)")
-    p.add_argument("--no-act-quant", action="store_true", help="run W4A4 NVFP4 layers weight-only, as the engines do on Hopper")
-    p.add_argument("--out", help="folder for eval.json, eval.md and the plots")
-    p.add_argument("--update-card", action="store_true", help="write the measured quality into the checkpoint's README.md")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=run_eval_command)
-    return p
-
-
-def run_eval_command(args) -> int:
-    import sys
-
-    if args.compare_recipes:
-        if args.reference or args.quantized:
-            print("error: --compare-recipes quantizes --model itself; it takes no --reference/--quantized", file=sys.stderr)
-            return 2
-        if args.backend or args.no_act_quant or args.update_card:
-            print("error: --backend/--no-act-quant/--update-card apply to --quantized only", file=sys.stderr)
-            return 2
-        try:
-            summary = compare_recipes(
-                args.model, base_recipe=args.recipe, calib=args.calib, dataset=args.dataset, data=args.data,
-                tokens=args.tokens, seq_len=args.seq_len, device=args.device, batch_size=args.batch_size,
-                out=args.out, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr),
-            )
-        except (ValueError, FileNotFoundError, ImportError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        print(summary["markdown"])
-        return 0
-    if not (args.reference and args.quantized):
-        print("error: give --reference and --quantized, or --compare-recipes", file=sys.stderr)
-        return 2
-    if args.model or args.recipe or args.calib or args.dataset:
-        print("error: --model/--recipe/--calib/--dataset apply to --compare-recipes only", file=sys.stderr)
-        return 2
-    try:
-        result = evaluate(
-            args.reference, args.quantized, data=args.data, tokens=args.tokens, seq_len=args.seq_len, device=args.device,
-            batch_size=args.batch_size, backend=args.backend, act_quant=not args.no_act_quant, out=args.out,
-            progress=not args.no_progress,
-        )
-    except (ValueError, FileNotFoundError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(quality_markdown(result))
-    print()
-    print(layers_markdown(result["layers"]))
-    if args.update_card:
-        from .export.card import set_quality_section
-
-        card = set_quality_section(args.quantized, quality_markdown(result))
-        print(f"updated {card}")
-    if args.out:
-        print(f"wrote {', '.join(result['files'])} to {args.out}")
-    return 0

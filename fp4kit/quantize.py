@@ -6,12 +6,9 @@ calibration set and the export for the CLI.
 
 from __future__ import annotations
 
-import math
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import nn
@@ -20,112 +17,12 @@ from tqdm.auto import tqdm
 from .calibrate import Observers, Statistics
 from .formats import FormatError, fp8, nvfp4
 from .formats.arith import DEFAULT_ARITH, check_mode, div_const
-from .formats.constants import FP8_MAX, NVFP4_BLOCK_SIZE, NVFP4_GLOBAL_DENOM
-from .models import AttentionKV, Role, Target, adapter_for
-from .recipe import QUANT_ALGO, Recipe, Rule
-
-BACKENDS = ("torch", "triton")
-
-
-class PlanError(ValueError):
-    """The recipe cannot be applied to this model as written."""
-
-
-@dataclass
-class Planned:
-    target: Target
-    rule: Rule | None
-    reason: str = ""  # why a target a rule asked for stays BF16
-
-
-@dataclass
-class QuantizedTarget:
-    """The checkpoint tensors of one quantized weight (lists hold one entry per expert)."""
-
-    target: Target
-    rule: Rule
-    algo: str
-    tensors: dict[str, list[torch.Tensor]]
-    sqnr_db: float
-    frac4: float | None
-    bytes_before: int
-    bytes_after: int
-
-
-@dataclass
-class QuantizedModel:
-    model: nn.Module
-    adapter: ModuleType
-    recipe: Recipe
-    plan: list[Planned]
-    quantized: dict[str, QuantizedTarget]
-    kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    stats: Statistics
-    kv_layers: list[AttentionKV]
-    timings: dict[str, float] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-    calibration: dict = field(default_factory=dict)
-    arith: str = DEFAULT_ARITH
-
-    def empty_experts(self) -> dict[str, list[int]]:
-        """MoE layers whose experts received no calibration token."""
-        return {
-            name: torch.nonzero(counts == 0).flatten().tolist()
-            for name, counts in self.stats.expert_tokens.items()
-            if bool((counts == 0).any())
-        }
-
-
-def plan_targets(model: nn.Module, recipe: Recipe, adapter: ModuleType | None = None) -> tuple[list[Planned], list[str]]:
-    """Which rule decides each weight; warnings for rules that match nothing."""
-    adapter = adapter or adapter_for(model)
-    plan: list[Planned] = []
-    used = [False] * len(recipe.rules)
-    for t in adapter.targets(model):
-        rule = recipe.rule_for(t.role.value, t.disk_names[0])
-        for i, r in enumerate(recipe.rules):
-            if r is rule:
-                used[i] = True
-        reason = ""
-        if rule is not None:
-            if t.role in (Role.EMBEDDINGS, Role.ROUTER, Role.CONV1D):
-                raise PlanError(f"recipe {recipe.name!r}: role {t.role.value} ({t.disk_names[0]}) cannot be quantized")
-            k = t.weight.shape[-1]
-            if k % NVFP4_BLOCK_SIZE and rule.format.startswith("nvfp4"):
-                reason = f"K={k} is not a multiple of {NVFP4_BLOCK_SIZE}"
-                rule = None
-        plan.append(Planned(t, rule, reason))
-    warnings = [f"{p.target.disk_names[0]}: kept in BF16 ({p.reason})" for p in plan if p.reason]
-    import fnmatch
-
-    names = [d for p in plan for d in p.target.disk_names]
-    warnings += [
-        f"recipe {recipe.name!r}: exclude pattern {pat!r} matches no module of this model"
-        for pat in recipe.exclude
-        if not any(fnmatch.fnmatchcase(n, pat) for n in names)
-    ]
-    warnings += [
-        f"recipe {recipe.name!r}: rule {i} ({r.format} for roles {list(r.roles)} names {list(r.names)}) matches no module of this model"
-        for i, (r, u) in enumerate(zip(recipe.rules, used))
-        if not u
-    ]
-    _check_groups(plan, recipe)
-    return plan, warnings
-
-
-def _check_groups(plan: list[Planned], recipe: Recipe) -> None:
-    groups: dict[str, set] = defaultdict(set)
-    for p in plan:
-        if p.target.fuse_group:
-            groups[p.target.fuse_group].add(None if p.rule is None else (p.rule.format, p.rule.scale_rule))
-        if p.target.is_stack:
-            groups[p.target.name].add(None if p.rule is None else p.rule.format)
-    for name, kinds in groups.items():
-        if len(kinds) > 1:
-            raise PlanError(
-                f"recipe {recipe.name!r} gives the members of {name} different formats {sorted(map(str, kinds))}; "
-                "serving engines need one format for layers that are fused or form one MoE layer"
-            )
+from .formats.constants import FP8_MAX, NVFP4_GLOBAL_DENOM
+from .formats.metrics import sqnr_db_of, sqnr_terms
+from .kernels.backend import BACKENDS
+from .models import Role, adapter_for
+from .plan import Planned, QuantizedModel, QuantizedTarget, fused_group_amax, plan_targets
+from .recipe import DEFAULT_RECIPE, QUANT_ALGO, Recipe, Rule
 
 
 class CalibState:
@@ -181,25 +78,19 @@ class CalibState:
 def _forward_samples(model: nn.Module, samples: torch.Tensor, batch_size: int, progress: bool, stats: Statistics,
                      start: int = 0, state: CalibState | None = None) -> None:
     device = next(model.parameters()).device
-    bar = tqdm(total=samples.shape[0], initial=start, desc="calibrate", unit="sample", disable=not progress)
+    seq = samples.shape[1]
+    # Counted in tokens, so the bar shows tokens/s and the time left.
+    bar = tqdm(total=samples.numel(), initial=start * seq, desc=f"calibrate ({samples.shape[0]} x {seq})", unit="tok",
+               unit_scale=True, disable=not progress)
     with torch.inference_mode():
         for i in range(start, samples.shape[0], batch_size):
             batch = samples[i : i + batch_size].to(device)
             model(input_ids=batch, use_cache=False, logits_to_keep=1)
-            bar.update(batch.shape[0])
+            bar.update(batch.numel())
             done = i + batch.shape[0]
             if state is not None and (done // batch_size) % state.every == 0 and done < samples.shape[0]:
                 state.save(stats, done)
     bar.close()
-
-
-def _sqnr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    w = w.float()
-    noise = (w - w_hat.float()).pow(2).sum().item()
-    signal = w.pow(2).sum().item()
-    if noise == 0:
-        return math.inf
-    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
 
 
 def _nvfp4(w, rule: Rule, global_amax, importance, backend: str, arith: str):
@@ -211,8 +102,21 @@ def _nvfp4(w, rule: Rule, global_amax, importance, backend: str, arith: str):
 
 
 def _split(t: torch.Tensor, stack: bool) -> list[torch.Tensor]:
-    t = t.detach().cpu()
+    """One checkpoint tensor per expert of a stack (views; they stay on the weight's device until
+    the export streams them out)."""
+    t = t.detach()
     return list(t.unbind(0)) if stack else [t]
+
+
+def _non_finite_error(t, w: torch.Tensor) -> FormatError:
+    bad = ~torch.isfinite(w)
+    first = torch.nonzero(bad)[0].tolist()
+    name = t.disk_names[first[0]] if t.is_stack else t.disk_names[0]
+    where = tuple(first[1:]) if t.is_stack else tuple(first)
+    return FormatError(
+        f"{name}.weight ({t.role.value}): {int(torch.isnan(w).sum())} NaN and {int(torch.isinf(w).sum())} Inf "
+        f"values (first at {where}); non-finite weights cannot be quantized"
+    )
 
 
 def _input_scale(amax: torch.Tensor | None, denom: float, n: int, what: str, warnings: list[str], arith: str) -> list[torch.Tensor]:
@@ -234,26 +138,43 @@ def _input_scale(amax: torch.Tensor | None, denom: float, n: int, what: str, war
     return [s.reshape(()) for s in scale.unbind(0)]
 
 
-def fused_group_amax(plan: list[Planned]) -> dict[str, torch.Tensor]:
-    """max|W| over each group of NVFP4 siblings that read one input (q/k/v, gate/up): their shared
-    global amax, so that the engines' fused layer sees one weight_scale_2."""
-    out: dict[str, torch.Tensor] = {}
-    for p in plan:
-        if p.rule is not None and p.target.fuse_group and p.rule.format.startswith("nvfp4"):
-            a = p.target.weight.detach().abs().amax().float()
-            g = p.target.fuse_group
-            out[g] = a if g not in out else torch.maximum(out[g], a)
-    return out
+# Elements dequantized at a time for the SQNR: bounds the float64 temporaries of a large stack.
+_ERROR_CHUNK = 1 << 26
+
+
+def _chunks(n: int, per_item: int) -> list[slice]:
+    step = max(1, _ERROR_CHUNK // max(1, per_item))
+    return [slice(i, min(n, i + step)) for i in range(0, n, step)]
+
+
+def _nvfp4_error(w: torch.Tensor, qt: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """sqnr_terms of w against qt's dequantized values, a few members (or rows) at a time."""
+    if w.dim() < 2:
+        return sqnr_terms(w, qt.dequantize())
+    terms = []
+    if w.dim() > 2:
+        for sl in _chunks(w.shape[0], w[0].numel()):
+            part = nvfp4.NVFP4Tensor(qt.packed[sl], qt.block_scale[sl], qt.global_scale[sl])
+            terms.append(sqnr_terms(w[sl], part.dequantize()))
+    else:
+        for sl in _chunks(w.shape[0], w.shape[-1]):
+            part = nvfp4.NVFP4Tensor(qt.packed[sl], qt.block_scale[sl], qt.global_scale)
+            terms.append(sqnr_terms(w[sl], part.dequantize()))
+    return sum(s for s, _ in terms), sum(n for _, n in terms)
 
 
 def quantize_weights(
     plan: list[Planned], stats: Statistics, *, backend: str, progress: bool, warnings: list[str],
     arith: str = DEFAULT_ARITH,
 ) -> dict[str, QuantizedTarget]:
+    """Every planned weight in its format. The quantized tensors stay on the weight's device, and
+    nothing here waits for the GPU per weight: the SQNR terms and 4/6 fractions are read back
+    together at the end (a weight that cannot be quantized raises as soon as its kernel says so)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     group_amax = fused_group_amax(plan)
     out: dict[str, QuantizedTarget] = {}
+    pending: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
     todo = [p for p in plan if p.rule is not None]
     for p in tqdm(todo, desc="quantize", unit="weight", disable=not progress):
         t, rule = p.target, p.rule
@@ -261,22 +182,13 @@ def quantize_weights(
         stack = t.is_stack
         n = w.shape[0] if stack else 1
         algo = QUANT_ALGO[rule.format]
-        bad = ~torch.isfinite(w)
-        if bool(bad.any()):
-            first = torch.nonzero(bad)[0].tolist()
-            name = t.disk_names[first[0]] if stack else t.disk_names[0]
-            where = tuple(first[1:]) if stack else tuple(first)
-            raise FormatError(
-                f"{name}.weight ({t.role.value}): {int(torch.isnan(w).sum())} NaN and {int(torch.isinf(w).sum())} Inf "
-                f"values (first at {where}); non-finite weights cannot be quantized"
-            )
         try:
             if rule.format.startswith("nvfp4"):
                 importance = stats.importance(t.key) if rule.importance else None
                 if rule.importance and importance is None:
                     warnings.append(f"{t.disk_names[0]}: no E[x^2] was collected; 4/6 uses the plain squared error")
                 qt, choice = _nvfp4(w, rule, group_amax.get(t.fuse_group), importance, backend, arith)
-                w_hat = qt.dequantize()
+                signal, noise = _nvfp4_error(w, qt)
                 tensors = {
                     "weight": _split(qt.packed, stack),
                     "weight_scale": _split(qt.block_scale, stack),
@@ -284,23 +196,30 @@ def quantize_weights(
                 }
                 if rule.format == "nvfp4":
                     tensors["input_scale"] = _input_scale(stats.input_amax.get(t.key), NVFP4_GLOBAL_DENOM, n, t.disk_names[0], warnings, arith)
-                frac4 = choice.float().mean().item() if rule.scale_rule == "4o6" else None
+                frac4 = choice.float().mean() if rule.scale_rule == "4o6" else None
                 after = qt.packed.numel() + qt.block_scale.numel() + 4 * qt.global_scale.numel()
             else:
                 search = rule.amax_search or None
-                parts = [fp8.quantize_per_tensor(x, arith, amax_multipliers=search) for x in (w.unbind(0) if stack else [w])]
-                tensors = {"weight": [q.cpu() for q, _ in parts], "weight_scale": [s.cpu() for _, s in parts]}
+                members = w.unbind(0) if stack else [w]
+                parts = [fp8.quantize_per_tensor(x, arith, amax_multipliers=search) for x in members]
+                tensors = {"weight": [q for q, _ in parts], "weight_scale": [s for _, s in parts]}
                 tensors["input_scale"] = _input_scale(stats.input_amax.get(t.key), FP8_MAX, n, t.disk_names[0], warnings, arith)
-                w_hat = torch.stack([fp8.dequantize_per_tensor(q, s) for q, s in parts]) if stack else fp8.dequantize_per_tensor(*parts[0])
+                terms = [sqnr_terms(x, fp8.dequantize_per_tensor(q, s)) for x, (q, s) in zip(members, parts)]
+                signal, noise = sum(a for a, _ in terms), sum(b for _, b in terms)
                 frac4 = None
                 after = w.numel() + 4 * n
         except ValueError as exc:
+            if not bool(torch.isfinite(w).all()):
+                raise _non_finite_error(t, w) from None
             raise type(exc)(f"{t.disk_names[0]} ({t.role.value}): {exc}") from None
+        pending[t.key] = (signal, noise, frac4)
         out[t.key] = QuantizedTarget(
-            target=t, rule=rule, algo=algo, tensors=tensors, sqnr_db=_sqnr_db(w, w_hat), frac4=frac4,
+            target=t, rule=rule, algo=algo, tensors=tensors, sqnr_db=float("nan"), frac4=None,
             bytes_before=w.numel() * w.element_size(), bytes_after=after,
         )
-        del w_hat
+    for key, (signal, noise, frac4) in pending.items():
+        out[key].sqnr_db = sqnr_db_of(float(signal), float(noise))
+        out[key].frac4 = None if frac4 is None else float(frac4)
     return out
 
 
@@ -367,8 +286,7 @@ def quantize(
 # --- the job the CLI runs -------------------------------------------------------------------
 
 DEFAULT_CALIB = "512x2048"
-EMBEDDED_CALIB = "32x512"
-DEFAULT_RECIPE = "nemotron-h-w4a16-4o6"
+EMBEDDED_CALIB = "32x512"  # the bundled corpus is small: the embedded model's default set
 
 
 @dataclass
@@ -464,11 +382,11 @@ def load_model(model_ref: str, *, device: str, trust_remote_code: bool = False, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = dict(dtype=torch.bfloat16, trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True)
-    if device == "auto":
-        kwargs["device_map"] = "auto"
+    if device != "cpu":
+        # Straight from the files to the device ("auto": accelerate spreads it over GPUs and CPU):
+        # no copy of the whole model in host memory.
+        kwargs["device_map"] = device
     model = AutoModelForCausalLM.from_pretrained(model_ref, **kwargs)
-    if device != "auto":
-        model = model.to(device)
     tok = AutoTokenizer.from_pretrained(model_ref, trust_remote_code=trust_remote_code) if tokenizer else None
     return model.eval(), tok
 

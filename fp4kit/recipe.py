@@ -34,6 +34,7 @@ FORMATS = ("nvfp4_w4a16", "nvfp4", "fp8", "bf16")
 # quant_algo as ModelOpt writes it, per format
 QUANT_ALGO = {"nvfp4_w4a16": "W4A16_NVFP4", "nvfp4": "NVFP4", "fp8": "FP8"}
 KV_CACHE = ("fp8", "none")
+DEFAULT_RECIPE = "nemotron-h-w4a16-4o6"
 
 
 class RecipeError(ValueError):
@@ -115,12 +116,16 @@ def _str_list(value, what: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _check_keys(d: dict, allowed, where: str) -> None:
+    unknown = set(d) - allowed
+    if unknown:
+        raise RecipeError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
 def _parse_rule(d, where: str) -> Rule:
     if not isinstance(d, dict):
         raise RecipeError(f"{where}: a rule must be a mapping, got {d!r}")
-    unknown = set(d) - _RULE_KEYS
-    if unknown:
-        raise RecipeError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_RULE_KEYS)}")
+    _check_keys(d, _RULE_KEYS, where)
     fmt = d.get("format")
     if fmt not in FORMATS:
         raise RecipeError(f"{where}: format must be one of {FORMATS}, got {fmt!r}")
@@ -155,9 +160,7 @@ def _parse_rule(d, where: str) -> Rule:
 def recipe_from_dict(d, source: str = "<dict>") -> Recipe:
     if not isinstance(d, dict):
         raise RecipeError(f"{source}: a recipe must be a mapping at the top level")
-    unknown = set(d) - _RECIPE_KEYS
-    if unknown:
-        raise RecipeError(f"{source}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_RECIPE_KEYS)}")
+    _check_keys(d, _RECIPE_KEYS, source)
     name = d.get("name")
     if not isinstance(name, str) or not name:
         raise RecipeError(f"{source}: `name` must be a non-empty string")

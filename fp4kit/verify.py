@@ -12,16 +12,22 @@ Nothing from the checkpoint is executed: tensors are read from safetensors files
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from .export.checkpoint import CONFIG_FILE, METADATA_FILE, CheckpointReader, read_metadata, weight_suffixes
+from .export.conformance import check_checkpoint
+from .export.modelopt import unloaded_source_tensors
 from .formats import fp8, nvfp4
 from .formats.constants import FOUR_OVER_SIX_MULTIPLIERS, FP8_NORM_4O6, NVFP4_BLOCK_SIZE
+from .models import adapter_for
+from .plan import fused_group_amax, plan_targets
+from .quantize import load_model
+from .recipe import QUANT_ALGO, recipe_from_dict
 
-METADATA_FILE = "fp4kit.json"
+AGAINST = ("modelopt",)  # the other quantizers a checkpoint can be re-derived with
 
 
 @dataclass
@@ -69,42 +75,6 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-class CheckpointReader:
-    """Lazy tensor access over model.safetensors or a sharded index."""
-
-    def __init__(self, folder: Path) -> None:
-        from safetensors import safe_open
-
-        self.folder = Path(folder)
-        index = self.folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        else:
-            with safe_open(str(self.folder / "model.safetensors"), "pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
-        self.weight_map = weight_map
-        self._handles: dict = {}
-        self._open = safe_open
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
-
-    def get(self, name: str) -> torch.Tensor:
-        fname = self.weight_map[name]
-        h = self._handles.get(fname)
-        if h is None:
-            h = self._handles[fname] = self._open(str(self.folder / fname), "pt")
-        return h.get_tensor(name)
-
-    def names(self) -> list[str]:
-        return list(self.weight_map)
-
-
-def read_metadata(folder: Path) -> dict | None:
-    path = Path(folder) / METADATA_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, str]:
     if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
         return False, f"dtype/shape {a.dtype}{tuple(a.shape)} != expected {b.dtype}{tuple(b.shape)}"
@@ -120,22 +90,16 @@ def _expected_nvfp4(w: torch.Tensor, rule, global_amax, stored_scale: torch.Tens
     if not rule.importance:
         return nvfp4.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, arith=arith)
     g = torch.as_tensor(global_amax if global_amax is not None else w.abs().amax().float(), dtype=torch.float32)
-    blocks = w.reshape(*w.shape[:-1], -1, NVFP4_BLOCK_SIZE).abs().amax(-1).float()
-    cand = [nvfp4.static_block_scale(blocks * m, g, FP8_NORM_4O6, arith) for m in FOUR_OVER_SIX_MULTIPLIERS]
-    chose4 = stored_scale.view(torch.uint8) == cand[1].view(torch.uint8)
-    chose6 = stored_scale.view(torch.uint8) == cand[0].view(torch.uint8)
-    if not bool((chose4 | chose6).all()):
-        bad = int((~(chose4 | chose6)).sum())
-        raise ValueError(f"{bad} block scales are neither 4/6 candidate")
-    mult = torch.where(chose4 & ~chose6, FOUR_OVER_SIX_MULTIPLIERS[1], FOUR_OVER_SIX_MULTIPLIERS[0])
+    blocks = nvfp4.block_amax(w)
+    chose4, explained = nvfp4.four_over_six_choice(stored_scale, blocks, g, arith)
+    if not bool(explained.all()):
+        raise ValueError(f"{int((~explained).sum())} block scales are neither 4/6 candidate")
+    mult = torch.where(chose4, FOUR_OVER_SIX_MULTIPLIERS[1], FOUR_OVER_SIX_MULTIPLIERS[0])
     return nvfp4.quantize_static(w, blocks * mult, g, fp8_norm=FP8_NORM_4O6, arith=arith)
 
 
 def rederive(report: VerifyReport, folder: Path, source: str, *, device: str = "cpu") -> None:
     """Compare every tensor of the checkpoint with what the recipe makes of the source weights."""
-    from .quantize import fused_group_amax, load_model, plan_targets
-    from .recipe import recipe_from_dict
-
     meta = read_metadata(folder)
     if meta is None or "recipe" not in meta:
         report.add("rederive", False, f"{METADATA_FILE} with the recipe is missing: nothing to re-derive from")
@@ -163,7 +127,7 @@ def rederive(report: VerifyReport, folder: Path, source: str, *, device: str = "
                 ok, detail = _bytes_equal(reader.get(name), part.cpu())
                 report.add("rederive", ok, detail, name)
                 continue
-            suffixes = ["weight", "weight_scale"] + (["weight_scale_2"] if p.rule.format.startswith("nvfp4") else []) + (["input_scale"] if p.rule.format in ("nvfp4", "fp8") else [])
+            suffixes = weight_suffixes(QUANT_ALGO[p.rule.format])
             expected_names.update(f"{disk}.{s}" for s in suffixes)
             missing = [s for s in suffixes if f"{disk}.{s}" not in reader]
             if missing:
@@ -182,8 +146,6 @@ def rederive(report: VerifyReport, folder: Path, source: str, *, device: str = "
             for suffix, tensor in want.items():
                 ok, detail = _bytes_equal(reader.get(f"{disk}.{suffix}"), tensor.cpu())
                 report.add("rederive", ok, detail, f"{disk}.{suffix}")
-    from .models import adapter_for
-
     ad = adapter_for(model)
     for key, tensor in model.state_dict().items():
         if key in covered:
@@ -197,8 +159,6 @@ def rederive(report: VerifyReport, folder: Path, source: str, *, device: str = "
             continue
         ok, detail = _bytes_equal(reader.get(name), tensor.cpu())
         report.add("rederive", ok, detail, name)
-    from .export.modelopt import unloaded_source_tensors
-
     source_dir = Path(source)
     carried = unloaded_source_tensors(model, source_dir if source_dir.is_dir() else None)
     source_reader = CheckpointReader(source_dir) if carried else None
@@ -221,9 +181,6 @@ def against_modelopt(report: VerifyReport, folder: Path, source: str, *, sample:
     from modelopt.torch.export.model_config import QUANTIZATION_FP8
     from modelopt.torch.export.quant_utils import to_quantized_weight
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
-
-    from .quantize import load_model, plan_targets
-    from .recipe import recipe_from_dict
 
     meta = read_metadata(folder)
     if meta is None:
@@ -251,10 +208,10 @@ def against_modelopt(report: VerifyReport, folder: Path, source: str, *, sample:
             if rule.scale_rule == "6":
                 q, scale, scale2 = NVFP4QTensor.quantize(w.clone(), NVFP4_BLOCK_SIZE)
             else:
-                blocks = w.reshape(*w.shape[:-1], -1, NVFP4_BLOCK_SIZE).abs().amax(-1).float()
+                blocks = nvfp4.block_amax(w)
                 g = w.abs().amax().float()
-                cand4 = nvfp4.static_block_scale(blocks * 1.5, g, FP8_NORM_4O6, arith)
-                mult = torch.where(stored_scale.to(w.device).view(torch.uint8) == cand4.view(torch.uint8), 1.5, 1.0)
+                chose4, _ = nvfp4.four_over_six_choice(stored_scale.to(w.device), blocks, g, arith)
+                mult = torch.where(chose4, FOUR_OVER_SIX_MULTIPLIERS[1], FOUR_OVER_SIX_MULTIPLIERS[0])
                 quantizer = SimpleNamespace(global_amax=g, _amax=(blocks * mult).reshape(-1, 1),
                                             block_sizes={-1: 16, "type": "static", "scale_bits": (4, 3), "four_over_six": True})
                 scale2 = NVFP4QTensor.get_weights_scaling_factor_2_from_quantizer(quantizer)
@@ -279,7 +236,7 @@ def tensor_parallel(folder: Path, tp: int, ep: bool = False) -> dict:
     like their MLP unless expert parallelism keeps each expert whole. Mamba needs n_groups % tp == 0.
     """
     reader = CheckpointReader(folder)
-    config = json.loads((Path(folder) / "config.json").read_text())
+    config = json.loads((Path(folder) / CONFIG_FILE).read_text())
     problems: list[str] = []
     row_parallel = ("o_proj", "down_proj", "out_proj")
     for name in reader.names():
@@ -321,8 +278,6 @@ def verify(
     ep: bool = False,
     device: str = "cpu",
 ) -> VerifyReport:
-    from .export.conformance import check_checkpoint
-
     folder = Path(checkpoint)
     report = VerifyReport(str(folder))
     conf = check_checkpoint(folder)
@@ -336,8 +291,8 @@ def verify(
     if source is not None:
         rederive(report, folder, source, device=device)
     if against is not None:
-        if against != "modelopt":
-            raise ValueError(f"--against must be 'modelopt', got {against!r}")
+        if against not in AGAINST:
+            raise ValueError(f"--against must be one of {AGAINST}, got {against!r}")
         if source is None:
             raise ValueError("--against modelopt needs --source (the BF16 weights to re-quantize)")
         against_modelopt(report, folder, source, device=device)

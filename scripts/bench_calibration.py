@@ -23,7 +23,7 @@ import torch
 from fp4kit.calibrate import Observers
 from fp4kit.models import Role, adapter_for
 from fp4kit.models.nemotron_h import NANO_WIDTHS
-from fp4kit.quantize import plan_targets
+from fp4kit.plan import plan_targets
 from fp4kit.recipe import load_recipe
 
 

@@ -34,6 +34,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import os
 import re
 import statistics
 import tempfile
@@ -158,18 +159,17 @@ def main() -> None:
     ap.add_argument("--workdir", help="folder for the temporary checkpoint (default: the system temp folder)")
     ap.add_argument("--out", help="JSON file (default: benchmarks/results/decode-<gpu>.json; --tiny: a temporary file)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
-    ap.add_argument("--launch-shapes", help="a kernels JSON of scripts/bench_kernels.py whose picked launch "
-                                            "shapes (launch_shapes) the kernels use here")
+    ap.add_argument("--launch-shapes", help="a tuning file (the format of fp4kit/kernels/tuning/<gpu>.json, as "
+                                            "scripts/tune_kernels.py writes it) whose launch tables the kernels "
+                                            "use here instead of the package's")
     args = ap.parse_args()
     launch_shapes = None
     if args.launch_shapes:
-        from fp4kit.kernels import moe_gemm, w4a16_gemm
+        from fp4kit.kernels import launch
 
-        launch_shapes = json.loads(Path(args.launch_shapes).read_text())["launch_shapes"]
-        for key, table in (("gemm_decode", w4a16_gemm.DECODE), ("gemv", w4a16_gemm.GEMV),
-                           ("gemm_mid", w4a16_gemm.MID), ("moe_decode", moe_gemm.MOE_DECODE),
-                           ("moe_small", moe_gemm.SMALL), ("moe_gemv", moe_gemm.MOE_GEMV)):
-            table.update(launch_shapes.get(key, {}))
+        launch_shapes = json.loads(Path(args.launch_shapes).read_text())["kernels"]
+        os.environ[launch.TUNING_ENV] = str(Path(args.launch_shapes).resolve())  # read at the first launch
+        launch.tables.cache_clear()
     for key, value in DEFAULTS["tiny" if args.tiny else "slice"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)

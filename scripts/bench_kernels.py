@@ -6,7 +6,9 @@ Measures (triton.testing.do_bench, median): the device-to-device copy ceiling; N
 (plain and 4/6) bandwidth on the Nemotron-3-Nano expert stacks and an 8192^2 tensor, against
 ModelOpt's 4/6 weight calibration where modelopt imports (scripts/bench_modelopt_4o6.py); the
 W4A16 GEMM against bf16 torch.matmul; the grouped MoE against a bf16 grouped baseline. Writes
-JSON and prints a table, then each target judged on this run (`targets` in the JSON).
+JSON and prints a table, then each target judged on this run (`targets` in the JSON). The
+kernels run with the launch tables of fp4kit/kernels/tuning/<gpu>.json (recorded in the JSON);
+scripts/tune_kernels.py sweeps and picks them.
 
     python scripts/bench_kernels.py --targets benchmarks/results/kernels-h200.json   # no GPU
 """
@@ -25,7 +27,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from fp4kit.kernels import moe_gemm, quantize as kquant, w4a16_gemm
+from fp4kit.kernels import launch
 
 NANO_STACKS = ((128, 1856, 2688), (128, 2688, 1856))
 
@@ -55,30 +57,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<gpu>.json)")
     parser.add_argument("--skip-modelopt", action="store_true", help="do not time ModelOpt")
-    parser.add_argument("--sweep", action="store_true", help="time launch shapes of every kernel (long)")
-    parser.add_argument("--sweep-gemv", action="store_true",
-                        help="time the CUDA-core GEMV's launch shapes against the matrix-unit kernel "
-                             "and use it up to the M where it is faster")
-    parser.add_argument("--sweep-gemm", action="store_true", help="time the 2-16-row GEMM launch shapes")
-    parser.add_argument("--sweep-mma", action="store_true",
-                        help="time the register-fed matrix-unit GEMM's launch shapes (2-8 rows)")
-    parser.add_argument("--sweep-row-mma", action="store_true",
-                        help="time one activation row on the GEMV and on the mma kernel (ROW_MMA's reach)")
-    parser.add_argument("--sweep-mma-wide", action="store_true",
-                        help="time the register-fed matrix-unit GEMM's two-tile launch shapes (9-16 rows) "
-                             "against the wgmma kernel and use them for the weights where they are faster")
-    parser.add_argument("--sweep-moe-gemv", action="store_true",
-                        help="time the MoE's CUDA-core tiles against its matrix-unit path and use them up to "
-                             "the token count where they are faster")
-    parser.add_argument("--sweep-moe", action="store_true", help="time the MoE decode launch shapes")
-    parser.add_argument("--sweep-moe-mma", action="store_true",
-                        help="time the MoE sorted path's register-fed matrix-unit launch shapes against its "
-                             "wgmma path and use them up to the token count where they are faster")
-    parser.add_argument("--sweep-mid", action="store_true", help="time the 17-64-row GEMM launch shapes")
-    parser.add_argument("--sweep-moe-small", action="store_true",
-                        help="time the in-kernel-routing MoE path's split-K settings against the sorted path")
-    parser.add_argument("--sweep-stack", action="store_true",
-                        help="time the one-launch stack quantize kernel's schedules (kquant.STACK)")
     parser.add_argument("--skip-quantize", action="store_true", help="do not time quantize (trial runs)")
     parser.add_argument("--targets", metavar="JSON", default=None,
                         help="print the targets table of an earlier run's JSON and exit (no GPU needed)")
@@ -87,50 +65,17 @@ def main() -> None:
         with open(args.targets) as f:
             print_targets(targets(json.load(f)))
         return
+    from benchlib import moe as moe_bench, quantize as quantize_bench, w4a16 as w4a16_bench
+
     out_path, result = run_record("kernels", args.out)
     result["copy_ceiling_tbps"] = copy_ceiling_tbps()
     print(f"copy ceiling {result['copy_ceiling_tbps']:.2f} TB/s", flush=True)
 
-    # Tune first, then measure everything with the picked launch shapes.
-    # (asked for, result key, sweep, launch-shape table it updates, pick)
-    sweeps = (
-        (args.sweep, "sweep_quantize", kquant.sweep, kquant.TUNING, kquant.pick),
-        (args.sweep or args.sweep_stack, "sweep_stack", kquant.sweep_stack, kquant.STACK, kquant.pick_stack),
-        (args.sweep or args.sweep_gemm, "sweep_gemm",
-         lambda: w4a16_gemm.sweep(tiles=((64, 128),), warps=(4,), programs_per_sm=(4, 8), maxnreg=(None, 128, 96, 80)),
-         w4a16_gemm.DECODE, w4a16_gemm.pick_decode),
-        (args.sweep or args.sweep_moe, "sweep_moe",
-         lambda: moe_gemm.sweep(shapes=((64, 128, 4), (32, 128, 4)), maxnreg=(None, 128, 96, 80)),
-         moe_gemm.MOE_DECODE, moe_gemm.pick),
-        (args.sweep_mid, "sweep_mid", w4a16_gemm.sweep_mid, w4a16_gemm.MID, w4a16_gemm.pick_decode),
-        (args.sweep_moe_small, "sweep_moe_small", moe_gemm.sweep_small, moe_gemm.SMALL, moe_gemm.pick_small),
-        (args.sweep_moe_gemv, "sweep_moe_gemv", moe_gemm.sweep_gemv, moe_gemm.MOE_GEMV, moe_gemm.pick_gemv),
-        (args.sweep_gemv, "sweep_gemv", w4a16_gemm.sweep_gemv, w4a16_gemm.GEMV, w4a16_gemm.pick_gemv),
-        (args.sweep or args.sweep_mma, "sweep_mma", w4a16_gemm.sweep_mma, w4a16_gemm.MMA, w4a16_gemm.pick_mma),
-        (args.sweep or args.sweep_mma_wide, "sweep_mma_wide", w4a16_gemm.sweep_mma_wide, w4a16_gemm.MMA_WIDE,
-         w4a16_gemm.pick_mma_wide),
-        (args.sweep or args.sweep_moe_mma, "sweep_moe_mma", moe_gemm.sweep_mma, moe_gemm.MOE_MMA,
-         moe_gemm.pick_mma),
-        (args.sweep or args.sweep_row_mma, "sweep_row_mma", w4a16_gemm.sweep_row_mma, w4a16_gemm.ROW_MMA,
-         w4a16_gemm.pick_row_mma),
-    )
-    for asked, key, run, table, pick in sweeps:
-        if asked:
-            result[key] = run()
-            table.update(pick(result[key]))
-            print(f"{key.replace('_', ' ')}: {json.dumps(result[key])}", flush=True)
-    result["launch_shapes"] = {"quantize": dict(kquant.TUNING), "quantize_stack": dict(kquant.STACK),
-                               "gemm_decode": dict(w4a16_gemm.DECODE),
-                               "gemv": dict(w4a16_gemm.GEMV), "mma": dict(w4a16_gemm.MMA),
-                               "mma_wide": dict(w4a16_gemm.MMA_WIDE), "row_mma": dict(w4a16_gemm.ROW_MMA),
-                               "gemm_mid": dict(w4a16_gemm.MID),
-                               "moe_decode": dict(moe_gemm.MOE_DECODE), "moe_small": dict(moe_gemm.SMALL),
-                               "moe_mma": dict(moe_gemm.MOE_MMA),
-                               "moe_gemv": dict(moe_gemm.MOE_GEMV)}
+    result["launch_shapes"] = launch.thaw(launch.tables())
     print(f"launch shapes: {result['launch_shapes']}", flush=True)
 
     if not args.skip_quantize:
-        q_rows = kquant.bench(shapes=(*NANO_STACKS, (8192, 8192)))
+        q_rows = quantize_bench.bench(shapes=(*NANO_STACKS, (8192, 8192)))
         stacks = [r for r in q_rows if len(r["shape"]) == 3]
         traffic = sum(r["bytes"] for r in stacks)
         quant = {
@@ -166,13 +111,13 @@ def main() -> None:
         result["quantize"] = quant
         print(f"quantize: {json.dumps(quant['rows'])}", flush=True)
 
-    result["host_overhead"] = w4a16_gemm.host_overhead_us()
+    result["host_overhead"] = w4a16_bench.host_overhead_us()
     print(f"host overhead: {result['host_overhead']}", flush=True)
-    result["gemm"] = w4a16_gemm.bench()
+    result["gemm"] = w4a16_bench.bench()
     print_gemm(result["gemm"])
-    result["gemv_limits"] = w4a16_gemm.gemv_limits()
+    result["gemv_limits"] = w4a16_bench.gemv_limits()
     print_gemv_limits(result["gemv_limits"])
-    result["moe"] = moe_gemm.bench()
+    result["moe"] = moe_bench.bench()
 
     result["targets"] = targets(result)
 

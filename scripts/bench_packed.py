@@ -1,8 +1,9 @@
 """Check, tune and time the pre-packed W4A16 GEMM (fp4kit.kernels.packed_gemm) on a GPU.
 
 Checks first (bit-exact decoded weights for every code and scale byte, bf16 and fp16; GEMM
-outputs against an fp32 reference), then sweeps the launch shapes (`packed_gemm.sweep`, picked
-into PACKED by `pick`), then times, side by side in one process and replayed from CUDA graphs:
+outputs against an fp32 reference), then sweeps the launch shapes (scripts/sweeps/packed.py:
+`sweep`, and `pick` into a candidate "packed" launch table, which the timing below uses; the
+tuning file is not changed: scripts/tune_kernels.py packed.launch writes it), then times, side by side in one process and replayed from CUDA graphs:
 torch.matmul on the bf16 weight, `w4a16_matmul` on the checkpoint layout and `packed_matmul` on
 the packed weight. Writes JSON (default benchmarks/results/packed-gemm-<gpu>.json) and prints a
 table.
@@ -19,9 +20,11 @@ import os
 
 import torch
 from bench_kernels import run_record
+from benchlib.packed import bench
+from sweeps import packed as sweeps
 
 from fp4kit.formats import e2m1, nvfp4
-from fp4kit.kernels import packed_gemm as pg
+from fp4kit.kernels import launch, packed_gemm as pg
 from fp4kit.kernels.quantize import quantize
 
 
@@ -81,17 +84,17 @@ def print_rows(rows) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/packed-gemm-<gpu>.json)")
-    ap.add_argument("--no-sweep", action="store_true", help="measure with the launch shapes in PACKED as they are")
+    ap.add_argument("--no-sweep", action="store_true", help="measure with the tuning file's launch shapes as they are")
     ap.add_argument("--ms", default="1,4,16,64,256,1024", help="activation rows of the timed problems")
     ap.add_argument("--shapes", default=None, type=shapes_arg,
-                    help="weight shapes NxK to sweep and time, comma-separated (default: packed_gemm.SWEEP_SHAPES)")
+                    help="weight shapes NxK to sweep and time, comma-separated (default: sweeps/packed.py's SHAPES)")
     ap.add_argument("--pipeline", action="store_true",
                     help="only time the software-pipelined and TMA variants against the plain loop "
-                         "(packed_gemm.sweep_pipeline; default JSON packed-gemm-pipeline-<gpu>.json)")
+                         "(sweeps/packed.py's sweep_pipeline; default JSON packed-gemm-pipeline-<gpu>.json)")
     args = ap.parse_args()
     if args.pipeline:
         path, result = run_record("packed-gemm-pipeline", args.out)
-        result["sweep_pipeline"] = pg.sweep_pipeline()
+        result["sweep_pipeline"] = sweeps.sweep_pipeline()
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
@@ -100,13 +103,14 @@ def main() -> None:
     path, result = run_record("packed-gemm", args.out)
     result["check_rel_err"] = check()
     print("checks passed", flush=True)
-    shapes = args.shapes or pg.SWEEP_SHAPES
+    shapes = args.shapes or sweeps.SHAPES
+    tables = launch.table("packed")
     if not args.no_sweep:
-        result["sweep"] = pg.sweep(shapes=shapes)
-        pg.PACKED.update(pg.pick(result["sweep"]))
-    result["launch_shapes"] = pg.PACKED
-    print(f"launch shapes: {json.dumps(pg.PACKED)}", flush=True)
-    result["gemm"] = pg.bench(shapes=shapes, ms=tuple(int(v) for v in args.ms.split(",")))
+        result["sweep"] = sweeps.sweep(shapes=shapes)
+        tables = launch.override(tables, PACKED=sweeps.pick(result["sweep"], tables))
+    result["launch_shapes"] = launch.thaw(tables["PACKED"])
+    print(f"launch shapes: {json.dumps(result['launch_shapes'])}", flush=True)
+    result["gemm"] = bench(shapes=shapes, ms=tuple(int(v) for v in args.ms.split(",")), tables=tables)
     print_rows(result["gemm"])
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

@@ -15,7 +15,7 @@ numpy's correctly rounded fp32 division:
                 E2M1 midpoint times s are tried). Both global scales divide by 3 (1536 = 3 * 512,
                 2688 = 3 * 7 * 128), so midpoint * s often lands within an fp32 ulp of a bf16
                 value: the members this happens in are counted.
-tests/test_kernels_interpret.py runs a sample of each.
+tests/kernels/test_quantize.py runs a sample of each.
 
     python scripts/check_markstein.py --exhaustive --random 268435456 --uncorrected 1000
 """
@@ -66,28 +66,24 @@ def random_pairs(n: int, seed: int = 1, chunk: int = 2**22) -> tuple[int, int]:
     return bad, total
 
 
-# E2M1 rounding boundaries (midpoints between neighbouring magnitudes, and 5 between 4 and 6).
-E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
-
-
 def uncorrected_misrounds(g: float, rule: str, reach: int = 3) -> list[tuple[int, float]]:
     """(e4m3 scale code, bf16 weight a) pairs where the uncorrected quotient RN(a * RN(1 / s))
     gets another E2M1 value than RN(a / s), for the member with global amax g (a bf16 value)
-    under `rule` ("4o6": global scale g / 1536, "6": g / 2688, each as a multiplication by the
-    fp32 reciprocal, arith "cuda"), over every positive finite block scale and the bf16 values
-    within `reach` bf16 ulps of each midpoint * s."""
+    under `rule` (its global scale as arith "cuda" forms it: g / 1536 for "4o6", g / 2688 for
+    "6"), over every positive finite block scale and the bf16 values within `reach` bf16 ulps of
+    each E2M1 midpoint * s."""
     import torch
 
-    from fp4kit.formats import e2m1
-    from fp4kit.formats.arith import fp32_reciprocal
+    from fp4kit.formats import e2m1, nvfp4
+    from fp4kit.formats.constants import E2M1_MIDPOINTS
 
-    denom = {"4o6": 1536.0, "6": 2688.0}[rule]
-    gs = np.float32(g) * np.float32(fp32_reciprocal(denom))
+    gs = nvfp4.global_scale_of(torch.tensor(g, dtype=torch.float32), rule, "cuda").numpy()
     codes = np.arange(1, 127)
     scales = torch.tensor(codes, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
     s = (scales * gs).astype(np.float32)  # [126]
     y = (np.float32(1.0) / s).astype(np.float32)
-    near = torch.from_numpy((E2M1_MIDPOINTS[:, None] * s[None, :]).astype(np.float32)).to(torch.bfloat16)
+    mids = np.array(E2M1_MIDPOINTS, dtype=np.float32)
+    near = torch.from_numpy((mids[:, None] * s[None, :]).astype(np.float32)).to(torch.bfloat16)
     bits = near.view(torch.int16).to(torch.int32)
     a = torch.stack([(bits + k).to(torch.int16).view(torch.bfloat16) for k in range(-reach, reach + 1)])
     a = a.float().numpy()  # [2 reach + 1, 7, 126], every value a bf16 weight can take there

@@ -62,8 +62,9 @@ if str(REPO) not in sys.path:
 
 from fp4kit import __version__ as fp4kit_version  # noqa: E402
 from fp4kit.formats import e2m1, e4m3, fp8, nvfp4  # noqa: E402
-from fp4kit.formats.arith import div_by_scale, div_const  # noqa: E402
-from fp4kit.formats.constants import E2M1_MAX, E4M3_MAX, FOUR_OVER_SIX_MULTIPLIERS, FP8_NORM_4O6, NVFP4_BLOCK_SIZE  # noqa: E402
+from fp4kit.export.checkpoint import CheckpointReader, read_quant_configs  # noqa: E402
+from fp4kit.formats.arith import div_by_scale  # noqa: E402
+from fp4kit.formats.constants import E4M3_MAX, NVFP4_BLOCK_SIZE  # noqa: E402
 
 LIGHTNING_RECIPE = "models/nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16/ptq/w4a16_nvfp4_4o6.yaml"
 FP4KIT_RECIPE = "modelopt-lightning"
@@ -318,14 +319,8 @@ def run_fp4kit(model_ref: str, calib: str, seed: int, device: torch.device, arit
 
 
 def read_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                out[k] = h.get_tensor(k)
-    return out
+    reader = CheckpointReader(folder)
+    return {name: reader.get(name) for name in sorted(reader.names())}
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -357,10 +352,9 @@ def fp4kit_candidates(w: torch.Tensor, g: torch.Tensor, arith: str) -> Candidate
     x = w.float().reshape(n, k // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)
     block_amax = w.reshape(n, -1, NVFP4_BLOCK_SIZE).abs().amax(-1).float()
     g = torch.where(g == 0, torch.ones_like(g), g).float()
-    global_scale = div_const(g, E2M1_MAX * FP8_NORM_4O6, arith)
+    global_scale = nvfp4.global_scale_of(g, "4o6", arith)
     c = Candidates([], [], [], [], [])
-    for mult in FOUR_OVER_SIX_MULTIPLIERS:
-        scale = nvfp4.static_block_scale(block_amax * mult, g, FP8_NORM_4O6, arith)
+    for scale in nvfp4.four_over_six_candidates(block_amax, g, arith):
         step = scale.float() * global_scale
         recon = e2m1.decode(e2m1.encode(x / step.unsqueeze(-1))) * step.unsqueeze(-1)
         d = recon - x
@@ -426,7 +420,7 @@ def departures(w: torch.Tensor, view: ModelOptView, cand: Candidates, choice: Mo
     n, k = w.shape
     nonzero = (w.reshape(n, k // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE) != 0).any(-1).cpu()
     out = {"scale_underflow": [], "scale_code_differs": [], "step_differs": [], "reconstruction_differs": []}
-    for i in range(len(FOUR_OVER_SIX_MULTIPLIERS)):
+    for i in range(len(cand.scale)):
         fq_step = view.step[i].cpu()
         under = (fq_step == 0) & nonzero
         code = fake_quant_scale_value(fq_step, choice.global_amax.cpu(), choice.fp8_norm)
@@ -598,7 +592,7 @@ def compare(mo: dict, fk: dict, fk_roles: dict[str, str], nvfp4_modules: set[str
 
 
 def quant_config_summary(folder: Path) -> dict:
-    hf = json.loads((folder / "hf_quant_config.json").read_text())["quantization"]
+    hf = read_quant_configs(folder)[1]
     layers = hf.get("quantized_layers", {})
     algos = Counter(v.get("quant_algo") for v in layers.values())
     return {"quant_algo": hf.get("quant_algo"), "kv_cache_quant_algo": hf.get("kv_cache_quant_algo"),

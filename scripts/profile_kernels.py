@@ -68,7 +68,7 @@ def run_case(case: str) -> None:
     """The workload of one case (in the child process ncu watches): three calls."""
     import torch
 
-    from fp4kit.kernels import packed_gemm, quantize as kquant, w4a16_gemm
+    from fp4kit.kernels import launch, packed_gemm, quantize as kquant, w4a16_gemm
 
     torch.manual_seed(0)
     kind, *args = case.split(":")
@@ -84,15 +84,17 @@ def run_case(case: str) -> None:
         for _ in range(3):
             call()
     elif kind == "quantize":  # rule, then "two" (max pass and quantize launches) or "stack" (one launch)
+        stack = {}
         if args[1] == "two":
-            kquant.STACK["max_member_bytes"] = None
+            stack["max_member_bytes"] = None
         if len(args) >= 5:  # stack: lag, tiles per max item, tiles per quantize item[, prefetch, programs/SM]
-            kquant.STACK.update(lag=int(args[2]), max_tiles=int(args[3]), quant_tiles=int(args[4]))
+            stack.update(lag=int(args[2]), max_tiles=int(args[3]), quant_tiles=int(args[4]))
         if len(args) == 7:
-            kquant.STACK.update(prefetch=args[5] == "1", programs_per_sm=int(args[6]))
+            stack.update(prefetch=args[5] == "1", programs_per_sm=int(args[6]))
+        tables = launch.override(launch.table("quantize"), STACK=stack)
         w = torch.randn(128, 1856, 2688, device="cuda", dtype=torch.bfloat16)
         for _ in range(3):
-            kquant.quantize(w, scale_rule=args[0])
+            kquant.quantize(w, scale_rule=args[0], tables=tables)
     else:
         raise SystemExit(f"profile_kernels: unknown case {case!r}")
     torch.cuda.synchronize()

@@ -16,6 +16,7 @@ import argparse
 import datetime
 import importlib
 import json
+import pkgutil
 import sys
 from pathlib import Path
 
@@ -23,16 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-KERNELS = ("quantize", "w4a16", "moe", "packed")
-
-
 def sweeps() -> dict:
-    """{"kernel.sweep": Sweep} over every scripts/sweeps/<kernel>.py."""
+    """{"kernel.sweep": Sweep} over every scripts/sweeps/<kernel>.py (a module with `SWEEPS`)."""
     out = {}
-    for kernel in KERNELS:
-        module = importlib.import_module(f"sweeps.{kernel}")
-        for name, sweep in module.SWEEPS.items():
-            out[f"{kernel}.{name}"] = sweep
+    for info in pkgutil.iter_modules([str(ROOT / "scripts" / "sweeps")]):
+        module = importlib.import_module(f"sweeps.{info.name}")
+        for name, sweep in getattr(module, "SWEEPS", {}).items():
+            out[f"{info.name}.{name}"] = sweep
     return out
 
 

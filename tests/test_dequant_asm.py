@@ -1,6 +1,6 @@
 """The W4A16 kernels' inline PTX run by a small PTX emulator on the CPU.
 
-The PTX in fp4kit.kernels.w4a16_gemm only runs on a GPU (tests/gpu checks it there, bit for
+The PTX in fp4kit.kernels (tiles, mma, packed_gemm) only runs on a GPU (tests/gpu checks it there, bit for
 bit). Here the very strings the kernels compile are executed instruction by instruction with
 the PTX ISA's semantics for the few instructions they use (mov, and, or, shl, shr, prmt,
 mul.rn.f32, mul.rn.{bf16x2,f16x2}, cvt.rn.{bf16x2,f16x2}.f32, cvt.rn.f16x2.e4m3x2, cvt.f32.f16,
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from fp4kit.formats import nvfp4
-from fp4kit.kernels import w4a16_gemm as g
+from fp4kit.kernels import mma, tiles
 
 MASK32 = 0xFFFFFFFF
 
@@ -199,12 +199,12 @@ def run_ptx_warp(asm: str, operands: list[dict[int, int]], record: list | None =
 
 def _dequant_word(word: int, step: np.float32, dtype: torch.dtype) -> list[int]:
     """The 8 16-bit values (K order) the kernels produce for one packed word in a block."""
-    lut = g._LUT_ASM_BF16 if dtype == torch.bfloat16 else g._LUT_ASM_F16
+    lut = tiles._LUT_ASM_BF16 if dtype == torch.bfloat16 else tiles._LUT_ASM_F16
     t = run_ptx(lut.value, {4: _f32_bits(step)})
     ops = {k: word for k in range(4, 8)}
     for base, reg in ((8, 0), (12, 1), (16, 2), (20, 3)):
         ops.update({base + i: t[reg] for i in range(4)})
-    out = run_ptx(g._DEQUANT_ASM.value, ops)
+    out = run_ptx(tiles._DEQUANT_ASM.value, ops)
     values = []
     for reg in (0, 1, 2, 3):
         values += [out[reg] & 0xFFFF, out[reg] >> 16]
@@ -263,7 +263,7 @@ def test_table_layout_and_sign():
 
 def _codes16(codes: int) -> list[np.float32]:
     """The CUDA-core kernels' block decode PTX on one 16-code block (an int64): its 16 outputs."""
-    out = run_ptx(g._CODES16_ASM.value, {16: codes})
+    out = run_ptx(tiles._CODES16_ASM.value, {16: codes})
     return [_bits_f32(out[i]) for i in range(16)]
 
 
@@ -333,7 +333,7 @@ def test_mma_step_every_byte_in_every_position(tiles, rows, kind):
                           torch.tensor(1.0))
     want = x.double() @ w.dequantize(torch.float32).double().T  # exact: E2M1 * scale * 1.0
     xb = x.view(torch.int16).numpy().view(np.uint8)  # [m, 2k] bytes
-    asm = g.mma_asm(tiles, rows, kind)
+    asm = mma.mma_asm(tiles, rows, kind)
     n_acc = 4 * tiles * rows
     acc = [[0] * n_acc for _ in range(32)]
     for step in range(k // 128):
@@ -349,7 +349,7 @@ def test_mma_step_every_byte_in_every_position(tiles, rows, kind):
                 for i in range(4):
                     row = 16 * r + gg + 8 * (i // 2)
                     tok = 8 * t + 2 * c + i % 2
-                    got[tok, row] = _bits_f32(acc[lane][base + i]) * g.MMA_UNSCALE.value
+                    got[tok, row] = _bits_f32(acc[lane][base + i]) * mma.MMA_UNSCALE.value
     assert np.array_equal(got, want.numpy())
 
 
@@ -375,7 +375,7 @@ def test_mma_operands_every_scale_and_code(kind):
     wq = codes.reshape(n, k).astype(np.int64)
     sv = torch.from_numpy(scale.copy()).view(torch.float8_e4m3fn).double().numpy()
     want_w = np.array(E2M1_VALUES, dtype=np.float64)[wq] * np.repeat(sv, 16, axis=1) * 2.0 ** -7
-    asm = g.mma_asm(1, 1, kind)
+    asm = mma.mma_asm(1, 1, kind)
     acc = [[0] * 4 for _ in range(32)]
     seen = set()
     for step in range(k // 128):
@@ -438,9 +438,9 @@ def test_mma_kernel_keeps_lane_ids_with_their_threads():
     run = subprocess.run([sys.executable, "-c", _LANE_ID_CHECK, json.dumps(cases)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    for (tiles, rows, *_), (lane_ids, mma) in zip(cases, json.loads(run.stdout.strip().splitlines()[-1])):
+    for (n_tiles, rows, *_), (lane_ids, n_mma) in zip(cases, json.loads(run.stdout.strip().splitlines()[-1])):
         assert lane_ids == 1
-        assert mma == 8 * tiles * rows  # one asm op per K step: its 8 mma per weight and activation tile
+        assert n_mma == 8 * n_tiles * rows  # one asm op per K step: its 8 mma per weight and activation tile
 
 
 def _packed_case(seed: int) -> nvfp4.NVFP4Tensor:

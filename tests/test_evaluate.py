@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import math
@@ -12,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp4kit.cli import main as cli_main
 from fp4kit.evaluate import (
-    add_eval_parser,
     compare_recipes,
     evaluate,
-    four_over_six_choice,
+    stored_scale_rule,
     quality_markdown,
     token_rows,
     variant_recipe,
@@ -97,16 +96,16 @@ def test_a_checkpoint_against_its_reference(pair, tmp_path):
 def test_four_over_six_fraction_is_read_from_the_stored_scales():
     w = (torch.randn(3, 32, 64, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
     q46, choice = nvfp4.quantize(w, scale_rule="4o6", return_choice=True)
-    assert four_over_six_choice(w, q46) == ("4o6", choice.float().mean().item())
+    assert stored_scale_rule(w, q46) == ("4o6", choice.float().mean().item())
     imp = torch.rand(3, 64, generator=torch.Generator().manual_seed(6))
     qi, choice_i = nvfp4.quantize(w, scale_rule="4o6", importance=imp, return_choice=True)
-    assert four_over_six_choice(w, qi)[1] == choice_i.float().mean().item() != choice.float().mean().item()
-    assert four_over_six_choice(w, nvfp4.quantize(w, scale_rule="6")) == ("6", None)
+    assert stored_scale_rule(w, qi)[1] == choice_i.float().mean().item() != choice.float().mean().item()
+    assert stored_scale_rule(w, nvfp4.quantize(w, scale_rule="6")) == ("6", None)
     # Either way of dividing by the constants (formats.arith) is recognised.
     for mode in ("cpu", "cuda"):
         q, c = nvfp4.quantize(w, scale_rule="4o6", arith=mode, return_choice=True)
-        assert four_over_six_choice(w, q) == ("4o6", c.float().mean().item())
-        assert four_over_six_choice(w, nvfp4.quantize(w, scale_rule="6", arith=mode)) == ("6", None)
+        assert stored_scale_rule(w, q) == ("4o6", c.float().mean().item())
+        assert stored_scale_rule(w, nvfp4.quantize(w, scale_rule="6", arith=mode)) == ("6", None)
 
 
 def test_fused_groups_use_their_shared_amax():
@@ -154,10 +153,7 @@ def test_compare_recipes_tabulates_every_variant(pair, tmp_path):
 
 
 def _cli(argv):
-    parser = argparse.ArgumentParser(prog="fp4kit")
-    add_eval_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return cli_main(argv)
 
 
 def test_eval_command(pair, tmp_path, capsys):

@@ -27,6 +27,7 @@ from typing import Literal
 import numpy as np
 
 from ..formats.constants import E4M3_NAN_CODE, NVFP4_BLOCK_SIZE
+from .checkpoint import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, NVFP4_ALGOS, SCALE_SUFFIXES, SINGLE_FILE
 
 Level = Literal["error", "warning"]
 
@@ -44,7 +45,6 @@ _DTYPE_BYTES = {
     "I64": 8, "U64": 8, "F64": 8,
 }  # fmt: skip
 
-NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
 # Top-level algos both engines serve (vLLM upper-cases, SGLang compares as written).
 COMMON_ALGOS = ("FP8", "NVFP4", "W4A16_NVFP4", "MIXED_PRECISION")
 # Accepted by vLLM 0.33 only (SGLang's modelopt_fp8/modelopt_fp4 reject them).
@@ -53,7 +53,7 @@ VLLM_ONLY_ALGOS = ("FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MXFP8")
 MIXED_LAYER_ALGOS = ("FP8", "NVFP4", "W4A16_NVFP4")
 
 # Tensor leaves that belong to a quantized module.
-_QUANT_LEAVES = ("weight_scale", "weight_scale_2", "input_scale")
+_QUANT_LEAVES = SCALE_SUFFIXES
 # Leaves each format writes; anything else next to a quantized weight is reported.
 _ALGO_LEAVES = {
     "NVFP4": {"weight", "weight_scale", "weight_scale_2", "input_scale"},
@@ -354,8 +354,8 @@ class _Checker:
         if not self.root.is_dir():
             self.error("missing_file", str(self.root), "checkpoint folder does not exist")
             return self.report
-        config = self._json("config.json", required=True)
-        hf_quant = self._json("hf_quant_config.json", required=True)
+        config = self._json(CONFIG_FILE, required=True)
+        hf_quant = self._json(HF_QUANT_CONFIG_FILE, required=True)
         if not (self.root / "generation_config.json").is_file():
             self.warn(
                 "missing_file",
@@ -390,8 +390,8 @@ class _Checker:
         return data
 
     def _load_weights(self) -> None:
-        index_path = self.root / "model.safetensors.index.json"
-        single = self.root / "model.safetensors"
+        index_path = self.root / INDEX_FILE
+        single = self.root / SINGLE_FILE
         if index_path.is_file():
             index, err = _read_json(index_path)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None

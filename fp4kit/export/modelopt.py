@@ -12,17 +12,23 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from .. import __version__
+from ..formats.constants import NVFP4_BLOCK_SIZE
 from ..models import Role
-from ..quantize import QuantizedModel
+from ..plan import QuantizedModel
 from .card import model_card
-from ..verify import METADATA_FILE
+from .checkpoint import (
+    CONFIG_FILE,
+    HF_QUANT_CONFIG_FILE,
+    METADATA_FILE,
+    MIXED_PRECISION,
+    NVFP4_ALGOS,
+    QUANT_METHOD,
+    CheckpointReader,
+)
 from .writer import DEFAULT_MAX_SHARD_BYTES, AtomicFolder, ShardWriter, write_json
 
 PRODUCER = {"name": "fp4kit", "version": __version__}
-NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
 # Roles that are never Linear layers in the engines; they are not listed as excluded modules.
 _NOT_LINEAR = (Role.EMBEDDINGS, Role.ROUTER)
 
@@ -44,14 +50,14 @@ def quant_configs(qm: QuantizedModel, carried: list[str] = ()) -> tuple[dict, di
     algos = sorted({q.algo for q in qm.quantized.values()})
     kv = "FP8" if qm.kv_scales or qm.recipe.kv_cache == "fp8" else None
     nested: dict = {"producer": PRODUCER, "quantization": {}}
-    flat: dict = {"quant_method": "modelopt", "producer": PRODUCER}
+    flat: dict = {"quant_method": QUANT_METHOD, "producer": PRODUCER}
     if len(algos) == 1:
         algo = algos[0]
         nested["quantization"]["quant_algo"] = algo
         flat["quant_algo"] = algo
         if algo in NVFP4_ALGOS:
-            nested["quantization"]["group_size"] = 16
-            flat["group_size"] = 16
+            nested["quantization"]["group_size"] = NVFP4_BLOCK_SIZE
+            flat["group_size"] = NVFP4_BLOCK_SIZE
         excluded = sorted(set(_excluded_module_names(qm)) | {n.rsplit(".", 1)[0] for n in carried if n.endswith(".weight")})
         nested["quantization"]["exclude_modules"] = excluded
         flat["ignore"] = excluded
@@ -60,13 +66,13 @@ def quant_configs(qm: QuantizedModel, carried: list[str] = ()) -> tuple[dict, di
         for q in qm.quantized.values():
             entry = {"quant_algo": q.algo}
             if q.algo in NVFP4_ALGOS:
-                entry["group_size"] = 16
+                entry["group_size"] = NVFP4_BLOCK_SIZE
             for name in q.target.disk_names:
                 layers[name] = dict(entry)
         layers = dict(sorted(layers.items()))
-        nested["quantization"]["quant_algo"] = "MIXED_PRECISION"
+        nested["quantization"]["quant_algo"] = MIXED_PRECISION
         nested["quantization"]["quantized_layers"] = layers
-        flat["quant_algo"] = "MIXED_PRECISION"
+        flat["quant_algo"] = MIXED_PRECISION
         flat["quantized_layers"] = layers
     else:
         raise ValueError(f"recipe {qm.recipe.name!r} quantized no weight of this model")
@@ -78,7 +84,7 @@ def quant_configs(qm: QuantizedModel, carried: list[str] = ()) -> tuple[dict, di
 
 
 def _source_config(qm: QuantizedModel, source_dir: Path | None) -> dict:
-    cfg_path = source_dir / "config.json" if source_dir else None
+    cfg_path = source_dir / CONFIG_FILE if source_dir else None
     if cfg_path and cfg_path.is_file():
         config = json.loads(cfg_path.read_text())
     else:
@@ -103,8 +109,6 @@ def unloaded_source_tensors(model, source_dir: Path | None) -> list[str]:
     """Source tensors the model class drops on load (its `_keys_to_ignore_on_load_unexpected`,
     e.g. Nemotron-H's `mtp.*` subtree): the export copies them unchanged so nothing is lost."""
     import re
-
-    from ..verify import CheckpointReader
 
     patterns = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
     if source_dir is None or not patterns or not any(Path(source_dir).glob("*.safetensors")):
@@ -139,8 +143,6 @@ def _write_tensors(qm: QuantizedModel, writer: ShardWriter, progress_cb=None, so
         writer.add(f"{attn}.v_proj.v_scale", v_scale.reshape(()))
     extra = unloaded_source_tensors(qm.model, source_dir)
     if extra:
-        from ..verify import CheckpointReader
-
         source = CheckpointReader(source_dir)
         for name in extra:
             writer.add(name, source.get(name))
@@ -172,8 +174,8 @@ def export_checkpoint(
         writer.close()
         config = _source_config(qm, source_dir)
         config["quantization_config"] = flat
-        write_json(folder.tmp / "config.json", config)
-        write_json(folder.tmp / "hf_quant_config.json", nested)
+        write_json(folder.tmp / CONFIG_FILE, config)
+        write_json(folder.tmp / HF_QUANT_CONFIG_FILE, nested)
         write_json(folder.tmp / METADATA_FILE, {
             "producer": PRODUCER,
             "recipe": qm.recipe.to_dict(),

@@ -10,7 +10,6 @@ import math
 
 # --- E2M1 (`float4_e2m1fn`): 1 sign, 2 exponent (bias 1), 1 mantissa bit; no NaN, no Inf. ---
 E2M1_MAX = 6.0
-E2M1_NUM_CODES = 16
 # Magnitude of codes 0..7; code = sign << 3 | index.
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Value of every code 0..15, with code 0x8 = -0.0 (as ml_dtypes decodes it).
@@ -30,7 +29,6 @@ E4M3_MANTISSA_BITS = 3
 E4M3_MIN_NORMAL = 2.0**-6
 E4M3_MIN_SUBNORMAL = 2.0**-9
 E4M3_NAN_CODE = 0x7F  # 0xFF with the sign bit
-E4M3_MAX_CODE = 0x7E  # +448
 
 
 def _e4m3_value(code: int) -> float:
@@ -62,6 +60,3 @@ BLOCK_SCALE_MAX = E4M3_MAX
 
 # --- FP8 per-tensor (ModelOpt `fp8`): scale = amax / 448. ---
 FP8_MAX = E4M3_MAX
-
-# Floating dtypes the quantizers take.
-SUPPORTED_WEIGHT_DTYPES = ("float32", "float16", "bfloat16")

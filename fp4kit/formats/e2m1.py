@@ -22,6 +22,7 @@ from .constants import E2M1_MIDPOINTS, E2M1_NAN_CODE, E2M1_TIES_UP, E2M1_VALUES
 _TABLES: dict[torch.device, torch.Tensor] = {}
 
 
+# Intended mirror of e4m3._value_table: each format keeps its own decode table per device.
 def _value_table(device: torch.device) -> torch.Tensor:
     table = _TABLES.get(device)
     if table is None:

@@ -27,6 +27,7 @@ _TABLES: dict[torch.device, torch.Tensor] = {}
 _MIN_NORMAL_EXP = -6  # log2(E4M3_MIN_NORMAL)
 
 
+# Intended mirror of e2m1._value_table: each format keeps its own decode table per device.
 def _value_table(device: torch.device) -> torch.Tensor:
     table = _TABLES.get(device)
     if table is None:

@@ -208,6 +208,40 @@ def static_block_scale(
     return _cast_block_scale(s * fp8_norm / div_const(global_amax_b, E2M1_MAX, arith))
 
 
+def global_scale_of(global_amax: torch.Tensor, scale_rule: str, arith: str = DEFAULT_ARITH) -> torch.Tensor:
+    """weight_scale_2 of a rule: amax / 2688 (rule "6") or amax / 1536 (rule "4o6", the static
+    path with normalisation 256), the division as `arith` computes it."""
+    denom = NVFP4_GLOBAL_DENOM if scale_rule == "6" else E2M1_MAX * FP8_NORM_4O6
+    return div_const(global_amax, denom, arith)
+
+
+def block_amax(w: torch.Tensor) -> torch.Tensor:
+    """max|w| of every 16-element block along K, fp32 [..., K/16]."""
+    return _blocks(w).abs().amax(dim=-1).float()
+
+
+def four_over_six_candidates(
+    block_amax: torch.Tensor, global_amax_b: torch.Tensor, arith: str = DEFAULT_ARITH
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two block scales Four-Over-Six chooses between: (x1.0, block max -> 6; x1.5 -> 4)."""
+    six, four = (static_block_scale(block_amax * m, global_amax_b, FP8_NORM_4O6, arith) for m in FOUR_OVER_SIX_MULTIPLIERS)
+    return six, four
+
+
+def four_over_six_choice(
+    block_scale: torch.Tensor, block_amax: torch.Tensor, global_amax_b: torch.Tensor, arith: str = DEFAULT_ARITH
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which candidate each stored 4/6 block scale is, from the weight it was made of.
+
+    Returns bool masks [..., K/16]: `chose4`, the byte equals the x1.5 candidate and differs
+    from the x1.0 one (where the two are one byte the choice is moot and counts as 6), and
+    `explained`, the byte equals one of the two. Bytes are compared, so NaN scales compare too.
+    """
+    six, four = (c.view(torch.uint8) for c in four_over_six_candidates(block_amax, global_amax_b, arith))
+    stored = block_scale.view(torch.uint8)
+    return (stored == four) & (four != six), (stored == four) | (stored == six)
+
+
 def _assemble(w, block_scale, global_scale, zero) -> tuple[NVFP4Tensor, torch.Tensor]:
     """Apply the all-zero-tensor rule, encode the elements, pack."""
     one = e4m3.cast(torch.ones((), device=w.device))
@@ -256,19 +290,18 @@ def _quantize(w, scale_rule, global_amax, importance, what, arith):
     g_b = _expand_global(g_safe, block_amax)
 
     if scale_rule == "6":
-        global_scale = div_const(g_safe, NVFP4_GLOBAL_DENOM, arith)
+        global_scale = global_scale_of(g_safe, "6", arith)
         s = block_amax / (E2M1_MAX * _expand_global(global_scale, block_amax))
         s = torch.where(s == 0, torch.ones_like(s), s)
         qt, _ = _assemble(w, _cast_block_scale(s), global_scale, zero)
         return qt, torch.zeros_like(block_amax, dtype=torch.bool)
 
-    global_scale = div_const(g_safe, E2M1_MAX * FP8_NORM_4O6, arith)
+    global_scale = global_scale_of(g_safe, "4o6", arith)
     gs_b = _expand_global(global_scale, block_amax)
     x = blocks.float()
     weights = None if importance is None else _importance_weights(importance, w, what)
     candidates = []
-    for mult in FOUR_OVER_SIX_MULTIPLIERS:
-        scale = static_block_scale(block_amax * mult, g_b, FP8_NORM_4O6, arith)
+    for scale in four_over_six_candidates(block_amax, g_b, arith):
         step = _block_step(scale, gs_b)
         codes = e2m1.encode(x / step.unsqueeze(-1))
         err = e2m1.decode(codes) * step.unsqueeze(-1) - x
@@ -313,3 +346,28 @@ def input_scale_from_amax(amax, arith: str = DEFAULT_ARITH) -> torch.Tensor:
     if not bool(torch.isfinite(a).all()) or bool((a <= 0).any()):
         raise FormatError(f"nvfp4.input_scale_from_amax: activation amax must be finite and > 0, got {a}")
     return div_const(a, NVFP4_GLOBAL_DENOM, arith)
+
+
+def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor) -> NVFP4Tensor:
+    """NVFP4 activations: x [..., K] viewed as [M, K], with the static global scale `input_scale`.
+
+    The plain rule "6" with global_scale = input_scale, in its order (all fp32):
+        s = block_amax / (6 * input_scale); s[s == 0] = 1; block_scale = e4m3(clamp(s, 2^-9, 448))
+        codes = E2M1(x / (float(block_scale) * input_scale))
+    It equals `quantize(x, global_amax=input_scale * 2688)` whenever that round-trips to
+    input_scale, but never refuses a block above the calibrated amax: its scale saturates at 448
+    and its elements at +-6, as the engines' activation quantizers do. (Their CUDA kernels
+    multiply by approximate reciprocals where this divides, and flush block scales below 2^-9
+    to zero, so a rare element can round the other way.)
+    """
+    k = x.shape[-1]
+    if k % NVFP4_BLOCK_SIZE:
+        raise FormatError(f"NVFP4 activations: K={k} is not a multiple of {NVFP4_BLOCK_SIZE}")
+    blocks = x.reshape(-1, k // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE).float()
+    gs = input_scale.float().reshape(())
+    s = blocks.abs().amax(dim=-1) / (E2M1_MAX * gs)
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    block_scale = _cast_block_scale(s)
+    step = _block_step(block_scale, gs)
+    codes = _encode_blocks(blocks, step).reshape(-1, k)
+    return NVFP4Tensor(pack_nibbles(codes), block_scale, gs.clone())

@@ -1,4 +1,5 @@
-"""The one backend switch of fp4kit.kernels: "triton" (the kernels) or "torch" (the reference).
+"""The one backend switch of fp4kit.kernels: "triton" (the kernels) or "torch" (the reference),
+and what every launcher shares: input checks, grid arithmetic, compile options.
 
 A request that cannot be served raises; nothing falls back silently. Triton runs either on a
 CUDA device, or on the CPU through Triton's interpreter, which Triton reads from the environment
@@ -11,7 +12,11 @@ import functools
 
 import torch
 
+from fp4kit.formats import nvfp4
+from fp4kit.formats.errors import FormatError
+
 BACKENDS = ("triton", "torch")
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the GEMM-family kernels' activations
 
 
 def interpreted(kernel) -> bool:
@@ -42,6 +47,22 @@ def check_backend(backend: str, kernel, *tensors: torch.Tensor, what: str) -> No
             f"{what}: backend='triton' needs CUDA tensors (got {device}); on a machine without a "
             "GPU set TRITON_INTERPRET=1 before importing fp4kit.kernels, or pass backend='torch'"
         )
+
+
+def check_weight(w: nvfp4.NVFP4Tensor, what: str, batch_dims: int = 0) -> None:
+    if not isinstance(w, nvfp4.NVFP4Tensor):
+        raise TypeError(f"{what}: expected an NVFP4Tensor, got {type(w).__name__}")
+    if w.packed.dim() != 2 + batch_dims:
+        raise FormatError(f"{what}: expected a {2 + batch_dims}-d NVFP4 weight, got shape {w.shape}")
+    if not (w.packed.is_contiguous() and w.block_scale.is_contiguous() and w.global_scale.is_contiguous()):
+        raise FormatError(f"{what}: NVFP4 weight tensors must be contiguous")
+
+
+def check_activations(x: torch.Tensor, k: int, what: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype not in ACT_DTYPES:
+        raise FormatError(f"{what}: x must be a bf16/fp16/fp32 tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise FormatError(f"{what}: x of shape {tuple(x.shape)} does not end in K={k}")
 
 
 def cdiv(a: int, b: int) -> int:

@@ -1,9 +1,10 @@
 """Launch tables: each kernel's launch shapes and routing limits, as frozen data.
 
 The tables are read once from `tuning/<gpu>.json`, which `scripts/tune_kernels.py` writes from
-its sweeps (each table carries the command and date that chose it). Nothing in the library
-changes a table at run time: a launcher takes its table as an argument (default: the one for the
-device) and a test or a sweep that wants other launch shapes passes its own.
+its sweeps (each table carries the command and date that chose it), or from the file named by the
+environment variable FP4KIT_TUNING where it is set (read at the first launch). Nothing in the
+library changes a table at run time: a launcher takes its table as an argument (default: the one
+for the device) and a test or a sweep that wants other launch shapes passes its own.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from types import MappingProxyType
 
 import torch
@@ -19,6 +22,7 @@ import torch
 # The GPU whose picks are used where a device has none of its own (every CUDA device today, and
 # the CPU, where the interpreter runs the same routing on small grids).
 DEFAULT_GPU = "h200"
+TUNING_ENV = "FP4KIT_TUNING"  # a tuning file to use instead of the package's (same format)
 
 
 def freeze(value):
@@ -46,7 +50,8 @@ def tuning_path(gpu: str = DEFAULT_GPU):
 @functools.cache
 def tables(gpu: str = DEFAULT_GPU) -> Mapping[str, Mapping]:
     """Every kernel's launch table for `gpu` ({kernel: {table name: table}}), frozen."""
-    doc = json.loads(tuning_path(gpu).read_text())
+    chosen = os.environ.get(TUNING_ENV)
+    doc = json.loads(Path(chosen).read_text() if chosen else tuning_path(gpu).read_text())
     return freeze({kernel: entry["tables"] for kernel, entry in doc["kernels"].items()})
 
 

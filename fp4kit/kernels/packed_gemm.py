@@ -4,11 +4,11 @@ straight into the matrix units' A operand (wgmma with A from registers).
 Reference: `PackedNVFP4.unpack()` (the checkpoint layout back, byte for byte), then
 `NVFP4Tensor.dequantize` and a matmul (backend="torch").
 
-The checkpoint layout (`w4a16_gemm`) makes a kernel either pay for a trip of every decoded
-weight tile through shared memory (the wgmma kernel there) or keep the activations in registers
-too (the mma.sync kernel there, which tops out at 16 rows). `pack` re-lays the weight out once
-so that each thread loads, as two 16-byte words per 128-wide K tile, exactly the codes of its own
-wgmma A fragments, bit-arranged so that a fragment register is a mask and at most a rotate away:
+The checkpoint layout makes a kernel either send every decoded weight tile through shared memory
+(`w4a16_gemm`'s wgmma kernel) or keep the activations in registers too (its mma.sync kernel, up to
+16 rows). `pack` re-lays the weight out once so that each thread loads, as two 16-byte words per
+128-wide K tile, exactly the codes of its own wgmma A fragments, bit-arranged so that a fragment
+register is a mask and at most a rotate away:
 
 - rows in slabs of 16, one slab per warp (a program's W warps cover 16 * W rows, a warpgroup
   64); the lane l = 4g + c of a slab holds rows g and g + 8 at K offsets 16j + 2c + {0, 1} and
@@ -21,49 +21,20 @@ wgmma A fragments, bit-arranged so that a fragment register is a mask and at mos
   positions rotated right by 3 and 6, and t = 3 in the four bits left over. Decoding a word's
   four fragment registers takes 11 logic instructions (`decode_asm`).
 - block scales as 16-bit floats of the activation dtype, float(scale) * 2^119 (bf16) or
-  float(scale) * 2^7 (fp16), exact for every E4M3 byte, [slab, K tile, g, G, rs, t % 2, t // 2]: each
-  fragment register is multiplied by its row's scale (one paired multiply, the scale's half
-  broadcast by the multiply itself), giving E2M1 * scale * 2^-7 exactly (at most 6 significant
-  bits, at least 2^-17: a bf16 normal, an fp16 subnormal, which the matrix units take as it is);
-  the epilogue multiplies by the global scale times 2^7.
+  float(scale) * 2^7 (fp16), exact for every E4M3 byte, [slab, K tile, g, G, rs, t % 2, t // 2]:
+  each fragment register is multiplied by its row's scale (one paired multiply), giving
+  E2M1 * scale * 2^-7 exactly; the epilogue multiplies by the global scale times 2^7.
 
-The weights the matrix units see are thus E2M1 * scale * 2^-7 exactly, W.dequantize()'s fp32
-values up to one rounding, as in `w4a16_gemm`'s mma kernel; the sums are the matrix units'
-fp32 accumulation. Packed bytes: 0.5 per weight for the codes and 0.125 for the scales (0.5625
-in the checkpoint layout).
-
-Split-K spreads the K tiles over programs where N / (16 * W) * M / BLOCK_M alone is too few;
-the partials are fp32 and summed in a fixed order in the same launch (`w4a16_gemm._store_split`,
-through the mma kernel's epilogue `_store_unscaled`).
-In Triton's interpreter the same kernel runs with the decoding done by Triton arithmetic on the
-same words (`_decode_emulated`), so CPU CI covers the layout, loads, masks and epilogue.
-
-Measured on an H200 (scripts/bench_packed.py: benchmarks/results/packed-gemm-h200.json, CUDA
-graphs, side by side with torch.matmul on the bf16 weight and `w4a16_matmul` on the checkpoint
-layout): 16 rows 1.96x bf16 on 8192 x 8192 (17.1 us; 1.54x on the checkpoint layout), 1.93x on
-28672 x 8192, 1.28x and 1.27x on the Nano shapes (0.92x and 0.94x), 2.24x on 131072 x 2688; 64
-rows 1.23x, 1.38x, 0.71x and 0.86x, 1.55x (0.52-0.94x). One row: 1.43-2.50x, where the checkpoint
-layout's GEMV is faster except on 131072 x 2688 (2.50x against 2.20x). That run's split-K
-times include a clearing of the tile counters per launch, which CUDA graphs now pay once per
-replay (`split_counters`): about 1 us less per split launch in the runs since (3712 x 2688:
-6.0-6.2 against 6.9 us at 16 rows, 9.0-9.1 against 9.8 at 64; 1.25x and 0.72x bf16 in
-kernels-h200.json). From 256
-rows the kernel is matrix-unit bound at 0.41-0.61x bf16: `w4a16_matmul` (dequantize once, then torch.matmul) is the
-faster path there. Two K tiles per loop step (UNROLL) pay on the large weights at up to 32 rows
-(8192 x 8192, 16 rows: 17.8 against 19.3 us in the sweep). On the Nano shapes at 64 rows the
-kernel is latency bound: under Nsight Compute (scripts/profile_kernels.py, kernels-pipes-h200.json,
-3712 x 2688) issue is 28% busy, DRAM 12% and L2 38% of their peaks, 19% of the warp slots
-occupied, and each instruction issued waits 4.3 cycles on global loads and 2.3 at barriers; two
-tiles per step shorten the waits on loads but not each tile's chain of decoding, barrier and
-wgmma (11.3 against 12.5 us without split-K, none at the picked split of 4). The loop spends
-about 3 SASS instructions per weight and thread (1.9 of them
-decoding, the rest the activation tile's loads and shared-memory stores and the addresses).
+The weights the matrix units see are thus W.dequantize()'s fp32 values up to one rounding, as in
+`w4a16_gemm`'s mma kernel; packed bytes: 0.5625 per weight, as in the checkpoint layout. Split-K
+partials are summed in a fixed order in the same launch (`mma.store_unscaled`). In Triton's
+interpreter the decoding runs as Triton arithmetic on the same words (`_decode_emulated`), so CPU
+tests cover the layout, loads, masks and epilogue. Measured times: benchmarks/README.md.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -74,9 +45,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fp4kit.formats import nvfp4
 from fp4kit.formats.errors import FormatError
 
-from .backend import cdiv, check_backend, interpreted, launch_options, next_power_of_2
-from .backend import sm_count as _sm_count
-from .w4a16_gemm import _check_activations, _prefetch_l2, _store_unscaled, activation_rows, check_weight, split_counters
+from . import backend, launch
+from .backend import cdiv, check_activations, check_backend, check_weight, interpreted, launch_options, next_power_of_2
+from .mma import prefetch_l2, store_unscaled
+from .tiles import activation_rows, split_counters
 
 _WHAT = "kernels.packed_matmul"
 SLAB = 16  # weight rows per warp
@@ -311,8 +283,8 @@ def _prefetch_tile(w_ptr, s_ptr, poff, psoff, kt, kt1):
     """L2 prefetch of K tile kt's words and scales where kt < kt1: no registers written, so the
     wgmma fences do not wait for it, unlike a load issued ahead into registers."""
     ahead = (tl.arange(0, poff.shape[0]) * 0 + kt) < kt1
-    _prefetch_l2(w_ptr + poff + kt * 512, ahead)
-    _prefetch_l2(s_ptr + psoff + kt * 128, ahead)
+    prefetch_l2(w_ptr + poff + kt * 512, ahead)
+    prefetch_l2(s_ptr + psoff + kt * 128, ahead)
 
 
 @triton.jit
@@ -382,7 +354,7 @@ def _packed_kernel(x_ptr, x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_p
     if PREFETCH > 0 and not EMULATE:  # the tiles the loop's prefetches (PREFETCH ahead) do not cover
         for j in tl.static_range(UNROLL, PREFETCH):
             _prefetch_tile(w_ptr, s_ptr, poff, psoff, kt0 + j, kt1)
-    for kt in range(kt0, kt1, UNROLL):  # software-pipelined only with num_stages > 1: see PACKED
+    for kt in range(kt0, kt1, UNROLL):  # software-pipelined only with num_stages > 1 (see `config`)
         if PREFETCH > 0 and not EMULATE:
             for j in tl.static_range(UNROLL):
                 _prefetch_tile(w_ptr, s_ptr, poff, psoff, kt + PREFETCH + j, kt1)
@@ -409,7 +381,7 @@ def _packed_kernel(x_ptr, x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_p
             acc = _dot(acc, _tile_decode(w0, s0, w1, s1, W, F16, EMULATE), xt, EMULATE)
             acc = _dot(acc, _tile_decode(w2, s2, w3, s3, W, F16, EMULATE), xb, EMULATE)
     n = pid_n * (16 * W) + tl.arange(0, 16 * W)
-    _store_unscaled(acc, gs_ptr, out_ptr, part_ptr, cnt_ptr, m[None, :], n[:, None], M, N, pid_m, pid_n, pid_s, SPLIT)
+    store_unscaled(acc, gs_ptr, out_ptr, part_ptr, cnt_ptr, m[None, :], n[:, None], M, N, pid_m, pid_n, pid_s, SPLIT)
 
 
 @triton.jit
@@ -438,42 +410,17 @@ def fragments(p: PackedNVFP4, *, warps: int = 4) -> torch.Tensor:
     return out
 
 
-# Launch shapes per row class (`row_class`: M rounded up to a power of two, 16 to 128) and weight
-# size (LARGE_WEIGHTS elements or more): activation rows per program (BLOCK_M, at most the class),
-# warps per program (16 weight rows each; 4 = one warpgroup), and the split-K target (programs
-# per multiprocessor the K split aims for), and K tiles per loop step (UNROLL: with 2, both
-# tiles' loads are issued before the first is decoded, for two loads' latencies in one wait), and
-# PREFETCH: the L2 prefetch distance in K tiles (0: none; an entry without it has none). A
-# prefetch writes no register, so the wgmma fences do not wait for it as they wait for loads
-# issued ahead into registers; tests/gpu check that it changes no output byte.
-# The loop is not software-pipelined by default (num_stages 1): Triton's pipeliner copies the
-# next tile's words to shared memory ahead, but gives each K-16 slice of the dot its own wgmma
-# fence, interleaved with the next slice's decoding; unpipelined, a K tile's eight wgmma are
-# issued back to back. `num_stages` 2-4 and `TMA` (the activation tile read by the tensor-memory
-# accelerator straight into shared memory, in place of loads into registers and a store) are
-# launch keys, byte-identical in output (tests/gpu), and measured slower where it matters
-# (scripts/bench_packed.py --pipeline, benchmarks/results/packed-gemm-pipeline-h200.json, best
-# over BLOCK_M and split for each): 3712 x 2688 at 64 rows 9.8-12.7 us against 9.3 unpipelined,
-# at 16 rows 7.8-8.3 against 6.0 (2688 x 3712 alike); 8192 x 8192 at 16 rows 24.4-25.8 against
-# 18.1, at 64 rows 31.8 (3 stages with TMA) against 37.4, within that shape's spread across runs
-# (PACKED's own entry: 30.3 in kernels-h200.json). Launch shapes picked by `sweep` / `pick`
-# (scripts/bench_packed.py). Swept again on the two Nano shapes once split-K launches stopped
-# clearing their counters each time, with up to 8 programs per multiprocessor (bench_packed.py
-# --shapes 3712x2688,2688x3712: benchmarks/results/packed-gemm-nano-h200.json): more split-K
-# does not help there, and no launch shape is clearly faster than the entries below: at 64 rows
-# the best took 9.1 and 9.2 us, the entries 9.1 and 9.7 in that sweep and 9.0 and 9.2 in
-# kernels-h200.json's bench; at 16 rows 5.9 against 6.1 and 5.9. So the entries stay.
-LARGE_WEIGHTS = 8192 * 8192
-PACKED = {
-    "16": {"small": {"BLOCK_M": 16, "num_warps": 4, "programs_per_sm": 2, "UNROLL": 1},
-           "large": {"BLOCK_M": 16, "num_warps": 4, "programs_per_sm": 4, "UNROLL": 2}},
-    "32": {"small": {"BLOCK_M": 16, "num_warps": 4, "programs_per_sm": 4, "UNROLL": 1},
-           "large": {"BLOCK_M": 32, "num_warps": 8, "programs_per_sm": 2, "UNROLL": 2}},
-    "64": {"small": {"BLOCK_M": 32, "num_warps": 4, "programs_per_sm": 4, "UNROLL": 1},
-           "large": {"BLOCK_M": 64, "num_warps": 8, "programs_per_sm": 2, "UNROLL": 1}},
-    "128": {"small": {"BLOCK_M": 128, "num_warps": 8, "programs_per_sm": 1, "UNROLL": 1},
-            "large": {"BLOCK_M": 128, "num_warps": 8, "programs_per_sm": 1, "UNROLL": 1}},
-}
+# The launch table ("packed"): PACKED[row class][weight size], row class `row_class(M)` and size
+# "large" for weights of LARGE_WEIGHTS elements or more, else "small". Per entry: activation rows
+# per program (BLOCK_M, at most the class), warps per program (16 weight rows each; 4 = one
+# warpgroup), the split-K target (programs per multiprocessor), K tiles per loop step (UNROLL: with
+# 2 both tiles' loads are issued before the first is decoded, two latencies in one wait), and
+# PREFETCH, the L2 prefetch distance in K tiles (0 or absent: none; a prefetch writes no register,
+# so the wgmma fences do not wait for it). The loop is not software-pipelined by default
+# (num_stages 1): Triton's pipeliner gives each K-16 slice of the dot its own wgmma fence,
+# interleaved with the next slice's decoding, where unpipelined a K tile's eight wgmma issue back
+# to back. `num_stages` 2-4 and `TMA` (the activation tile read by the tensor-memory accelerator)
+# are launch keys, byte-identical in output (tests/gpu), measured slower where it matters.
 LAUNCH_KEYS = ("BLOCK_M", "num_warps", "programs_per_sm", "SPLIT", "UNROLL", "PREFETCH", "TMA", "num_stages")
 
 
@@ -485,17 +432,20 @@ def tma_ready(x2: torch.Tensor) -> bool:
 
 
 def row_class(m: int) -> int:
-    """M rounded up to a power of two, 16 to 128 (the key of `PACKED`)."""
+    """M rounded up to a power of two, 16 to 128 (the key of the launch table's PACKED)."""
     return min(max(16, next_power_of_2(m)), 128)
 
 
-def config(m: int, n: int, k: int, device: torch.device, cfg: dict | None = None) -> dict:
-    """Launch shape and split-K for one problem: `PACKED`'s entry, overridden by cfg (any of
-    LAUNCH_KEYS). By rule; no autotuning at call time."""
+def config(m: int, n: int, k: int, device: torch.device, cfg: dict | None = None,
+           tables: Mapping | None = None) -> dict:
+    """Launch shape and split-K for one problem: the launch table's PACKED entry (`tables`,
+    default the device's "packed" table), overridden by cfg (any of LAUNCH_KEYS). By rule; no
+    autotuning at call time."""
     unknown = set(cfg or {}) - set(LAUNCH_KEYS)
     if unknown:
         raise ValueError(f"{_WHAT}: unknown launch keys {sorted(unknown)}; expected some of {LAUNCH_KEYS}")
-    c = dict(PACKED[str(row_class(m))]["large" if n * k >= LARGE_WEIGHTS else "small"])
+    t = launch.table("packed", device) if tables is None else tables
+    c = dict(t["PACKED"][str(row_class(m))]["large" if n * k >= t["LARGE_WEIGHTS"] else "small"])
     c.update(cfg or {})
     w, bm, unroll, ahead = c["num_warps"], c["BLOCK_M"], c.get("UNROLL", 1), c.get("PREFETCH", 0)
     stages = c.get("num_stages", 1)
@@ -506,22 +456,24 @@ def config(m: int, n: int, k: int, device: torch.device, cfg: dict | None = None
                          f"UNROLL={unroll}, PREFETCH={ahead}, num_stages={stages}")
     kt = cdiv(k, TILE_K)
     tiles = cdiv(cdiv(n, SLAB), w) * cdiv(m, bm)
-    split = c.get("SPLIT") or max(1, min(kt, _sm_count(device) * c["programs_per_sm"] // tiles))
+    split = c.get("SPLIT") or max(1, min(kt, backend.sm_count(device) * c["programs_per_sm"] // tiles))
     per = cdiv(kt, split)
     return {"num_warps": w, "BLOCK_M": bm, "SPLIT": cdiv(kt, per), "kt_per_split": per, "UNROLL": unroll,
             "PREFETCH": ahead, "TMA": bool(c.get("TMA", False)), "num_stages": stages}
 
 
-def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", cfg: dict | None = None):
+def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", cfg: dict | None = None,
+                  tables: Mapping | None = None):
     """y = x @ W.unpack().dequantize(x.dtype)^T, fp32 accumulation, output in x's dtype.
 
     x: [..., K] bf16 / fp16 (the dtype `w` was packed for); w: a `PackedNVFP4` (`pack`).
     backend: "triton" (`_packed_kernel`) or "torch" (the checkpoint layout back, dequantized,
-    then torch's matmul). cfg: launch-shape overrides (any of LAUNCH_KEYS)."""
+    then torch's matmul). cfg: launch-shape overrides (any of LAUNCH_KEYS). tables: the launch
+    table (default: the device's, `launch.table("packed", x.device)`)."""
     if not isinstance(w, PackedNVFP4):
         raise TypeError(f"{_WHAT}: w must be a PackedNVFP4 (kernels.packed_gemm.pack), got {type(w).__name__}")
     n, k = w.shape
-    _check_activations(x, k, _WHAT)
+    check_activations(x, k, _WHAT)
     if x.dtype != w.dtype:
         raise ValueError(f"{_WHAT}: activations are {x.dtype} but the weight was packed for {w.dtype} "
                          f"(pack(w, dtype={x.dtype}))")
@@ -532,7 +484,7 @@ def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", c
     m = x2.shape[0]
     if m == 0:
         return out.reshape(*lead, n)
-    c = config(m, n, k, x.device, cfg)
+    c = config(m, n, k, x.device, cfg, tables)
     n16, kt = w.words.shape[:2]
     grid = (cdiv(n16, c["num_warps"]), cdiv(m, c["BLOCK_M"]), c["SPLIT"])
     part, counters = out, out  # unused unless split
@@ -548,118 +500,3 @@ def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", c
                          EMULATE=emulate, TMA=tma, num_warps=c["num_warps"], num_stages=c["num_stages"],
                          **launch_options())
     return out.reshape(*lead, n)
-
-
-def time_graph(fn) -> float:
-    """Median ms of `fn` replayed from a CUDA graph."""
-    from triton.testing import do_bench_cudagraph
-
-    return do_bench_cudagraph(fn, rep=30, return_mode="median")
-
-
-SWEEP_SHAPES = ((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688))
-SWEEP_PREFETCH = (0, 4)
-
-
-def _sweep_problems(shapes, classes):
-    """(N, K, M, BLOCK_M, packed weight, activations) for each shape (a random weight, quantized
-    and packed once), each row class M and BLOCK_M the class or half of it (two row programs)."""
-    from .quantize import quantize
-
-    for n, k in shapes:
-        w = pack(quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02))
-        for m in classes:
-            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
-            for bm in sorted({m, max(16, m // 2)}):
-                yield n, k, m, bm, w, x
-        del w
-
-
-def _timed(n, k, m, x, w, cfg, **extra) -> dict:
-    """A sweep row: the problem, the launch keys, the split they give, `extra`, the graph time."""
-    split = config(m, n, k, x.device, cfg)["SPLIT"]
-    return {"N": n, "K": k, "M": m, **cfg, "SPLIT": split, **extra,
-            "ms": time_graph(lambda: packed_matmul(x, w, cfg=cfg))}
-
-
-def sweep(shapes=SWEEP_SHAPES, classes=(16, 32, 64), warps=(4, 8), programs_per_sm=(1, 2, 4, 8), unroll=(1, 2),
-          prefetch=SWEEP_PREFETCH) -> list:
-    """CUDA-graph times of the launch shapes for each row class (M = the class) on each shape:
-    BLOCK_M the class or half of it (two row programs), every warp count, split-K target, number
-    of K tiles per loop step and L2 prefetch distance."""
-    rows = []
-    for n, k, m, bm, w, x in _sweep_problems(shapes, classes):
-        for nw, pps, u, ahead in itertools.product(warps, programs_per_sm, unroll, prefetch):
-            cfg = {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps, "UNROLL": u, "PREFETCH": ahead}
-            rows.append(_timed(n, k, m, x, w, cfg))
-    return rows
-
-
-PIPELINE_SHAPES = ((3712, 2688), (2688, 3712), (8192, 8192))
-
-
-def sweep_pipeline(shapes=PIPELINE_SHAPES, classes=(16, 64), programs_per_sm=(1, 2, 4), stages=(1, 2, 3),
-                   tma=(False, True)) -> list:
-    """CUDA-graph times of the software-pipelined loop (num_stages > 1: the next K tile's weights
-    copied to shared memory while this one is decoded and multiplied) and of the activations read
-    by the tensor-memory accelerator (TMA), against the unpipelined loop, 4 warps, one K tile per
-    step, for each row class on each shape (BLOCK_M the class or half of it). Each row records
-    whether its output equals the unpipelined pointer-load launch's byte for byte."""
-    rows = []
-    for n, k, m, bm, w, x in _sweep_problems(shapes, classes):
-        for pps in programs_per_sm:
-            base = {"BLOCK_M": bm, "num_warps": 4, "programs_per_sm": pps, "UNROLL": 1}
-            want = packed_matmul(x, w, cfg=base)
-            for st, t in itertools.product(stages, tma):
-                cfg = {**base, "num_stages": st, "TMA": t}
-                rows.append(_timed(n, k, m, x, w, cfg, equal=bool(torch.equal(packed_matmul(x, w, cfg=cfg), want))))
-                print(json.dumps(rows[-1]), flush=True)
-    return rows
-
-
-def pick(rows) -> dict:
-    """Per row class and weight size, the launch shape with the smallest sum over the swept
-    problems of its time over the problem's best (relative, so that large weights do not outvote
-    the others). Classes and sizes the sweep did not cover keep their entry."""
-    best = {}
-    for r in rows:
-        p = (r["N"], r["K"], r["M"])
-        best[p] = min(best.get(p, float("inf")), r["ms"])
-    totals: dict = {}
-    for r in rows:
-        size = "large" if r["N"] * r["K"] >= LARGE_WEIGHTS else "small"
-        key = (str(row_class(r["M"])), size, r["BLOCK_M"], r["num_warps"], r["programs_per_sm"], r.get("UNROLL", 1),
-               r.get("PREFETCH", 0))
-        totals[key] = totals.get(key, 0.0) + r["ms"] / best[r["N"], r["K"], r["M"]]
-    table = {cls: dict(entry) for cls, entry in PACKED.items()}
-    for cls, size in {key[:2] for key in totals}:
-        keys = [key for key in totals if key[:2] == (cls, size)]
-        _, _, bm, nw, pps, u, ahead = min(keys, key=totals.get)
-        table[cls] = dict(table[cls], **{size: {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps, "UNROLL": u,
-                                                "PREFETCH": ahead}})
-    return table
-
-
-def bench(shapes=SWEEP_SHAPES, ms=(1, 4, 16, 64, 256, 1024)) -> list:
-    """CUDA-graph times side by side: torch.matmul on the bf16 weight, `w4a16_matmul` on the
-    checkpoint layout, and `packed_matmul` (with `PACKED`'s launch shapes) on the packed weight."""
-    from .quantize import quantize
-    from .w4a16_gemm import path, w4a16_matmul
-
-    rows = []
-    for n, k in shapes:
-        wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
-        wq = quantize(wb)
-        wp = pack(wq)
-        for m in ms:
-            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
-            row = {"N": n, "K": k, "M": m, "ms_bf16": time_graph(lambda: torch.matmul(x, wb.T)),
-                   "ms_w4a16": time_graph(lambda: w4a16_matmul(x, wq)), "path_w4a16": path(m, n, k, x.device),
-                   "ms_packed": time_graph(lambda: packed_matmul(x, wp)),
-                   "packed_launch": config(m, n, k, x.device)}
-            row["speedup_vs_bf16"] = row["ms_bf16"] / row["ms_w4a16"]
-            row["speedup_vs_bf16_packed"] = row["ms_bf16"] / row["ms_packed"]
-            row["speedup_vs_bf16_best"] = row["ms_bf16"] / min(row["ms_w4a16"], row["ms_packed"])
-            rows.append(row)
-        del wb, wq, wp
-    return rows

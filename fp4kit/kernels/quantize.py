@@ -1,96 +1,31 @@
-"""NVFP4 weight quantization on the GPU: plain rule "6" and Four-Over-Six ("4o6") in one kernel.
+"""NVFP4 weight quantization on the GPU: the plain rule "6" and Four-Over-Six ("4o6").
 
-Reference: `fp4kit.formats.nvfp4.quantize` (the contract). This kernel returns the same bytes for
-every input the reference accepts: the same codes, block scales, global scales and 4/6 choices.
+Contract: `fp4kit.formats.nvfp4.quantize`. For every input the reference accepts this returns
+its bytes (codes, block scales, global scales, 4/6 choices), for every other its error. Every
+fp32 operation is the reference's, in its order: divisions by data are correctly rounded (a
+reciprocal and two fused multiply-adds, exact by Markstein's theorem where `_fast_range` admits
+the global scale, scripts/check_markstein.py; else an IEEE division per element), divisions by
+6, 1536 and 2688 follow `arith`, E4M3 and E2M1 rounding is done on the bits, the 4/6 error sums
+follow the reference's addition tree, and nothing is contracted into a multiply-add
+(`backend.launch_options`).
 
-One or two launches per call, whatever the number of experts:
-1. `_amax_kernel`: max|w| per batch member (per expert of an [E, N, K] stack), NaN/Inf flagged.
-2. `_quantize_kernel`: each program takes a run of 16-element blocks (the weight is a flat run
-   of blocks since K % 16 == 0), computes the block maxima, both 4/6 candidates in registers,
-   their squared errors, the choice and the codes, and writes packed bytes and scale bytes.
-   Where a program's blocks lie in one member (always for Nemotron-H's expert shapes), its
-   global scale is one scalar and the path below is chosen once per program. With a given
-   global amax (fused siblings) it is the only launch: the member maxima the checks need are
-   then folded in atomically.
-3. `_stack_kernel`, for a stack of members that are whole tiles (`fused_stack`; the Nano
-   expert stacks) when no global amax is given, instead of 1 and 2: one launch whose programs
-   take work items in ticket order from one queue, max items of member e + lag interleaved
-   with quantize items of member e (`_member_tile`, `_quantize_tile`'s arithmetic for a tile in
-   one member), a quantize item waiting only on max items with earlier tickets. The
-   DRAM-bound max pass so runs beside the issue-bound quantization instead of before it (both
-   read the weight from DRAM: 2.55 GB for one 1.28 GB stack under Nsight Compute, L2 hit rate
-   14%).
+Launches per call, whatever the number of batch members (the experts of an [E, N, K] stack):
+one, `_stack_kernel`, for a stack of whole-tile members without a given global amax
+(`fused_stack`): its programs take the members' max items and quantize items from one queue,
+the max items `lag` members ahead, so the DRAM-bound max pass runs beside the issue-bound
+quantization. Otherwise `_amax_kernel` (max|w| per member, NaN and Inf flagged), then
+`_quantize_kernel`; with a given global amax that one alone, folding in the member maxima the
+checks need. Launch shapes: the "quantize" launch table (`fp4kit.kernels.launch`), or `tables`.
+Tests: tests/kernels/test_quantize.py, tests/gpu/test_quantize_gpu.py; speed: benchmarks/README.md.
 
-Why the bytes are the reference's (read with `fp4kit/formats/nvfp4.py` beside this):
-- Every fp32 operation is the reference's, in its order (e.g. `6 * global_scale` rounded before
-  `block_amax / (...)`; `x / (float(scale) * global_scale)`, a division by the rounded product).
-- Division by data: correctly rounded. Per element, RN(|x| / step) comes from y = RN(1 / step)
-  (one IEEE division per block and candidate) as q0 = RN(|x| * y), r = fma(-step, q0, |x|)
-  (exact), q = RN(q0 + r * y): Markstein's theorem makes q the correctly rounded quotient while
-  the operands stay normal, which `_fast_range` guarantees (steps in [2^-96, STEP_MAX)) wherever
-  the quotient can reach an E2M1 midpoint; scripts/check_markstein.py checks it against IEEE
-  division for every bf16 mantissa and every fp32 step mantissa, and on 2^28 random fp32 pairs. The block-scale quotients by the
-  member's divisor use the same correction (`_div_by`). Programs whose global scale falls
-  outside that range take `tl.math.div_rn` per element (Triton's `/` on fp32 is
-  `div.full.f32`, which is not correctly rounded). Divisions by the constants 6, 1536 and 2688
-  follow `arith` (`_div_const`): a multiplication by the fp32 reciprocal (arith "cuda",
-  ModelOpt on CUDA, the default) or `div_rn` (arith "cpu").
-- Multiply-adds: only the explicit `tl.fma` above (single rounding is the point there; the
-  E2M1 rounding's two fmas have exact products). Launched with `enable_fp_fusion=False`
-  (`backend.launch_options`; the PTX then holds `mul.rn` / `add.rn`, which ptxas does not
-  contract), so `v * step - x` and the error sums are rounded step by step like torch's.
-- Reductions: maxima are exact in any order; the 4/6 error sum uses the reference's fixed tree
-  (`block_sum16`: pairs (i, i+8), (i, i+4), (i, i+2), (i, i+1)), each level a sum over an axis
-  of length 2, i.e. exactly one addition per output.
-- E4M3 and E2M1 rounding are written here at bit level (`_e4m3_round`, `_e2m1_round`), not left
-  to Triton's float8 cast, so the interpreter and every GPU give the same round-to-nearest-even,
-  saturating at 448 (scales are clamped to [2^-9, 448] first, as the reference does).
-- Codes on the fast path, packed 8 at a time into one little-endian word (`_codes`): the plain
-  rule takes each magnitude index straight from the E2M1 rounding's addition
-  (`_e2m1_index_finite`, never forming the value; an index of 8, a quotient of 7 or more, is
-  saturated to 7 in the packed word, 8 nibbles at once), 4/6 reads it off bits 21-24 of the
-  chosen value + 2 (`_index_word`), and both rules take the sign bits from x (`_sign_word`:
-  x + 0 turns -0.0 into +0.0, as the reference's `x / step < 0` requires, then byte permutes
-  gather the sign bits of 8 elements). Checked against the value route, x < 0 and a plain packing
-  on every bf16 pattern and every fp32 near the E2M1 grid (tests/test_kernels_interpret.py,
-  `codes_probe`; the inline PTX against the per-element route in tests/gpu/). 4/6's candidate 4
-  needs no saturation: its scale rounds down by at most 1.5 (E4M3 subnormals) from amax / 4, so
-  its quotients stay below 7 and round to 6 at most.
-Measured on an H200 (benchmarks/results/kernels-h200.json, Nano expert stacks, bf16, CUDA
-graphs, side by side): the stack kernel 2.27 TB/s plain and 1.50 TB/s 4/6 (0.71-0.73 and 1.09
-ms per stack; 2.22-2.38 TB/s and 0.68-0.76 ms plain in earlier runs, 0.71-0.77 in the schedule
-sweep, benchmarks/results/kernels-sweeps-stack-h200.json: its times move a few percent with the
-machine's load), the two launches 1.87 and 1.21 (0.87-0.88 and 1.36 ms), the one launch with a
-given global amax 2.29 and 1.35 (the copy ceiling is 4.27 TB/s; the max pass alone takes 0.29
-ms). Reading the weight twice
-from DRAM caps any two-pass schedule at 2.40 TB/s as
-the bench counts it (bf16 in, codes and scales out: 2.5625 bytes per element, 4.5625 moved),
-and the stack kernel does read it twice: 2.55 GB per 1.28 GB stack with DRAM 89% busy under
-Nsight Compute (scripts/profile_kernels.py: benchmarks/results/kernels-pipes-h200.json), which
-puts plain at the DRAM limit. Serving the second read from L2 would need the quantize items
-close behind the max items (a lag of one or two 10 MB members, small items so that the programs
-in flight span less than a member); such schedules lose more to their per-item atomics and
-waits than L2 saves: 0.81-1.43 ms plain and 1.20-1.76 ms 4/6 against 0.69 and 1.09 for the pick
-(lag 1-3, 4-8 tiles per max item, 1-4 per quantize item, 4-16 programs per multiprocessor;
-benchmarks/results/kernels-sweeps-stack-fine-h200.json). The quantization itself is bound by
-instruction issue and the integer ALU pipe: `_quantize_kernel` plain 22.4 instructions per element with issue 74% and
-the ALU pipe 71% busy, 4/6 43.1 with issue 77% busy; the stack kernel 22.8 (plain) and 43.3
-(4/6, issue 77%), its max items' taken on 16-bit patterns two elements per instruction
-(`_max_pair`: 1.75 SASS instructions per element against 4.6 on fp32 values). The SASS fast
-path (sm_90, one thread's 16-element block from its loads to its stores) is 23 (plain) and 44
-(4/6) instructions per element: 4/6 spends 21 more, about 17 of them on the second candidate's
-quotient and rounding and the two candidates' squared errors and sums, which the reference's
-step-by-step rounding fixes; at most 1.3 times plain would leave room for 7. Nor can the
-quotient's correction be dropped where it is not needed: the reciprocal's product alone rounds
-some bf16 weight to another E2M1 value for 37% (4/6) and 56% (plain) of random bf16 global
-amaxes, at some block scale (the global scales' factor 3 puts midpoint * step next to bf16
-values; scripts/check_markstein.py --uncorrected 1000, and the test built from such weights).
-Known limit shared with nothing real: an fp32 weight so small that its global scale underflows
-(max|w| < ~2e-42) makes the reference produce NaN block scales whose sign bit depends on the
-platform's default NaN; this kernel writes 0x7F there.
+Known limit, shared with nothing real: an fp32 weight so small that its global scale underflows
+(max|w| < ~2e-42) makes the reference's block scales NaN with a platform-dependent sign bit;
+this kernel writes 0x7F there.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import triton
@@ -110,6 +45,7 @@ from fp4kit.formats.arith import DEFAULT_ARITH, check_mode, fp32_reciprocal
 from fp4kit.formats.errors import FormatError, check_finite, check_float_tensor
 
 from .backend import cdiv, check_backend, interpreted, launch_options, sm_count
+from .launch import table as launch_table
 
 _WHAT = "kernels.quantize"
 
@@ -221,7 +157,8 @@ def _clamped_scale(s):
 @triton.jit
 def _e2m1_of_quotient(a, step):
     """E2M1 value of RN(a / step) and whether that quotient is > 0: the reference's arithmetic
-    (the sign of a quotient that underflows to zero is the reference's `x / step < 0`)."""
+    (the sign of a quotient that underflows to zero is the reference's `x / step < 0`).
+    `div_rn`, not `/`: Triton's fp32 `/` is div.full.f32, which is not correctly rounded."""
     q = tl.math.div_rn(a, step)
     return _e2m1_round(q), q > 0.0
 
@@ -232,13 +169,11 @@ def _e2m1_of_quotient_fast(a, step, y, SAT: tl.constexpr = True):
 
     q0 = RN(a * y) is within an ulp of a / step; the residual a - step * q0 is then exact in one
     fused multiply-add, and q0 + residual * y rounded once is the correctly rounded quotient
-    (Markstein's theorem for a correctly rounded reciprocal). It needs a normal step, and a, q0
-    and the residual away from the subnormal range wherever the quotient can reach an E2M1
-    midpoint (>= 0.25): `_fast_range` admits only steps in [2^-96, STEP_MAX), which keeps every
-    such a >= 2^-98. A quotient too small to matter may come out inexact but stays far below
-    0.25, so its E2M1 value is 0 either way. The rounding needs no clamp: q <= 10 here.
-    SAT: as `_e2m1_round_finite`.
-    """
+    (Markstein's theorem for a correctly rounded reciprocal). That needs a normal step, and a,
+    q0 and the residual away from the subnormal range wherever the quotient can reach an E2M1
+    midpoint (>= 0.25): `_fast_range` admits only steps in [2^-96, STEP_MAX), so every such
+    a >= 2^-98; a smaller quotient may come out inexact but stays far below 0.25 (E2M1 value 0
+    either way). No clamp: q <= 10 here. SAT: as `_e2m1_round_finite`."""
     return _e2m1_round_finite(_quotient_fast(a, step, y), SAT)
 
 
@@ -262,12 +197,11 @@ def _fast_range(gs_lo, gs_hi, STEP_MAX: tl.constexpr):
 
 @triton.jit
 def _div_by(a, d, y, MARKSTEIN: tl.constexpr):
-    """RN(a / d): with MARKSTEIN, from y = RN(1 / d) (one multiply and two fused multiply-adds,
-    exact while a, d and the quotient stay normal, which `_fast_range` guarantees wherever the
-    quotient can matter); else an IEEE division."""
+    """RN(a / d): with MARKSTEIN, `_quotient_fast` from y = RN(1 / d) (exact while a, d and the
+    quotient stay normal, which `_fast_range` guarantees wherever the quotient can matter); else
+    an IEEE division."""
     if MARKSTEIN:
-        q0 = a * y
-        return tl.fma(tl.fma(-d, q0, a), y, q0)
+        return _quotient_fast(a, d, y)
     else:
         return tl.math.div_rn(a, d)
 
@@ -536,20 +470,12 @@ def _member_prep(g, r6, r1536, r2688, RECIP: tl.constexpr, RULE_4O6: tl.constexp
 
 
 @triton.jit
-def _member_tile(x_lo, x_hi, g, den, y_den, fast, imp_lo, imp_hi, r6, r1536, r2688,
-                 RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr,
-                 ASM: tl.constexpr, BLOCKS: tl.constexpr):
-    """`_quantize_tile` of a tile inside one member, with that member's `_member_prep`."""
-    return _tile_path(x_lo, x_hi, g, fast, y_den, den, imp_lo, imp_hi, r6, r1536, r2688,
-                      RECIP, RULE_4O6, HAS_IMP, True, ASM, BLOCKS)
-
-
-@triton.jit
 def _tile_path(x_lo, x_hi, g, fast, d_fast, den, imp_lo, imp_hi, r6, r1536, r2688,
                RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr,
                MARKSTEIN: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr):
     """`_tile_core` on the fast path where `fast` (its block-scale divisor argument d_fast: the
-    member's reciprocal y_den with MARKSTEIN, else den), else on the division path (den)."""
+    member's reciprocal y_den with MARKSTEIN, else den), else on the division path (den). A tile
+    inside one member takes MARKSTEIN with its member's `_member_prep`."""
     a_lo, a_hi, block_amax, zero, live, g = _tile_start(x_lo, x_hi, g)
     if fast:
         out = _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, d_fast, zero, live, imp_lo, imp_hi,
@@ -564,21 +490,17 @@ def _tile_path(x_lo, x_hi, g, fast, d_fast, den, imp_lo, imp_hi, r6, r1536, r268
 def _quantize_tile(x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688,
                    RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr,
                    UNIFORM: tl.constexpr, STEP_MAX: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr):
-    """Quantizes BLOCKS 16-element blocks, held as two rows of 8 (elements 0-7 in x_lo, 8-15 in
-    x_hi; fp32), g the global amax of the blocks' member: a scalar if UNIFORM (all blocks of the
-    tile in one member), else one per block ([BLOCKS, 1]).
-
-    Returns the packed codes (lo, hi: elements 0-7 and 8-15 as one int32 word each, [BLOCKS, 1];
-    `_code_word`), E4M3 scale bytes, the 4/6 choice and the
-    global scale ([BLOCKS, 1] each, the last one a scalar if UNIFORM). A thread owns whole
-    blocks, so block maxima, error sums and packing never cross threads, and the first level
-    of the error tree (i, i+8) is one add. Which arithmetic path runs is decided once per tile
-    from the global scale(s) (`_fast_range`); every path gives the reference's bytes.
-    """
+    """Quantizes BLOCKS 16-element blocks held as two rows of 8 (elements 0-7 in x_lo, 8-15 in
+    x_hi; fp32); g: the global amax of the blocks' member, a scalar if UNIFORM (the whole tile in
+    one member), else one per block ([BLOCKS, 1]). Returns the packed codes (lo, hi: one int32
+    word each, `_code_word`), E4M3 scale bytes, the 4/6 choice and the global scale ([BLOCKS, 1]
+    each; the last a scalar if UNIFORM). A thread owns whole blocks, so maxima, error sums and
+    packing never cross threads. The arithmetic path is chosen once per tile (`_fast_range`);
+    every path gives the reference's bytes."""
     if UNIFORM:
         den, y_den, fast = _member_prep(g, r6, r1536, r2688, RECIP, RULE_4O6, STEP_MAX)
-        out = _member_tile(x_lo, x_hi, g, den, y_den, fast, imp_lo, imp_hi, r6, r1536, r2688,
-                           RECIP, RULE_4O6, HAS_IMP, ASM, BLOCKS)
+        out = _tile_path(x_lo, x_hi, g, fast, y_den, den, imp_lo, imp_hi, r6, r1536, r2688,
+                         RECIP, RULE_4O6, HAS_IMP, True, ASM, BLOCKS)
     else:  # per-block divisors: the fast path divides by each block's own (MARKSTEIN off)
         gs_check, den = _divisor(tl.where(g == 0.0, 1.0, g), r6, r1536, r2688, RECIP, RULE_4O6)
         fast = _fast_range(tl.min(gs_check), tl.max(gs_check), STEP_MAX)
@@ -650,16 +572,14 @@ def _quantize_kernel(
     OWN_MAX: tl.constexpr, MEMBERS: tl.constexpr, OFFSET_DTYPE: tl.constexpr,
     STEP_MAX: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr,
 ):
-    """Quantizes BLOCKS consecutive 16-element blocks of the flattened weight, with the global
-    amax of each member read from g_ptr.
+    """Quantizes BLOCKS consecutive 16-element blocks of the flattened weight, each member's
+    global amax read from g_ptr. K % 16 == 0, so the weight is a flat run of blocks: block b
+    holds elements 16b..16b+15 and owns packed bytes 8b..8b+7 and scale byte b.
 
-    K % 16 == 0, so the weight is a flat run of blocks: block b holds elements 16b..16b+15 and
-    owns packed bytes 8b..8b+7 and scale byte b. MEMBERS: 0 = one member, 1 = members of a
-    multiple of BLOCKS blocks (a program's blocks lie in one member: its global amax is one
-    scalar), 2 = any (a member per block). With OWN_MAX, the program also folds max|x| of its
-    blocks into own_ptr[member] (atomic max; NaN as +Inf), the member maxima the caller checks
-    a given global amax against, so the weight is read once.
-    """
+    MEMBERS: 0 = one member, 1 = members of a multiple of BLOCKS blocks (a program's global amax
+    is one scalar), 2 = any (a member per block). OWN_MAX: also fold max|x| of the blocks into
+    own_ptr[member] (atomic max; NaN as +Inf), the maxima the caller checks a given global amax
+    against, so the weight is read once."""
     pid = tl.program_id(0)
     blk = (pid * BLOCKS + tl.arange(0, BLOCKS)[:, None]).to(OFFSET_DTYPE)  # [BLOCKS, 1]
     ok = blk < n_blocks
@@ -767,20 +687,17 @@ def _stack_kernel(
     OFFSET_DTYPE: tl.constexpr, STEP_MAX: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr,
 ):
     """A whole [E, N, K] stack in one launch: the max pass and the quantization as one queue of
-    work items, which the programs take in order from a ticket counter until it runs out.
+    work items, which the programs take in ticket order until it runs out.
 
-    Items come in slots of `max_items` groups; group i of slot s is max item i of member s (the
-    max|w| of MAX_TILES tiles, four tiles' loads in flight at once, folded into own_ptr[s], then
-    counted in done_ptr[s]) followed by MAX_TILES // QUANT_TILES quantize items of member
-    s - LAG (QUANT_TILES tiles each, with that member's global amax, once all its max items are
-    counted; with PREFETCH the next tile is loaded before a tile's arithmetic). Tickets past a
-    member's items are skipped. So DRAM-bound max items run beside issue-bound quantize items,
-    and with LAG members between them a quantize item rarely waits. A quantize item waits only
-    on max items with earlier tickets, which programs that already run hold: no program waits
-    on one that has not started, whatever the grid or the GPU's scheduling. HALF (1 bf16,
-    2 fp16, 0 fp32): max items of 16-bit weights take the maximum on bit patterns, two elements
-    per instruction (`_max_pair`). A quantize item computes its member's divisor and reciprocal
-    once (`_member_prep`), outside its tile loop.
+    Slot s holds `max_items` groups; group i is max item i of member s (max|w| of MAX_TILES
+    tiles, four tiles' loads in flight at once, folded into own_ptr[s], then counted in
+    done_ptr[s]) followed by MAX_TILES // QUANT_TILES quantize items of member s - LAG
+    (QUANT_TILES tiles each, once all that member's max items are counted; with PREFETCH the next
+    tile is loaded before a tile's arithmetic). Tickets past a member's items are skipped. A
+    quantize item waits only on max items with earlier tickets, which programs already running
+    hold: no program waits on one that has not started, whatever the grid or the scheduling.
+    HALF (1 bf16, 2 fp16, 0 fp32): 16-bit max items work on bit patterns, two elements per
+    instruction (`_max_pair`). A quantize item prepares its member once (`_member_prep`).
     """
     R: tl.constexpr = MAX_TILES // QUANT_TILES
     per_slot = max_items * (R + 1)
@@ -847,9 +764,9 @@ def _stack_kernel(
                         blk, ok = _stack_tile(e, item * QUANT_TILES + j, tiles_per_member, OFFSET_DTYPE, BLOCKS)
                         x_lo, x_hi = _load_blocks(w_ptr, blk, ok)
                     imp_lo, imp_hi = _load_importance(imp_ptr, e, blk, ok, blocks_per_row, imp_stride, HAS_IMP)
-                    code_lo, code_hi, scale_code, choose4, gs = _member_tile(
-                        x_lo, x_hi, g, den, y_den, fast, imp_lo, imp_hi, r6, r1536, r2688, RECIP, RULE_4O6,
-                        HAS_IMP, ASM, BLOCKS)
+                    code_lo, code_hi, scale_code, choose4, gs = _tile_path(
+                        x_lo, x_hi, g, fast, y_den, den, imp_lo, imp_hi, r6, r1536, r2688, RECIP, RULE_4O6,
+                        HAS_IMP, True, ASM, BLOCKS)
                     _store_tile(packed_ptr, scale_ptr, choice_ptr, blk, ok, code_lo, code_hi, scale_code,
                                 choose4, WRITE_CHOICE)
                     tl.store(gs_ptr + e + blk * 0, gs, mask=blk == (e * tiles_per_member).to(OFFSET_DTYPE) * BLOCKS)
@@ -863,18 +780,18 @@ def _stack_kernel(
 # --------------------------------------------------------------------------------------------
 _AMAX_BLOCK = 4096
 _AMAX_CHUNK = 32 * _AMAX_BLOCK
-# Launch shape: 16-element blocks per program and warps per program (the bench's sweep tunes these).
-TUNING = {"blocks": 128, "num_warps": 4}
-# A stack of two or more members, each a whole number of TUNING["blocks"] tiles and of at most
-# STACK["max_member_bytes"] (None: never), is quantized in one launch (`_stack_kernel`) when no
-# global amax is given; others take two launches (max pass, then quantize). Its schedule: max
-# items run `lag` members ahead of the quantize items, `max_tiles` and `quant_tiles` tiles per
-# item, programs_per_sm programs per multiprocessor, prefetch: the next tile's loads issued
-# before a tile's arithmetic. Picked on an H200 by `sweep_stack` (scripts/bench_kernels.py
-# --sweep-stack, the Nano expert stacks, whose members are 10 MB; larger members were not timed
-# and keep the two launches).
-STACK = {"max_member_bytes": 16 << 20, "lag": 8, "max_tiles": 32, "quant_tiles": 8, "programs_per_sm": 8,
-         "prefetch": True}
+
+# The launch table ("quantize"), by entry:
+#   TUNING  {"blocks", "num_warps"}: 16-element blocks per program (a tile) and warps per program.
+#   STACK   when and how `_stack_kernel` runs: members of at most "max_member_bytes" (None:
+#           never; larger members were not timed and keep the two launches), max items "lag"
+#           members ahead of the quantize items, "max_tiles" and "quant_tiles" tiles per item,
+#           "programs_per_sm" programs per multiprocessor, "prefetch": the next tile's loads
+#           issued before a tile's arithmetic.
+
+
+def _tables(tables: Mapping | None, device: torch.device | None) -> Mapping:
+    return launch_table("quantize", device) if tables is None else tables
 
 
 def _broadcast_global_amax(global_amax, batch: tuple, device) -> torch.Tensor:
@@ -914,10 +831,12 @@ def member_amax(w: torch.Tensor) -> torch.Tensor:
     return part.amax(dim=1).reshape(batch)
 
 
-def fused_stack(w: torch.Tensor, n_members: int, blocks_per_member: int) -> bool:
-    """Whether `launch` quantizes w (no global amax given) in one `_stack_kernel` launch (STACK)."""
-    most = STACK["max_member_bytes"]
-    if most is None or n_members < 2 or blocks_per_member % TUNING["blocks"]:
+def fused_stack(w: torch.Tensor, n_members: int, blocks_per_member: int, tables: Mapping | None = None) -> bool:
+    """Whether `launch` quantizes w (no global amax given) in one `_stack_kernel` launch: two or
+    more members, each a whole number of tiles and of at most STACK["max_member_bytes"]."""
+    t = _tables(tables, w.device)
+    most = t["STACK"]["max_member_bytes"]
+    if most is None or n_members < 2 or blocks_per_member % t["TUNING"]["blocks"]:
         return False
     return blocks_per_member * NVFP4_BLOCK_SIZE * w.element_size() <= most
 
@@ -929,18 +848,16 @@ _STEP_MAX = {torch.bfloat16: 2.0**17, torch.float16: 2.0**126, torch.float32: 2.
 
 def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = None,
            importance: torch.Tensor | None = None, return_choice: bool = False,
-           arith: str = DEFAULT_ARITH):
+           arith: str = DEFAULT_ARITH, *, tables: Mapping | None = None):
     """The launches and nothing else: no validation, no host synchronisation.
 
     w contiguous, already validated; global_amax None or an fp32 tensor of the batch shape;
-    importance None or fp32 [1 or batch members, K]. Returns (NVFP4Tensor, choice uint8 or None,
+    importance None or fp32 [1 or batch members, K]; tables: the launch table (default: the
+    device's, `launch.table("quantize", w.device)`). Returns (NVFP4Tensor, choice uint8 or None,
     own max|w| per member). `quantize` is this plus the reference's checks.
-
-    With a given global amax one launch reads the weight once (the member maxima for the checks
-    are folded in atomically). Without one, a stack that `fused_stack` takes is one launch whose
-    max items run STACK["lag"] members ahead of its quantize items (`_stack_kernel`); otherwise
-    a max pass runs first, then the quantization.
     """
+    t = _tables(tables, w.device)
+    tuning, stack = t["TUNING"], t["STACK"]
     k = w.shape[-1]
     n = w.shape[-2] if w.dim() >= 2 else 1
     batch = tuple(w.shape[:-2])
@@ -959,22 +876,23 @@ def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = 
     offset_dtype = tl.int32 if w.numel() < 2**31 - 2**20 else tl.int64
     consts = dict(RECIP=arith == "cuda", RULE_4O6=scale_rule == "4o6", HAS_IMP=importance is not None,
                   WRITE_CHOICE=return_choice, OFFSET_DTYPE=offset_dtype,
-                  STEP_MAX=_STEP_MAX[w.dtype], ASM=not interpreted(_quantize_kernel), BLOCKS=TUNING["blocks"])
-    recips = (fp32_reciprocal(6.0), fp32_reciprocal(1536.0), fp32_reciprocal(2688.0))
-    opts = dict(num_warps=TUNING["num_warps"], **launch_options())
-    if global_amax is None and fused_stack(w, n_members, blocks_per_member):
+                  STEP_MAX=_STEP_MAX[w.dtype], ASM=not interpreted(_quantize_kernel), BLOCKS=tuning["blocks"])
+    recips = tuple(fp32_reciprocal(c) for c in (E2M1_MAX, E2M1_MAX * FP8_NORM_4O6, NVFP4_GLOBAL_DENOM))
+    opts = dict(num_warps=tuning["num_warps"], **launch_options())
+    if global_amax is None and fused_stack(w, n_members, blocks_per_member, t):
         # own (fp32 maxima: zero bits), the members' max-item counts and the ticket counter, zeroed at once
         counters = torch.zeros(2 * n_members + 1, dtype=torch.int32, device=w.device)
         own, done, ticket = counters[:n_members].view(torch.float32), counters[n_members:-1], counters[-1:]
         tiles = blocks_per_member // consts["BLOCKS"]
-        max_tiles, quant_tiles = STACK["max_tiles"], STACK["quant_tiles"]
-        if max_tiles % 4 or max_tiles % quant_tiles or STACK["lag"] < 1:
-            raise ValueError(f"{_WHAT}: STACK needs max_tiles a multiple of 4 and of quant_tiles, lag >= 1: {STACK}")
-        programs = 1 if interpreted(_stack_kernel) else STACK["programs_per_sm"] * sm_count(w.device)
+        max_tiles, quant_tiles = stack["max_tiles"], stack["quant_tiles"]
+        if max_tiles % 4 or max_tiles % quant_tiles or stack["lag"] < 1:
+            raise ValueError(f"{_WHAT}: STACK needs max_tiles a multiple of 4 and of quant_tiles, lag >= 1: "
+                             f"{dict(stack)}")
+        programs = 1 if interpreted(_stack_kernel) else stack["programs_per_sm"] * sm_count(w.device)
         _stack_kernel[(programs,)](
             w, own, done, ticket, imp, packed, scale, gs, choice, n_members, tiles, blocks_per_row, imp_stride,
-            cdiv(tiles, max_tiles), cdiv(tiles, quant_tiles), *recips, LAG=STACK["lag"], MAX_TILES=max_tiles,
-            QUANT_TILES=quant_tiles, PREFETCH=STACK["prefetch"],
+            cdiv(tiles, max_tiles), cdiv(tiles, quant_tiles), *recips, LAG=stack["lag"], MAX_TILES=max_tiles,
+            QUANT_TILES=quant_tiles, PREFETCH=stack["prefetch"],
             HALF={torch.bfloat16: 1, torch.float16: 2}.get(w.dtype, 0), **consts, **opts)
         qt = nvfp4.NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs)
         return qt, (choice if return_choice else None), own.reshape(batch)
@@ -993,6 +911,8 @@ def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = 
     return qt, (choice if return_choice else None), own.reshape(batch)
 
 
+# The signature is an intended mirror of fp4kit.formats.nvfp4.quantize's (the contract), plus
+# `backend` and `tables`.
 def quantize(
     w: torch.Tensor,
     *,
@@ -1002,13 +922,14 @@ def quantize(
     return_choice: bool = False,
     arith: str = DEFAULT_ARITH,
     backend: str = "triton",
+    tables: Mapping | None = None,
 ):
     """`fp4kit.formats.nvfp4.quantize` on the GPU: same arguments, same errors, same bytes.
 
     w: [..., N, K] (or [K]) fp32/fp16/bf16, K % 16 == 0; leading dims are batch members (an
-    [E, N, K] expert stack is quantized in one launch, one global scale per expert).
+    [E, N, K] expert stack is quantized in one call, one global scale per expert).
     backend: "triton" (this kernel; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or
-    "torch" (the reference itself).
+    "torch" (the reference itself). tables: the launch table (default: the device's).
     The checks that need the data (finite weights, a given global amax covering max|w|) run
     after both kernels are queued, so the GPU never waits on the host between them.
     """
@@ -1034,7 +955,7 @@ def quantize(
     if importance is not None:
         imp = nvfp4._importance_weights(importance, w, _WHAT)  # the reference's validation
         imp = imp.reshape(-1, w.shape[-1]).contiguous()
-    qt, choice, own = launch(w, scale_rule, g, imp, return_choice, arith)
+    qt, choice, own = launch(w, scale_rule, g, imp, return_choice, arith, tables=tables)
     if not bool(torch.isfinite(own).all()):
         check_finite(w, _WHAT)  # raises, naming the count and first position
     if g is not None:
@@ -1042,166 +963,6 @@ def quantize(
     return (qt, choice.bool()) if return_choice else qt
 
 
-# Constants the kernel spells as literals, tied to their one home here.
+# The kernel spells these constants as literals; tied here to their one home, fp4kit.formats.
 assert (E2M1_MAX, FP8_NORM_4O6, NVFP4_GLOBAL_DENOM) == (6.0, 256.0, 2688.0)
 assert (BLOCK_SCALE_MIN, BLOCK_SCALE_MAX, E4M3_MIN_NORMAL) == (2.0**-9, 448.0, 2.0**-6)
-
-
-# --------------------------------------------------------------------------------------------
-# Benchmark entry (scripts/bench_kernels.py collects these)
-# --------------------------------------------------------------------------------------------
-@triton.jit
-def _codes_probe_kernel(x_ptr, idx_ptr, out_ptr, n, VALUES: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr):
-    rows = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
-    ok = rows < n
-    at = rows * 8 + tl.arange(0, 8)[None, :]
-    x = tl.load(x_ptr + at, mask=ok, other=0.0)
-    idx = tl.load(idx_ptr + at, mask=ok, other=0)
-    tl.store(out_ptr + rows, _codes(x, idx, True, 0, ASM, BLOCKS, SAT=True, VALUES=VALUES), mask=ok)
-
-
-def codes_probe(x: torch.Tensor, idx: torch.Tensor, asm: bool | None = None) -> torch.Tensor:
-    """The fast path's code packing (`_codes`: `_sign_word`, saturation, `_index_word`) on its
-    own, as the kernel compiles it for x's device: x fp32 [n, 8] (the elements), idx [n, 8]
-    int32 magnitude indices 0..8 (8 meaning 7) or fp32 E2M1 values (`_index_word`). Returns the
-    n packed words (int32; element i's code in bits 4i..4i+3). asm: the inline-PTX sign word
-    (None: wherever the kernel uses it, i.e. on CUDA; False: the per-element route)."""
-    n = x.shape[0]
-    if x.shape != (n, 8) or idx.shape != (n, 8) or x.dtype != torch.float32:
-        raise ValueError(f"{_WHAT}: codes_probe takes fp32 x and idx of shape [n, 8], got "
-                         f"{tuple(x.shape)} {x.dtype} and {tuple(idx.shape)}")
-    if asm is None:
-        asm = not interpreted(_codes_probe_kernel)
-    out = torch.empty(n, dtype=torch.int32, device=x.device)
-    _codes_probe_kernel[(cdiv(n, 128),)](x.contiguous(), idx.contiguous(), out, n, VALUES=idx.is_floating_point(),
-                                         ASM=asm, BLOCKS=128, num_warps=4, **launch_options())
-    return out
-
-
-def bench(shapes=((128, 1856, 2688), (128, 2688, 1856), (8192, 8192)), dtype=torch.bfloat16):
-    """Median times and achieved bandwidth (weight bytes in + packed bytes out) per shape and
-    rule: the whole `quantize` call (eager, with its checks), its launches alone (`launch`,
-    replayed from a CUDA graph: one `_stack_kernel` launch for a stack that `fused_stack`
-    takes, else two), for such stacks also the two-launch path (max pass, then quantize), and
-    the one launch with a given global amax (fused siblings, or a stack whose amax is known),
-    side by side."""
-    from triton.testing import do_bench, do_bench_cudagraph
-
-    rows = []
-    for shape in shapes:
-        w = torch.randn(shape, dtype=dtype, device="cuda")
-        n_el = w.numel()
-        n_members = n_el // (shape[-1] * shape[-2])
-        traffic = n_el * w.element_size() + n_el // 2 + n_el // 16 + 4 * n_members
-        row = {"shape": list(shape), "bytes": traffic}
-        for rule in ("6", "4o6"):
-            ms = do_bench(lambda: quantize(w, scale_rule=rule), warmup=25, rep=200, return_mode="median")
-            row[f"ms_{rule}"] = ms
-            row[f"tbps_{rule}"] = traffic / (ms * 1e-3) / 1e12
-            ms_k = do_bench_cudagraph(lambda: launch(w, rule), rep=100, return_mode="median")
-            row[f"ms_kernels_{rule}"] = ms_k
-            row[f"tbps_kernels_{rule}"] = traffic / (ms_k * 1e-3) / 1e12
-            if fused_stack(w, n_members, shape[-2] * shape[-1] // 16):  # the two launches, side by side
-                saved = STACK["max_member_bytes"]
-                STACK["max_member_bytes"] = None
-                try:
-                    ms_2 = do_bench_cudagraph(lambda: launch(w, rule), rep=100, return_mode="median")
-                finally:
-                    STACK["max_member_bytes"] = saved
-                row[f"ms_two_launches_{rule}"] = ms_2
-                row[f"tbps_two_launches_{rule}"] = traffic / (ms_2 * 1e-3) / 1e12
-            g = member_amax(w)
-            ms_g = do_bench_cudagraph(lambda: launch(w, rule, global_amax=g), rep=100, return_mode="median")
-            row[f"ms_given_amax_{rule}"] = ms_g
-            row[f"tbps_given_amax_{rule}"] = traffic / (ms_g * 1e-3) / 1e12
-        # The max pass alone (it reads the weight once more in the two-pass path).
-        row["ms_amax_pass"] = do_bench_cudagraph(lambda: member_amax(w), rep=100, return_mode="median")
-        row["ratio_4o6_to_plain"] = row["ms_4o6"] / row["ms_6"]
-        row["ratio_4o6_to_plain_kernels"] = row["ms_kernels_4o6"] / row["ms_kernels_6"]
-        rows.append(row)
-        del w
-    return rows
-
-
-def sweep(shape=(128, 1856, 2688), configs=((64, 2), (128, 4), (128, 2), (256, 8), (256, 4))):
-    """Times of the two launches per (blocks per program, warps) launch shape."""
-    from triton.testing import do_bench_cudagraph
-
-    w = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    saved = dict(TUNING)
-    out = []
-    try:
-        for blocks, warps in configs:
-            TUNING.update(blocks=blocks, num_warps=warps)
-            for rule in ("6", "4o6"):
-                ms = do_bench_cudagraph(lambda: launch(w, rule), rep=60, return_mode="median")
-                out.append({"blocks": blocks, "num_warps": warps, "rule": rule, "ms": ms})
-    finally:
-        TUNING.clear()
-        TUNING.update(saved)
-    return out
-
-
-_SCHEDULE = ("lag", "max_tiles", "quant_tiles", "prefetch", "programs_per_sm")
-# (lag, max_tiles, quant_tiles, prefetch, programs_per_sm) per swept schedule.
-STACK_SWEEP = ((8, 32, 8, True, 8), (6, 32, 8, True, 8), (4, 16, 8, True, 8), (2, 16, 8, True, 8),
-               (1, 4, 1, True, 8), (1, 4, 2, True, 8), (1, 8, 2, True, 8), (1, 4, 1, True, 4),
-               (1, 4, 2, True, 4), (1, 8, 4, True, 4), (2, 4, 2, True, 8), (2, 8, 2, True, 8),
-               (2, 4, 2, True, 4), (2, 8, 4, True, 4), (3, 8, 2, True, 8), (3, 8, 4, True, 4),
-               (1, 4, 1, False, 16), (2, 4, 2, True, 16))
-
-
-def sweep_stack(shapes=((128, 1856, 2688), (128, 2688, 1856)), configs=STACK_SWEEP):
-    """Times of the one-launch stack kernel per schedule (`_SCHEDULE`: lag, tiles per max item,
-    tiles per quantize item, prefetch, programs per multiprocessor) on the Nano expert stacks, both rules,
-    beside the two launches; every config's bytes are checked against the two launches'."""
-    from triton.testing import do_bench_cudagraph
-
-    saved = dict(STACK)
-    out = []
-    try:
-        for shape in shapes:
-            w = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-            STACK["max_member_bytes"] = None
-            ref = {rule: launch(w, rule)[0] for rule in ("6", "4o6")}
-            for rule in ("6", "4o6"):
-                ms = do_bench_cudagraph(lambda: launch(w, rule), rep=60, return_mode="median")
-                out.append({"shape": list(shape), "config": "two launches", "rule": rule, "ms": ms})
-            STACK["max_member_bytes"] = saved["max_member_bytes"]
-            for config in configs:
-                schedule = dict(zip(_SCHEDULE, config))
-                STACK.update(schedule)
-                for rule in ("6", "4o6"):
-                    got = launch(w, rule)[0]
-                    same = (torch.equal(got.packed, ref[rule].packed)
-                            and torch.equal(got.block_scale.view(torch.uint8), ref[rule].block_scale.view(torch.uint8))
-                            and torch.equal(got.global_scale, ref[rule].global_scale))
-                    if not same:
-                        raise AssertionError(f"{_WHAT}: stack kernel bytes differ at {STACK} ({rule}, {shape})")
-                    ms = do_bench_cudagraph(lambda: launch(w, rule), rep=60, return_mode="median")
-                    out.append({"shape": list(shape), **schedule, "rule": rule, "ms": ms})
-            del w
-    finally:
-        STACK.clear()
-        STACK.update(saved)
-    return out
-
-
-def pick_stack(rows) -> dict:
-    """The STACK entry with the smallest plain + 4/6 time summed over the swept stacks."""
-    totals = {}
-    for r in rows:
-        if "lag" in r:
-            key = tuple(r[k] for k in _SCHEDULE)
-            totals[key] = totals.get(key, 0.0) + r["ms"]
-    return dict(zip(_SCHEDULE, min(totals, key=totals.get)))
-
-
-def pick(rows) -> dict:
-    """The TUNING entry with the smallest plain + 4/6 sweep time."""
-    totals = {}
-    for r in rows:
-        key = (r["blocks"], r["num_warps"])
-        totals[key] = totals.get(key, 0.0) + r["ms"]
-    blocks, warps = min(totals, key=totals.get)
-    return {"blocks": blocks, "num_warps": warps}

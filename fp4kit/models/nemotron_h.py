@@ -105,8 +105,3 @@ def attention_kv(model: nn.Module) -> list[AttentionKV]:
         for name, module in model.named_modules()
         if isinstance(module, m.NemotronHAttention)
     ]
-
-
-def hybrid_pattern(config) -> str | None:
-    """The `hybrid_override_pattern` string (M = Mamba, E = MoE, * = attention, - = MLP)."""
-    return getattr(config, "hybrid_override_pattern", None)

@@ -14,22 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from fp4kit.export.load import (
-    native_e4m3,
-    FP8KVProjection,
-    FP8Linear,
-    NVFP4Experts,
-    NVFP4Linear,
-    CheckpointError,
-    fake_quant_nvfp4,
-    load_quantized,
-    quantize_activations,
-    read_quant_scheme,
-)
+from fp4kit.export.checkpoint import CheckpointError, read_quant_scheme
+from fp4kit.export.load import load_quantized
+from fp4kit.modules import FP8KVProjection, FP8Linear, NVFP4Experts, NVFP4Linear, fake_quant_nvfp4, native_e4m3
 from fp4kit.export.modelopt import export_checkpoint
 from fp4kit.formats import e4m3, fp8, nvfp4
 from fp4kit.models import adapter_for
@@ -346,20 +338,6 @@ def test_missing_kv_scales_are_refused(ckpts, tmp_path):
         load_quantized(path)
 
 
-def test_activation_quantization_is_the_plain_nvfp4_rule():
-    g = torch.Generator().manual_seed(3)
-    x = (torch.randn(8, 64, generator=g) * torch.logspace(-2, 1, 64)).to(torch.bfloat16)
-    amax = x.abs().amax().float()
-    ref = nvfp4.quantize(x, scale_rule="6", global_amax=amax)
-    got = quantize_activations(x, amax / 2688)
-    assert torch.equal(got.packed, ref.packed)
-    assert torch.equal(got.block_scale.view(torch.uint8), ref.block_scale.view(torch.uint8))
-    assert torch.equal(got.global_scale, ref.global_scale)
-    # Above the calibrated amax it saturates instead of refusing: scales at 448, elements at 6.
-    big = quantize_activations(x * 1000, amax / 2688)
-    assert big.block_scale.float().max() == 448 and big.dequantize().abs().max() == 6 * 448 * float(amax / 2688)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("which, act_quant", [("nemotron", True), ("nemotron", False), ("llama_w4a4", True), ("llama_fp8", True)])
@@ -388,3 +366,55 @@ def test_native_e4m3_cast_equals_the_emulator():
     bits = torch.arange(-2**31, 2**31, 241, dtype=torch.int64).to(torch.int32)
     q = bits.view(torch.float32)
     assert torch.equal(native_e4m3(q).view(torch.uint8), e4m3.encode(q))
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    """The embedded tiny Nemotron-H under the default recipe: its shared experts are W4A16 NVFP4 linears."""
+    from fp4kit.models.tiny import tiny_model_path
+    from fp4kit.quantize import load_model
+    from fp4kit.recipe import DEFAULT_RECIPE
+
+    model, _ = load_model(str(tiny_model_path()), device="cpu", tokenizer=False)
+    return _export(model, load_recipe(DEFAULT_RECIPE), tmp_path_factory.mktemp("embedded") / "ckpt")[1]
+
+
+def test_packed_layout_runs_the_dequantized_weights(embedded):
+    reference = load_quantized(embedded, backend="torch")
+    packed = load_quantized(embedded, backend="torch", layout="packed")
+    linears = {m.name: m for m in packed.modules() if isinstance(m, NVFP4Linear)}
+    ref_linears = {m.name: m for m in reference.modules() if isinstance(m, NVFP4Linear)}
+    assert linears and all(m.layout == "packed" and "weight" not in dict(m.named_buffers()) for m in linears.values())
+    for name, m in linears.items():  # the packed weight holds the checkpoint's bytes
+        a, b = m.qweight, ref_linears[name].qweight
+        assert torch.equal(a.packed, b.packed) and torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
+    prompt = PROMPT[:, :8]
+    with torch.no_grad():
+        want = reference(input_ids=prompt).logits
+        assert torch.equal(packed(input_ids=prompt).logits, want)  # backend "torch": the unpacked weight, dequantized
+        # Only the packed linears switch to the kernel (Triton's interpreter on CPU); each one's
+        # output is compared with the dequantized weight's on the input it was given. (Through
+        # the whole model, one-ulp BF16 differences of the fp32 sums' order grow too much for
+        # the logits to be a measure of the GEMM.)
+        seen = []
+
+        def check(m, args, out):
+            x = args[0]
+            seen.append(torch.allclose(out.float(), F.linear(x, m.qweight.dequantize(x.dtype)).float(), rtol=0.05, atol=0.05))
+
+        for m in linears.values():
+            m.backend = "triton"
+            m.register_forward_hook(check)
+        packed(input_ids=prompt)
+    assert len(seen) == len(linears) and all(seen)
+
+
+def test_packed_layout_refuses_what_it_does_not_run(embedded, ckpts):
+    packed = load_quantized(embedded, backend="torch", layout="packed")
+    linear = next(m for m in packed.modules() if isinstance(m, NVFP4Linear))
+    with pytest.raises(ValueError, match="packed for torch.bfloat16 activations, got torch.float32"):
+        linear(torch.zeros(2, linear.in_features))
+    with pytest.raises(CheckpointError, match="layout 'packed' runs NVFP4 weights with 16-bit activations"):
+        load_quantized(ckpts["llama_w4a4"][1], layout="packed", act_quant=True)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        load_quantized(embedded, layout="transposed")

@@ -169,3 +169,65 @@ def test_non_finite_weights_are_refused(value):
 def test_not_a_tensor():
     with pytest.raises(TypeError, match="torch.Tensor"):
         nvfp4.quantize([[1.0] * 16])
+
+
+def test_activation_quantization_is_the_plain_nvfp4_rule():
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(8, 64, generator=g) * torch.logspace(-2, 1, 64)).to(torch.bfloat16)
+    amax = x.abs().amax().float()
+    ref = nvfp4.quantize(x, scale_rule="6", global_amax=amax)
+    got = nvfp4.quantize_activations(x, amax / 2688)
+    assert torch.equal(got.packed, ref.packed)
+    assert torch.equal(got.block_scale.view(torch.uint8), ref.block_scale.view(torch.uint8))
+    assert torch.equal(got.global_scale, ref.global_scale)
+    # Above the calibrated amax it saturates instead of refusing: scales at 448, elements at 6.
+    big = nvfp4.quantize_activations(x * 1000, amax / 2688)
+    assert big.block_scale.float().max() == 448 and big.dequantize().abs().max() == 6 * 448 * float(amax / 2688)
+
+
+def test_activation_quantization_bytes_on_every_range():
+    # The rule written out in its own order: block scale e4m3(clamp(amax / (6 * gs), 2^-9, 448)),
+    # codes E2M1(x / (scale * gs)); leading dims are flattened to rows, zero blocks get scale 1.
+    from fp4kit.formats import e4m3
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 5, 48, generator=g) * torch.logspace(-12, 4, 48)
+    x[0, 0, :16] = 0
+    gs = torch.tensor(0.0123)
+    got = nvfp4.quantize_activations(x.to(torch.bfloat16), gs)
+    blocks = x.to(torch.bfloat16).float().reshape(15, 3, 16)
+    s = blocks.abs().amax(-1) / (6 * gs)
+    scale = e4m3.cast(torch.where(s == 0, torch.ones_like(s), s).clamp(2.0**-9, 448))
+    codes = e2m1.encode(blocks / (scale.float() * gs).unsqueeze(-1)).reshape(15, 48)
+    assert got.shape == (15, 48)
+    assert torch.equal(got.block_scale.view(torch.uint8), scale.view(torch.uint8))
+    assert torch.equal(got.codes(), codes)
+    with pytest.raises(FormatError, match="K=40 is not a multiple of 16"):
+        nvfp4.quantize_activations(torch.zeros(2, 40), gs)
+
+
+@pytest.mark.parametrize("arith", ["cuda", "cpu"])
+def test_four_over_six_choice_reads_the_quantizer_choice_back(arith):
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(64, 256, generator=g) * torch.logspace(-3, 1, 256)).to(torch.bfloat16)
+    imp = torch.rand(256, generator=g)
+    for importance in (None, imp):
+        q, choice = nvfp4.quantize(w, scale_rule="4o6", importance=importance, return_choice=True, arith=arith)
+        six, four = nvfp4.four_over_six_candidates(nvfp4.block_amax(w), w.abs().amax().float(), arith)
+        chose4, explained = nvfp4.four_over_six_choice(q.block_scale, nvfp4.block_amax(w), w.abs().amax().float(), arith)
+        assert bool(explained.all())
+        # Where both candidates are one byte the quantizer's choice cannot be read back: it is moot.
+        distinct = six.view(torch.uint8) != four.view(torch.uint8)
+        assert torch.equal(chose4, choice & distinct)
+    other = q.block_scale.view(torch.uint8) ^ 0x40  # a byte neither candidate has
+    _, explained = nvfp4.four_over_six_choice(other.view(torch.float8_e4m3fn), nvfp4.block_amax(w), w.abs().amax().float(), arith)
+    assert not bool(explained.any())
+
+
+def test_global_scale_of_each_rule():
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    g = w.abs().amax().float()
+    for rule in nvfp4.SCALE_RULES:
+        for arith in ("cuda", "cpu"):
+            q = nvfp4.quantize(w, scale_rule=rule, arith=arith)
+            assert torch.equal(q.global_scale, nvfp4.global_scale_of(g, rule, arith))

@@ -13,11 +13,19 @@ if not torch.cuda.is_available():
     # (tests/kernels may need them under TRITON_INTERPRET=1).
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 from fp4kit.formats import e2m1, nvfp4  # noqa: E402
-from fp4kit.kernels import moe_gemm, packed_gemm, quantize as kquant, w4a16_gemm  # noqa: E402
+from fp4kit.kernels import launch, mma, moe_gemm, packed_gemm, quantize as kquant, tiles, w4a16_gemm  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from benchlib import gemv_probe  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
+W4A16 = launch.table("w4a16")
+ARITH = launch.override(W4A16, DEQUANT={"lut": False})  # the table dequantization's PTX off
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -39,11 +47,7 @@ def _randn(*shape, dtype=torch.bfloat16, seed=0, scale=0.02):
 def test_dequantize_table_path_equals_arithmetic_path(dtype):
     wq = kquant.quantize(_randn(3712, 2688, seed=17) * 40, scale_rule="4o6")
     lut = w4a16_gemm.dequantize(wq, dtype)
-    w4a16_gemm.DEQUANT["lut"] = False
-    try:
-        arith = w4a16_gemm.dequantize(wq, dtype)
-    finally:
-        w4a16_gemm.DEQUANT["lut"] = True
+    arith = w4a16_gemm.dequantize(wq, dtype, tables=ARITH)
     assert torch.equal(_bits(lut), _bits(arith))
     assert torch.equal(_bits(lut), _bits(wq.dequantize(dtype)))
 
@@ -63,8 +67,8 @@ def _assert_within_gemm_bound(y: torch.Tensor, x: torch.Tensor, wq: nvfp4.NVFP4T
     """|y - ref| <= 2^-8 |ref| + 4 K 2^-24 (|x| @ |W|^T), elementwise, with ref = x @ Wdq^T in fp32.
 
     Wdq: the weights the path multiplies by: W.dequantize(bf16) on the wgmma kernel, the fp32
-    W.dequantize() on the CUDA-core GEMV (`w4a16_gemm.GEMV`) and the register-fed mma kernel
-    (`w4a16_gemm.MMA`: E2M1 * scale exactly, times the global scale in fp32 at the end, which
+    W.dequantize() on the CUDA-core GEMV (the launch table's GEMV) and the register-fed mma kernel
+    (MMA: E2M1 * scale exactly, times the global scale in fp32 at the end, which
     differs from the reference's E2M1 * RN(scale * global scale) by one fp32 rounding per term).
     Why: each product of a 16-bit activation and a weight is exact in fp32 (8 + 8 significant
     bits; the GEMV multiplies by the 2-bit E2M1 value and applies the block's step once per
@@ -97,7 +101,7 @@ def test_w4a16_matmul_bf16(nk, m, fused):
     n, k = nk
     wq = kquant.quantize(_randn(n, k, seed=6), scale_rule="4o6")
     x = _randn(m, k, seed=7, scale=1.0)
-    if fused and m <= w4a16_gemm.LARGE_M:
+    if fused and m <= W4A16["LARGE_M"]:
         pytest.skip("the default path is the fused kernel already")
     cfg = w4a16_gemm.config(m, n, k, x.device) if fused else None  # forces the fused kernel
     _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq, cfg=cfg), x, wq, cfg)
@@ -144,43 +148,46 @@ def test_w4a16_mma_weights_exact_every_scale_code_and_position(dtype):
 
 
 @pytest.mark.parametrize("m", [9, 12, 16])
-def test_w4a16_mma_wide_route(m, monkeypatch):
-    # 9-16 rows go to the register-fed kernel's two activation tiles (w4a16_gemm.MMA_WIDE) for
-    # weights of at least min_weights elements: the default call takes that path and is right.
+def test_w4a16_mma_wide_route(m):
+    # 9-16 rows go to the register-fed kernel's two activation tiles (the table's MMA_WIDE) for
+    # weights of at least min_weights elements: the call takes that path and is right.
     n, k = 1024, 2688
-    monkeypatch.setitem(w4a16_gemm.MMA_WIDE, "min_weights", n * k)
+    tables = launch.override(W4A16, MMA_WIDE={"min_weights": n * k})
     wq = kquant.quantize(_randn(n, k, seed=54), scale_rule="4o6")
     x = _randn(m, k, seed=55, scale=1.0)
-    assert w4a16_gemm.path(m, n, k, x.device) == "mma"
-    _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq), x, wq)
+    assert w4a16_gemm.path(m, n, k, x.device, tables=tables) == "mma"
+    _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq, tables=tables), x, wq,
+                              w4a16_gemm.config(m, n, k, x.device, tables=tables))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_w4a16_row_mma_route(dtype, monkeypatch):
-    # One row goes to the register-fed kernel (w4a16_gemm.ROW_MMA) where the GEMV's K step does
-    # not divide K and the weight is large enough: the default call takes that path and is right;
-    # a K the GEMV's step divides keeps the GEMV.
+def test_w4a16_row_mma_route(dtype):
+    # One row goes to the register-fed kernel (the table's ROW_MMA) where the GEMV's K step does
+    # not divide K and the weight is large enough: the call takes that path and is right; a K
+    # the GEMV's step divides keeps the GEMV.
     n, k = 2048, 1856
-    monkeypatch.setitem(w4a16_gemm.ROW_MMA, "min_weights", n * k)
+    tables = launch.override(W4A16, ROW_MMA={"min_weights": n * k})
     wq = kquant.quantize(_randn(n, k, seed=58), scale_rule="4o6")
     x = _randn(1, k, seed=59, scale=1.0).to(dtype)
-    assert w4a16_gemm.path(1, n, k, x.device, dtype) == "mma"
-    _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq), x, wq)
-    assert w4a16_gemm.path(1, n, 2048, x.device, dtype) == "gemv"
+    assert w4a16_gemm.path(1, n, k, x.device, dtype, tables) == "mma"
+    _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq, tables=tables), x, wq,
+                              w4a16_gemm.config(1, n, k, x.device, dtype, tables))
+    assert w4a16_gemm.path(1, n, 2048, x.device, dtype, tables) == "gemv"
 
 
 @pytest.mark.parametrize("nk", [(8192, 8192), (8192, 4096)])
 def test_gemv_probe_loop_is_the_gemv(nk):
-    # The GEMV probe's whole loop (`gemv_limits`) is the GEMV's own result, bit for bit, compiled.
+    # The GEMV probe's whole loop (scripts/benchlib, `gemv_limits`) is the GEMV's own result, bit for
+    # bit, compiled.
     n, k = nk
     wq = kquant.quantize(_randn(n, k, seed=56) * 0.02, scale_rule="4o6")
     x = _randn(1, k, seed=57, scale=1.0)
     cfg = w4a16_gemm.config(1, n, k, x.device)
     assert cfg["gemv"] and cfg["SPLIT"] == 1
     y = w4a16_gemm.w4a16_matmul(x, wq)[0]
-    assert torch.equal(w4a16_gemm.gemv_probe(x, wq, w4a16_gemm.PROBE_ALL, cfg), y)
+    assert torch.equal(gemv_probe.gemv_probe(x, wq, gemv_probe.PROBE_ALL, cfg), y)
     bn = cfg["BLOCK_N"]
-    arith = w4a16_gemm.gemv_probe(x, wq, w4a16_gemm.PROBE_ARITHMETIC, cfg)
+    arith = gemv_probe.gemv_probe(x, wq, gemv_probe.PROBE_ARITHMETIC, cfg)
     assert torch.equal(arith, y[torch.arange(n, device=y.device) % bn])
 
 
@@ -206,7 +213,7 @@ def test_w4a16_mma_odd_scale_offset_and_strided_rows():
 
 @pytest.mark.parametrize("nkm", [(512, 2688, 6), (384, 1856, 16)])
 def test_w4a16_mma_16_byte_loads_equal_8_byte_loads(nkm):
-    # Codes and activations read 16 bytes at a time (w4a16_gemm.mma_vec) or, where the codes or
+    # Codes and activations read 16 bytes at a time (mma.mma_vec) or, where the codes or
     # the activations start only 8-byte aligned, 8 at a time: the same products bit for bit, at
     # one and two activation tiles, with a whole and a ragged number of K steps.
     n, k, m = nkm
@@ -218,9 +225,9 @@ def test_w4a16_mma_16_byte_loads_equal_8_byte_loads(nkm):
     p8.copy_(wq.packed)
     w8 = nvfp4.NVFP4Tensor(p8, wq.block_scale, wq.global_scale)
     kernel = w4a16_gemm._mma_kernel
-    assert w4a16_gemm.mma_vec(wq.packed, x.view(torch.int64), k // 4, k, kernel)
-    assert not w4a16_gemm.mma_vec(wq.packed, x8.view(torch.int64), k // 4, k, kernel)
-    assert not w4a16_gemm.mma_vec(p8, x.view(torch.int64), k // 4, k, kernel)
+    assert mma.mma_vec(wq.packed, x.view(torch.int64), k // 4, k, kernel)
+    assert not mma.mma_vec(wq.packed, x8.view(torch.int64), k // 4, k, kernel)
+    assert not mma.mma_vec(p8, x.view(torch.int64), k // 4, k, kernel)
     cfg = w4a16_gemm.mma_config(m, n, k, x.device)
     y = w4a16_gemm.w4a16_matmul(x, wq, cfg=dict(cfg))
     assert torch.equal(w4a16_gemm.w4a16_matmul(x8, wq, cfg=dict(cfg)), y)
@@ -239,28 +246,23 @@ def test_gemv_block_dot_ptx_equals_arithmetic(dtype):
     assert cfg["gemv"]
     for forced in (cfg, dict(cfg, SPLIT=1, k_per_split=k)):
         ptx = w4a16_gemm.w4a16_matmul(x, wq, cfg=dict(forced))
-        w4a16_gemm.DEQUANT["lut"] = False
-        try:
-            arith = w4a16_gemm.w4a16_matmul(x, wq, cfg=dict(forced))
-        finally:
-            w4a16_gemm.DEQUANT["lut"] = True
+        arith = w4a16_gemm.w4a16_matmul(x, wq, cfg=dict(forced), tables=ARITH)
         assert torch.equal(_bits(ptx), _bits(arith))
 
 
 @pytest.mark.parametrize("nk", [(8192, 8192), (3712, 2688), (2688, 3712)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-def test_w4a16_gemv_bf16(nk, m, monkeypatch):
-    # The CUDA-core kernel (w4a16_gemm.GEMV's launch shape), forced up to 4 rows.
-    monkeypatch.setitem(w4a16_gemm.GEMV, "max_m", 4)
-    monkeypatch.setitem(w4a16_gemm.MMA, "max_m", 0)
+def test_w4a16_gemv_bf16(nk, m):
+    # The CUDA-core kernel (the table's GEMV launch shape), forced up to 4 rows.
+    tables = launch.override(W4A16, GEMV={"max_m": 4}, MMA={"max_m": 0})
     n, k = nk
     wq = kquant.quantize(_randn(n, k, seed=19), scale_rule="4o6")
     x = _randn(m, k, seed=20, scale=1.0)
-    assert w4a16_gemm.config(m, n, k, x.device)["gemv"]
-    _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq), x, wq)
-    monkeypatch.setitem(w4a16_gemm.MMA, "max_m", 8)
+    assert w4a16_gemm.config(m, n, k, x.device, tables=tables)["gemv"]
+    _assert_within_gemm_bound(w4a16_gemm.w4a16_matmul(x, wq, tables=tables), x, wq,
+                              w4a16_gemm.config(m, n, k, x.device, tables=tables))
     if m >= 2:
-        assert w4a16_gemm.config(m, n, k, x.device)["mma"]
+        assert w4a16_gemm.config(m, n, k, x.device, tables=launch.override(tables, MMA={"max_m": 8}))["mma"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,7 +329,7 @@ def test_split_k_repeatable_and_graph_captured(monkeypatch):
     assert cfg["SPLIT"] > 1
     eager = [w4a16_gemm.w4a16_matmul(x, wq) for _ in range(3)]
     assert all(torch.equal(y, eager[0]) for y in eager)  # fixed summation order
-    assert int(w4a16_gemm.split_counters(x.device, 1).abs().sum()) == 0
+    assert int(tiles.split_counters(x.device, 1).abs().sum()) == 0
     _assert_within_gemm_bound(eager[0], x, wq)
     _assert_graph_replays(lambda: w4a16_gemm.w4a16_matmul(x, wq), eager[0], monkeypatch)
 
@@ -337,8 +339,8 @@ def _assert_graph_replays(fn, want, monkeypatch):
     graph's split-K launches get counters of their own, zeroed in the graph): replayed in the
     other order, alternately and between eager launches, each gives `want` exactly; two
     launches in one capture share their counters."""
-    monkeypatch.setattr(w4a16_gemm, "_COUNTERS", {})
-    monkeypatch.setattr(w4a16_gemm, "_CAPTURE_COUNTERS", {})
+    monkeypatch.setattr(tiles, "_COUNTERS", {})
+    monkeypatch.setattr(tiles, "_CAPTURE_COUNTERS", {})
     stream = torch.cuda.Stream()
     graphs, outs, bufs = [], [], []
     with torch.cuda.stream(stream):
@@ -347,10 +349,10 @@ def _assert_graph_replays(fn, want, monkeypatch):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 outs.append(fn())
-                bufs.append((w4a16_gemm.split_counters(want.device, 1), w4a16_gemm.split_counters(want.device, 1),
-                             w4a16_gemm.capture_id(stream.cuda_stream)))
+                bufs.append((tiles.split_counters(want.device, 1), tiles.split_counters(want.device, 1),
+                             tiles.capture_id(stream.cuda_stream)))
             graphs.append(graph)
-    assert w4a16_gemm.capture_id(stream.cuda_stream) is None  # not capturing now
+    assert tiles.capture_id(stream.cuda_stream) is None  # not capturing now
     assert all(a is b for a, b, _ in bufs) and bufs[0][0] is not bufs[1][0]
     assert None not in (bufs[0][2], bufs[1][2]) and bufs[0][2] != bufs[1][2]
     for i in (1, 0, 1, 1, 0):

@@ -13,8 +13,12 @@ if not torch.cuda.is_available():
     # (tests/kernels may need them under TRITON_INTERPRET=1).
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from fp4kit.formats import e2m1, nvfp4  # noqa: E402
-from fp4kit.kernels import moe_gemm, packed_gemm, quantize as kquant, w4a16_gemm  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from fp4kit.formats import nvfp4  # noqa: E402
+from fp4kit.formats.constants import E2M1_MAGNITUDES  # noqa: E402
+from fp4kit.kernels import backend, launch, quantize as kquant  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -74,22 +78,26 @@ def test_quantize_full_expert_stack_one_launch():
     assert _same(_members(got, idx.to(DEV)), nvfp4.quantize(w[idx.to(DEV)].cpu(), scale_rule="4o6"))
 
 
+def _stack_table(**stack):
+    """The device's launch table with some STACK entries replaced."""
+    return launch.override(launch.table("quantize", torch.device(DEV)), STACK=stack)
+
+
 @pytest.mark.parametrize("schedule", [{}, dict(lag=1, max_tiles=8, quant_tiles=4)])
 @pytest.mark.parametrize("rule", ["6", "4o6"])
-def test_quantize_stack_kernel_against_two_launches(rule, schedule, monkeypatch):
+def test_quantize_stack_kernel_against_two_launches(rule, schedule):
     # 96 members of 128 tiles each in one `_stack_kernel` launch, whose quantize items wait on
     # other programs' max items: every call gives the two-launch path's bytes and choices, with
     # the picked schedule and others (lag 1: most quantize items wait).
-    for key, value in schedule.items():
-        monkeypatch.setitem(kquant.STACK, key, value)
+    tables = _stack_table(**schedule)
     w = _randn(96, 256, 1024, seed=21)
     w[5] *= 1000.0
     w[6] = 0.0
-    assert kquant.fused_stack(w, 96, 256 * 1024 // 16)
+    assert kquant.fused_stack(w, 96, 256 * 1024 // 16, tables)
     assert not kquant.fused_stack(torch.empty(2, 8192, 8192, dtype=torch.bfloat16, device=DEV), 2, 8192 * 512)
-    runs = [kquant.quantize(w, scale_rule=rule, return_choice=True) for _ in range(4)]
-    monkeypatch.setitem(kquant.STACK, "max_member_bytes", None)
-    two, two_choice = kquant.quantize(w, scale_rule=rule, return_choice=True)
+    runs = [kquant.quantize(w, scale_rule=rule, return_choice=True, tables=tables) for _ in range(4)]
+    two, two_choice = kquant.quantize(w, scale_rule=rule, return_choice=True,
+                                      tables=_stack_table(max_member_bytes=None))
     for qt, choice in runs:
         assert _same(qt, two) and torch.equal(choice, two_choice)
     idx = torch.tensor([0, 5, 6, 95], device=DEV)
@@ -172,14 +180,10 @@ def test_quantize_matches_reference_run_on_gpu(rule):
 
 @pytest.mark.parametrize("blocks,warps", [(64, 2), (128, 4), (256, 4), (256, 8)])
 def test_quantize_launch_shapes(blocks, warps):
-    # Bytes must not depend on the launch shape (kquant.TUNING, which the bench's sweep changes).
+    # Bytes must not depend on the launch shape (TUNING, which scripts/sweeps/quantize.py sweeps).
     w = _randn(4, 1856, 2688, seed=13)
-    saved = dict(kquant.TUNING)
-    try:
-        kquant.TUNING.update(blocks=blocks, num_warps=warps)
-        got = {rule: kquant.quantize(w, scale_rule=rule, return_choice=True) for rule in ("6", "4o6")}
-    finally:
-        kquant.TUNING.update(saved)
+    tables = launch.override(launch.table("quantize", w.device), TUNING={"blocks": blocks, "num_warps": warps})
+    got = {rule: kquant.quantize(w, scale_rule=rule, return_choice=True, tables=tables) for rule in ("6", "4o6")}
     for rule, (qt, choice) in got.items():
         ref, ref_choice = nvfp4.quantize(w.cpu(), scale_rule=rule, return_choice=True)
         assert _same(qt, ref) and torch.equal(choice.cpu(), ref_choice), rule
@@ -240,18 +244,39 @@ def test_quantize_given_amax_one_launch_equals_own(rule):
     assert _same(one[0], ref) and torch.equal(one[1].cpu(), ref_choice)
 
 
+@triton.jit
+def _codes_probe(x_ptr, idx_ptr, out_ptr, n, VALUES: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+    ok = rows < n
+    at = rows * 8 + tl.arange(0, 8)[None, :]
+    x = tl.load(x_ptr + at, mask=ok, other=0.0)
+    idx = tl.load(idx_ptr + at, mask=ok, other=0)
+    tl.store(out_ptr + rows, kquant._codes(x, idx, True, 0, ASM, BLOCKS, SAT=True, VALUES=VALUES), mask=ok)
+
+
+def codes_probe(x: torch.Tensor, idx: torch.Tensor, asm: bool) -> torch.Tensor:
+    """The fast path's code packing (`_codes`) on its own, compiled as the quantize kernel
+    compiles it: x fp32 [n, 8], idx [n, 8] int32 indices 0..8 or fp32 E2M1 values; asm: the
+    inline-PTX sign word (the kernel's choice on CUDA) or the per-element route."""
+    n = x.shape[0]
+    out = torch.empty(n, dtype=torch.int32, device=x.device)
+    _codes_probe[(triton.cdiv(n, 128),)](x.contiguous(), idx.contiguous(), out, n, VALUES=idx.is_floating_point(),
+                                         ASM=asm, BLOCKS=128, num_warps=4, **backend.launch_options())
+    return out
+
+
 def test_quantize_sign_word_asm_on_every_bf16_pattern():
     # The fast path's inline-PTX sign word (`_sign_word`) against the per-element route
-    # (`_sign8`, checked against x < 0 in tests/test_kernels_interpret.py): every bf16 bit
+    # (`_sign8`, checked against x < 0 in tests/kernels/test_quantize.py): every bf16 bit
     # pattern but NaN, both zeros included, with indices 0..8 and with E2M1 values.
     every = (torch.arange(0, 1 << 16, dtype=torch.int32, device=DEV) << 16).view(torch.float32)
     x = every[~torch.isnan(every)]
     x = torch.cat([x, x.flip(0)])[: (2 * x.numel()) // 8 * 8].reshape(-1, 8)
     g = torch.Generator(device=DEV).manual_seed(5)
     idx = torch.randint(0, 9, x.shape, generator=g, device=DEV, dtype=torch.int32)
-    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=DEV)[idx.clamp(max=7)]
+    values = torch.tensor(E2M1_MAGNITUDES, device=DEV)[idx.clamp(max=7)]
     for i in (idx, values):
-        assert torch.equal(kquant.codes_probe(x, i), kquant.codes_probe(x, i, asm=False))
+        assert torch.equal(codes_probe(x, i, asm=True), codes_probe(x, i, asm=False))
 
 
 def test_quantize_given_amax_below_own_is_an_error():

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
 
-from fp4kit.formats import e2m1, nvfp4  # noqa: E402
+from fp4kit.formats import nvfp4  # noqa: E402
 from fp4kit.formats.errors import FormatError  # noqa: E402
-from fp4kit.kernels import backend, moe_gemm, packed_gemm, quantize as kquant, w4a16_gemm  # noqa: E402
+from fp4kit.kernels import launch, moe_gemm  # noqa: E402
 
-from .helpers import DEVICE, _bits, _rand, assert_same_nvfp4  # noqa: E402
+from .helpers import DEVICE, _rand  # noqa: E402
+
+MOE = launch.table("moe")
 
 
 # --------------------------------------------------------------------------------------------
@@ -40,15 +38,15 @@ def _transformers_experts(n_exp, hid, inter, top_k, up_w, down_w):
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("tokens", [1, 13])
 @pytest.mark.parametrize("path", ["small", "sorted", "small-split", "gemv", "gemv-split"])
-def test_moe_matches_transformers_experts(dtype, rtol, tokens, path, monkeypatch):
+def test_moe_matches_transformers_experts(dtype, rtol, tokens, path):
     # small: routing in the kernels (1 token: a program per routed assignment; 13 tokens: a
     # program per expert); small-split: the same with K split 2 ways (partials summed in the
     # next kernel); gemv(-split): the same on the CUDA-core tiles (two rows of an expert per
     # program; fp32 weights); sorted: the sort-based path.
     n_exp, hid, inter, top_k = 8, 128, 96, 3
-    monkeypatch.setitem(moe_gemm.SMALL, "max_assignments", 0 if path == "sorted" else 512)
-    monkeypatch.setitem(moe_gemm.SMALL, "programs_per_sm", 1000 if path.endswith("-split") else 0)
-    monkeypatch.setitem(moe_gemm.MOE_GEMV, "max_assignments", 512 if path.startswith("gemv") else 0)
+    tables = launch.override(MOE, SMALL={"max_assignments": 0 if path == "sorted" else 512,
+                                         "programs_per_sm": 1000 if path.endswith("-split") else 0},
+                             MOE_GEMV={"max_assignments": 512 if path.startswith("gemv") else 0})
     up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=12, scale=0.1), scale_rule="4o6")
     down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=13, scale=0.1))
     g = torch.Generator().manual_seed(14)
@@ -57,7 +55,8 @@ def test_moe_matches_transformers_experts(dtype, rtol, tokens, path, monkeypatch
     weights = torch.rand((tokens, top_k), generator=g)
     with torch.no_grad():
         ref = _transformers_experts(n_exp, hid, inter, top_k, up.dequantize(dtype), down.dequantize(dtype))(x, ids, weights)
-    got = moe_gemm.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE)).cpu()
+    got = moe_gemm.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE),
+                               tables=tables).cpu()
     assert got.dtype == dtype
     # Relative Frobenius error: fp32 -> accumulation order only; fp16 -> the reference rounds its
     # intermediates to fp16 as the kernel does, but sums in another order.
@@ -89,7 +88,7 @@ def test_moe_mma_launch_defaults_to_the_sorted_path_when_small():
     x = _rand(tokens, hid, seed=46, dtype=torch.float16)
     ids = torch.tensor([[0, 2], [2, 3], [0, 1]])
     weights = torch.rand((tokens, top_k), generator=torch.Generator().manual_seed(47))
-    assert tokens * top_k <= moe_gemm.SMALL["max_assignments"]
+    assert tokens * top_k <= MOE["SMALL"]["max_assignments"]
     got = moe_gemm.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE),
                                cfg=moe_gemm.moe_mma_config(1, 1, 0)).cpu()
     ref = moe_gemm.experts_reference(x.double(), ids, weights.double(), up.dequantize().double(),
@@ -99,7 +98,7 @@ def test_moe_mma_launch_defaults_to_the_sorted_path_when_small():
 
 @pytest.mark.parametrize("launch", [(2, 2, 2), (1, 4, 0)])
 def test_moe_sorted_mma(launch):
-    # The sorted path on the register-fed matrix units (moe_gemm.MOE_MMA), forced: K of 3.125
+    # The sorted path on the register-fed matrix units (the launch table's MOE_MMA), forced: K of 3.125
     # and 1.625 steps, scale bytes one at a time (K / 16 odd), rows not filling the last tile,
     # runs of 1 to 10 assignments per expert.
     n_exp, hid, inter, top_k, tokens = 8, 400, 208, 2, 37
@@ -122,22 +121,12 @@ def test_moe_sorted_mma(launch):
 # Launch-shape picks from benchmark sweeps (pure Python: the rows are what the sweeps record)
 # --------------------------------------------------------------------------------------------
 
-def test_pick_moe_gemv_tile_and_threshold():
-    rows = []
-    for t, base, a, b in ((1, 40.0, 20.0, 25.0), (8, 190.0, 100.0, 90.0), (16, 300.0, 280.0, 320.0), (64, 500.0, 600.0, 400.0)):
-        rows.append({"tokens": t, "path": "matrix-unit", "ms": base})
-        rows.append({"tokens": t, "path": "gemv", "tile": [1, 8, 2048, 4], "ms": a})
-        rows.append({"tokens": t, "path": "gemv", "tile": [2, 8, 2048, 4], "ms": b})
-    got = moe_gemm.pick_gemv(rows, top_k=6, decode_tokens=8)
-    # summed up to 8 tokens: 120 against 115 -> the second tile; it loses at 16 tokens
-    assert got == {"max_assignments": 48, "BLOCK_M": 2, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1}
-
 
 def test_moe_config_paths_by_size_dtype_and_device():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     n_exp = 128
-    gemv_max = moe_gemm.MOE_GEMV["max_assignments"]
-    mma_max = int(moe_gemm.MOE_MMA["max_per_expert"] * n_exp)
+    gemv_max = MOE["MOE_GEMV"]["max_assignments"]
+    mma_max = int(MOE["MOE_MMA"]["max_per_expert"] * n_exp)
     assert moe_gemm.moe_config(gemv_max, n_exp, cuda).get("gemv")
     assert moe_gemm.moe_config(gemv_max + 6, n_exp, cuda).get("mma")
     assert moe_gemm.moe_config(mma_max, n_exp, cuda, torch.float16).get("mma")
@@ -145,31 +134,9 @@ def test_moe_config_paths_by_size_dtype_and_device():
     assert not beyond.get("mma") and not beyond.get("gemv") and beyond["BLOCK_M"] in (16, 64)
     for dtype, device in ((torch.float32, cuda), (torch.bfloat16, cpu)):  # fp32 or the interpreter: wgmma tiles
         assert not moe_gemm.moe_config(gemv_max + 6, n_exp, device, dtype).get("mma")
+    # the table given decides: no CUDA-core tiles, the register-fed units' own launch shape
+    tables = launch.override(MOE, MOE_GEMV={"max_assignments": 0}, MOE_MMA={"rows": 1, "num_warps": 2})
+    cfg = moe_gemm.moe_config(6, n_exp, cuda, tables=tables)
+    assert cfg["mma"] and cfg["BLOCK_N"] == 32 and cfg == moe_gemm.moe_mma_config(tables=tables)
 
 
-def test_pick_moe_mma_launch_and_reach():
-    rows = []
-    for t, wg, a, b in ((32, 400.0, 300.0, 290.0), (64, 500.0, 350.0, 340.0), (128, 560.0, 420.0, 600.0),
-                        (256, 640.0, 700.0, 710.0)):
-        rows.append({"tokens": t, "path": "sorted", "ms": wg})
-        rows.append({"tokens": t, "path": "sorted-mma", "launch": [2, 2, 2], "ms": a})
-        rows.append({"tokens": t, "path": "sorted-mma", "launch": [1, 2, 2], "ms": b})
-    # [1, 2, 2] is faster at 32 and 64 tokens but loses at 128; [2, 2, 2] wins up to 128
-    assert moe_gemm.pick_mma(rows, n_exp=128, top_k=6) == {"max_per_expert": 6.0, "rows": 2, "num_warps": 2,
-                                                           "prefetch": 2}
-    rows = [dict(r, ms=None) if r["path"] == "sorted-mma" and r["launch"] == [2, 2, 2] else r for r in rows]
-    assert moe_gemm.pick_mma(rows, n_exp=128, top_k=6) == {"max_per_expert": 3.0, "rows": 1, "num_warps": 2,
-                                                           "prefetch": 2}
-    rows = [dict(r, ms=1e9) if r["path"] == "sorted-mma" else r for r in rows]
-    assert moe_gemm.pick_mma(rows, n_exp=128, top_k=6)["max_per_expert"] == 0
-
-
-def test_pick_small_threshold_from_the_sorted_path():
-    rows = []
-    for t, sorted_ms, small_ms in ((1, 8.0, 4.0), (2, 9.0, 6.0), (8, 20.0, 19.0), (64, 50.0, 55.0)):
-        rows.append({"tokens": t, "path": "sorted", "ms": sorted_ms})
-        rows.append({"tokens": t, "path": "small", "programs_per_sm": 2, "max_parts": 4, "ms": small_ms})
-        rows.append({"tokens": t, "path": "small", "programs_per_sm": 4, "max_parts": 4, "ms": small_ms + 1})
-    assert moe_gemm.pick_small(rows, top_k=6) == {"max_assignments": 48, "programs_per_sm": 2, "max_parts": 4}
-    rows = [dict(r, ms=1.0) if r["path"] == "small" else r for r in rows]
-    assert moe_gemm.pick_small(rows)["max_assignments"] == 512

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import re
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
 
 from fp4kit.formats import e2m1, nvfp4  # noqa: E402
 from fp4kit.formats.errors import FormatError  # noqa: E402
-from fp4kit.kernels import backend, moe_gemm, packed_gemm, quantize as kquant, w4a16_gemm  # noqa: E402
+from fp4kit.kernels import launch, packed_gemm  # noqa: E402
 
-from .helpers import DEVICE, _bits, _rand, assert_same_nvfp4  # noqa: E402
+from .helpers import _bits, _rand, gemm_tolerance  # noqa: E402
+
+PACKED = launch.table("packed")
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,7 +75,7 @@ def test_packed_matmul(m, nk, cfg):
     assert y.dtype == torch.float16 and y.shape == (m, n)
     wdq = wq.dequantize(torch.float32)  # E2M1 * scale exactly, times the global scale at the end
     ref = x.double() @ wdq.double().T
-    assert torch.all((y.double() - ref).abs() <= _gemm_tolerance(x, wdq, torch.float16)(ref))
+    assert torch.all((y.double() - ref).abs() <= gemm_tolerance(x, wdq, torch.float16)(ref))
     y_torch = packed_gemm.packed_matmul(x, p, backend="torch")
     assert torch.equal(y_torch, torch.nn.functional.linear(x, wq.dequantize(torch.float16)))
 
@@ -98,7 +94,7 @@ def test_packed_matmul_long_k(split, unroll):
     y = packed_gemm.packed_matmul(x, packed_gemm.pack(wq, torch.float16), cfg=cfg)
     wdq = wq.dequantize(torch.float32)
     ref = x.double() @ wdq.double().T
-    assert torch.all((y.double() - ref).abs() <= _gemm_tolerance(x, wdq, torch.float16)(ref))
+    assert torch.all((y.double() - ref).abs() <= gemm_tolerance(x, wdq, torch.float16)(ref))
 
 
 def test_packed_matmul_batched_strided_and_errors():
@@ -125,10 +121,10 @@ def test_packed_matmul_batched_strided_and_errors():
         packed_gemm.PackedNVFP4(p.words[:, :1], p.scales, p.global_scale, n, k)
 
 
-def test_packed_config_and_pick():
+def test_packed_config():
     dev = torch.device("cpu")  # 4 multiprocessors
     c = packed_gemm.config(64, 8192, 8192, dev)
-    assert (c["BLOCK_M"], c["num_warps"]) == (64, packed_gemm.PACKED["64"]["large"]["num_warps"])
+    assert (c["BLOCK_M"], c["num_warps"]) == (64, PACKED["PACKED"]["64"]["large"]["num_warps"])
     assert c["SPLIT"] * c["kt_per_split"] >= 64 > (c["SPLIT"] - 1) * c["kt_per_split"]
     assert packed_gemm.config(3, 64, 256, dev, {"SPLIT": 9})["SPLIT"] == 2  # no empty programs
     assert packed_gemm.row_class(1) == 16 and packed_gemm.row_class(17) == 32 and packed_gemm.row_class(999) == 128
@@ -153,18 +149,11 @@ def test_packed_config_and_pick():
     x = torch.zeros((4, 64), dtype=torch.bfloat16)
     assert packed_gemm.tma_ready(x) and not packed_gemm.tma_ready(x[:, 1:]) and not packed_gemm.tma_ready(x.T)
     assert not packed_gemm.tma_ready(torch.zeros((4, 68), dtype=torch.bfloat16)[:, :64])  # rows 136 bytes apart
-    rows = []
-    for n, k in ((8192, 8192), (3712, 2688)):
-        for bm, nw, pps, ms in ((64, 4, 2, 2.0), (64, 8, 2, 1.0), (32, 4, 2, 1.5)):
-            small = n * k < packed_gemm.LARGE_WEIGHTS
-            rows.append({"N": n, "K": k, "M": 64, "BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps,
-                         "ms": ms if not small else {4: 1.0, 8: 3.0}[nw] * (0.5 if bm == 32 else 1.0)})
-    table = packed_gemm.pick(rows)
-    assert table["64"]["large"] == {"BLOCK_M": 64, "num_warps": 8, "programs_per_sm": 2, "UNROLL": 1, "PREFETCH": 0}
-    # a prefetch distance is picked like the other keys
-    rows.append({"N": 8192, "K": 8192, "M": 64, "BLOCK_M": 64, "num_warps": 8, "programs_per_sm": 2, "PREFETCH": 4,
-                 "ms": 0.8})
-    assert packed_gemm.pick(rows)["64"]["large"]["PREFETCH"] == 4
-    table = packed_gemm.pick(rows[:-1])
-    assert table["64"]["small"] == {"BLOCK_M": 32, "num_warps": 4, "programs_per_sm": 2, "UNROLL": 1, "PREFETCH": 0}
-    assert table["16"] == packed_gemm.PACKED["16"]  # not swept: kept
+    # the table given decides
+    tables = launch.override(PACKED, PACKED={"64": {"large": {"BLOCK_M": 32, "num_warps": 4, "programs_per_sm": 1,
+                                                              "UNROLL": 2}}})
+    c = packed_gemm.config(64, 8192, 8192, dev, tables=tables)
+    assert (c["BLOCK_M"], c["num_warps"], c["UNROLL"]) == (32, 4, 2)
+    assert packed_gemm.config(64, 8192, 8192, dev, tables=launch.override(PACKED, LARGE_WEIGHTS=1 << 40))["BLOCK_M"] == \
+        PACKED["PACKED"]["64"]["small"]["BLOCK_M"]
+

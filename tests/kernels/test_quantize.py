@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import re
 from pathlib import Path
 
 import numpy as np
@@ -13,20 +12,32 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from fp4kit.formats import e2m1, nvfp4  # noqa: E402
+from fp4kit.formats import nvfp4  # noqa: E402
+from fp4kit.formats.constants import E2M1_MAGNITUDES  # noqa: E402
 from fp4kit.formats.errors import FormatError  # noqa: E402
-from fp4kit.kernels import backend, moe_gemm, packed_gemm, quantize as kquant, w4a16_gemm  # noqa: E402
+from fp4kit.kernels import backend, launch, quantize as kquant  # noqa: E402
 
 from .helpers import DEVICE, _bits, _rand, assert_same_nvfp4  # noqa: E402
 
 
-def check_quantize(w: torch.Tensor, **kw) -> torch.Tensor:
-    """Kernel on DEVICE vs reference on CPU: identical bytes and 4/6 choices. Returns the choice."""
-    got, got_choice = kquant.quantize(w.to(DEVICE), return_choice=True, **kw)
+def stack_table(base=None, **stack):
+    """A launch table (default: the device's) with some STACK entries replaced."""
+    return launch.override(launch.table("quantize") if base is None else base, STACK=stack)
+
+
+# The stack kernel's schedule for tests that are not about it: one tile per item and a lag of one
+# member, so that the interpreter runs few masked-off tiles on members of one or a few tiles.
+LEAN = stack_table(lag=1, max_tiles=4, quant_tiles=1)
+
+
+def check_quantize(w: torch.Tensor, tables=LEAN, **kw) -> tuple[nvfp4.NVFP4Tensor, torch.Tensor]:
+    """Kernel on DEVICE (with launch table `tables`) vs reference on CPU: identical bytes and 4/6
+    choices. Returns the kernel's result and choice."""
+    got, got_choice = kquant.quantize(w.to(DEVICE), return_choice=True, tables=tables, **kw)
     ref, ref_choice = nvfp4.quantize(w, return_choice=True, **kw)
     assert_same_nvfp4(got, ref)
     assert torch.equal(got_choice.cpu(), ref_choice)
-    return ref_choice
+    return got, ref_choice
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,7 +86,7 @@ def test_quantize_subnormal_block_scales_at_the_saturation_edge(rule):
 
 
 def _check_markstein():
-    spec = importlib.util.spec_from_file_location("check_markstein", Path(__file__).parents[1] / "scripts" / "check_markstein.py")
+    spec = importlib.util.spec_from_file_location("check_markstein", Path(__file__).parents[2] / "scripts" / "check_markstein.py")
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
     return check
@@ -123,13 +134,10 @@ def test_quantize_where_the_uncorrected_quotient_misrounds(rule):
 
 
 @pytest.mark.parametrize("rule", ["6", "4o6"])
-@pytest.mark.parametrize("arith", ["cuda", "cpu"])
-def test_quantize_both_constant_divisions(rule, arith):
-    w = _rand(32, 16, 64, seed=7)  # 32 global scales: the two divisions differ on some of them
-    check_quantize(w, scale_rule=rule, arith=arith)
-    other = "cpu" if arith == "cuda" else "cuda"
-    a = kquant.quantize(w.to(DEVICE), scale_rule=rule, arith=arith)
-    b = kquant.quantize(w.to(DEVICE), scale_rule=rule, arith=other)
+def test_quantize_both_constant_divisions(rule):
+    w = _rand(8, 16, 64, seed=7)  # 8 global scales: the two divisions differ on 2 (plain) and 4 (4/6)
+    a, _ = check_quantize(w, scale_rule=rule, arith="cuda")
+    b, _ = check_quantize(w, scale_rule=rule, arith="cpu")
     assert not torch.equal(_bits(a.global_scale).cpu(), _bits(b.global_scale).cpu())  # the switch reaches the kernel
 
 
@@ -199,7 +207,28 @@ def test_quantize_index_and_sign_bit_tricks():
     assert int(sign.cpu()[torch.signbit(x.cpu()) & (x.cpu() == 0)].sum()) == 0  # -0.0: no sign
 
 
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_VALUES = torch.tensor(E2M1_MAGNITUDES)
+
+
+@triton.jit
+def _codes_probe(x_ptr, idx_ptr, out_ptr, n, VALUES: tl.constexpr, BLOCKS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+    ok = rows < n
+    at = rows * 8 + tl.arange(0, 8)[None, :]
+    x = tl.load(x_ptr + at, mask=ok, other=0.0)
+    idx = tl.load(idx_ptr + at, mask=ok, other=0)
+    tl.store(out_ptr + rows, kquant._codes(x, idx, True, 0, False, BLOCKS, SAT=True, VALUES=VALUES), mask=ok)
+
+
+def codes_probe(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The fast path's code packing (`_codes`: `_sign_word`, saturation, `_index_word`) on its
+    own: x fp32 [n, 8], idx [n, 8] int32 magnitude indices 0..8 (8 meaning 7) or fp32 E2M1
+    values. Returns the n packed words (int32; element i's code in bits 4i..4i+3)."""
+    n = x.shape[0]
+    out = torch.empty(n, dtype=torch.int32, device=x.device)
+    _codes_probe[(triton.cdiv(n, 128),)](x.contiguous(), idx.contiguous(), out, n, VALUES=idx.is_floating_point(),
+                                         BLOCKS=128, num_warps=4, **backend.launch_options())
+    return out
 
 
 def packed_codes(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -216,19 +245,17 @@ def test_quantize_code_packing():
     pool = torch.tensor([0.0, -0.0, 1.4e-45, -1.4e-45, -1e-30, 2.5, -2.5, -448.0, 3e38, -3e38, 1.0, -1.0])
     x = pool[torch.randint(0, len(pool), (4096, 8), generator=g)]
     idx = torch.randint(0, 9, (4096, 8), generator=g, dtype=torch.int32)
-    assert torch.equal(kquant.codes_probe(x.to(DEVICE), idx.to(DEVICE)).cpu(), packed_codes(x, idx))
+    assert torch.equal(codes_probe(x.to(DEVICE), idx.to(DEVICE)).cpu(), packed_codes(x, idx))
     vi = torch.randint(0, 8, (4096, 8), generator=g)
-    got = kquant.codes_probe(x.to(DEVICE), E2M1_VALUES[vi].to(DEVICE)).cpu()
+    got = codes_probe(x.to(DEVICE), E2M1_VALUES[vi].to(DEVICE)).cpu()
     assert torch.equal(got, packed_codes(x, vi.to(torch.int32)))
-    with pytest.raises(ValueError, match="codes_probe takes fp32 x and idx"):
-        kquant.codes_probe(x[:, :4].to(DEVICE), idx[:, :4].to(DEVICE))
 
 
 @pytest.mark.parametrize("rows", [24, 32])  # 96 or 128 blocks per member
 def test_quantize_4o6_importance_and_global_amax(rows):
     w = _rand(2, rows, 64, seed=3)
     g = torch.Generator().manual_seed(4)
-    choice = check_quantize(w, scale_rule="4o6", importance=torch.rand(64, generator=g))
+    _, choice = check_quantize(w, scale_rule="4o6", importance=torch.rand(64, generator=g))
     assert 0 < int(choice.sum()) < choice.numel()  # both candidates occur
     check_quantize(w, scale_rule="4o6", importance=torch.rand(2, 64, generator=g))
     check_quantize(w, scale_rule="4o6", importance=torch.zeros(64))  # every error 0: ties keep 6
@@ -250,7 +277,7 @@ def test_quantize_default_rule_and_plain_return():
     assert_same_nvfp4(got, nvfp4.quantize(w))
 
 
-@pytest.mark.parametrize("rule", ["6", "4o6"])
+@pytest.mark.parametrize("rule", [pytest.param("6", marks=pytest.mark.slow), "4o6"])
 def test_quantize_stack_in_one_launch(rule, monkeypatch):
     # A stack of whole-tile members without a given global amax runs `_stack_kernel` (each
     # member's max pass and quantization in one launch); the two-launch path gives the same bytes.
@@ -261,31 +288,35 @@ def test_quantize_stack_in_one_launch(rule, monkeypatch):
     real_max_pass = kquant.member_amax
     monkeypatch.setattr(kquant, "member_amax", lambda t: (max_passes.append(t.shape), real_max_pass(t))[1])
     imp = torch.rand(4, 64, generator=torch.Generator().manual_seed(9)) if rule == "4o6" else None
-    fused = check_quantize(w, scale_rule=rule, importance=imp)
+    _, fused = check_quantize(w, launch.table("quantize"), scale_rule=rule, importance=imp)  # the shipped schedule
     assert max_passes == []  # no separate max pass
-    monkeypatch.setitem(kquant.STACK, "max_member_bytes", None)
-    two, choice = kquant.quantize(w.to(DEVICE), scale_rule=rule, importance=imp, return_choice=True)
+    two, choice = kquant.quantize(w.to(DEVICE), scale_rule=rule, importance=imp, return_choice=True,
+                                  tables=stack_table(max_member_bytes=None))
     assert max_passes == [(4, 32, 64)]
     assert torch.equal(choice.cpu(), fused)
     assert_same_nvfp4(two, nvfp4.quantize(w, scale_rule=rule, importance=imp))
 
 
-@pytest.mark.parametrize("schedule", [dict(lag=1, max_tiles=4, quant_tiles=2, prefetch=True),
-                                      dict(lag=2, max_tiles=8, quant_tiles=4, prefetch=False),
-                                      dict(lag=5, max_tiles=4, quant_tiles=4, prefetch=True)])
-def test_quantize_stack_schedules(schedule, monkeypatch):
+_SCHEDULES = (dict(lag=1, max_tiles=4, quant_tiles=2, prefetch=True),
+              dict(lag=2, max_tiles=8, quant_tiles=4, prefetch=False),
+              dict(lag=5, max_tiles=4, quant_tiles=4, prefetch=True))
+_SCHEDULE_INPUTS = ((torch.float32, "4o6"), (torch.float16, "6"), (torch.bfloat16, "6"))
+
+
+@pytest.mark.parametrize("schedule,inputs", [
+    pytest.param(s, i, id=f"schedule{s}-{str(_SCHEDULE_INPUTS[i][0])[6:]}",
+                 marks=() if s == i else pytest.mark.slow)  # each schedule and each dtype once, all pairs slow
+    for s in range(len(_SCHEDULES)) for i in range(len(_SCHEDULE_INPUTS))])
+def test_quantize_stack_schedules(schedule, inputs):
     # Members of 5 tiles: max items and quantize items that run past a member's end, groups
-    # with more quantize slots than items, a lag longer than the stack; every tile quantized once,
-    # and every tile in its member's max (member i has its max in tile i); fp32, fp16 and bf16
-    # (the last two with their maxima on bit patterns).
-    for key, value in schedule.items():
-        monkeypatch.setitem(kquant.STACK, key, value)
+    # with more quantize slots than items, a lag longer than the stack, with and without the
+    # prefetch; every tile quantized once, and every tile in its member's max (member i has its
+    # max in tile i); fp32, fp16 and bf16 (the last two with their maxima on bit patterns).
+    dtype, rule = _SCHEDULE_INPUTS[inputs]
     w = _rand(5, 40, 256, seed=13)
     for i in range(5):
         w[i, 8 * i + 3] *= 50.0
-    check_quantize(w, scale_rule="4o6")
-    check_quantize(w.to(torch.float16), scale_rule="6")
-    check_quantize(w.to(torch.bfloat16), scale_rule="6")
+    check_quantize(w.to(dtype), stack_table(**_SCHEDULES[schedule]), scale_rule=rule)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -303,33 +334,34 @@ def test_quantize_stack_max_on_bit_patterns(dtype):
     w[2] = 0.0
     w[2, ::2, 1::3] = -0.0
     w[3, 31, 63] = -info.max
-    got, _, own = kquant.launch(w.to(DEVICE), "6")
+    got, _, own = kquant.launch(w.to(DEVICE), "6", tables=LEAN)
     assert torch.equal(own.cpu(), w.float().abs().amax(dim=(1, 2)))
     assert_same_nvfp4(got, nvfp4.quantize(w, scale_rule="6"))
     for bad in (float("nan"), float("inf"), -float("inf")):
         v = w.clone()
         v[3, 4, 17] = bad
-        flagged = kquant.launch(v.to(DEVICE), "6")[2].cpu()  # NaN counts as +Inf
+        flagged = kquant.launch(v.to(DEVICE), "6", tables=LEAN)[2].cpu()  # NaN counts as +Inf
         assert flagged[3] == float("inf") and torch.equal(flagged[:3], own[:3].cpu())
         with pytest.raises(FormatError, match=r"first at index \(3, 4, 17\)"):
-            kquant.quantize(v.to(DEVICE), scale_rule="4o6")
+            kquant.quantize(v.to(DEVICE), scale_rule="4o6", tables=LEAN)
 
 
-def test_quantize_stack_schedule_checked(monkeypatch):
-    monkeypatch.setitem(kquant.STACK, "max_tiles", 6)
+def test_quantize_stack_schedule_checked():
     with pytest.raises(ValueError, match="max_tiles a multiple of 4"):
-        kquant.quantize(_rand(2, 32, 64).to(DEVICE))
+        kquant.quantize(_rand(2, 32, 64).to(DEVICE), tables=stack_table(max_tiles=6))
 
 
-def test_quantize_stack_reach_and_non_finite_member(monkeypatch):
+def test_quantize_stack_reach_and_non_finite_member():
     w = _rand(3, 32, 64, seed=10).to(DEVICE)
     assert kquant.fused_stack(w, 3, 128) and not kquant.fused_stack(w, 1, 128)
     assert not kquant.fused_stack(w[:, :24], 3, 96)  # members not whole tiles of 128 blocks
-    monkeypatch.setitem(kquant.STACK, "max_member_bytes", 32 * 64 * 4)  # the member's size exactly
-    assert kquant.fused_stack(w, 3, 128) and not kquant.fused_stack(w.double(), 3, 128)
+    exact = stack_table(max_member_bytes=32 * 64 * 4)  # the member's size exactly
+    assert kquant.fused_stack(w, 3, 128, exact) and not kquant.fused_stack(w.double(), 3, 128, exact)
+    assert not kquant.fused_stack(w, 3, 128, stack_table(max_member_bytes=32 * 64 * 4 - 1))
+    assert not kquant.fused_stack(w, 3, 128, launch.override(launch.table("quantize"), TUNING={"blocks": 256}))
     w[1, 7, 3] = float("nan")  # flagged by the stack kernel's own max pass
     with pytest.raises(FormatError, match=r"1 NaN and 0 Inf values \(first at index \(1, 7, 3\)\)"):
-        kquant.quantize(w, scale_rule="4o6")
+        kquant.quantize(w, scale_rule="4o6", tables=LEAN)
 
 
 _BAD_INPUTS = {

@@ -11,7 +11,8 @@ from fp4kit.export.modelopt import export_checkpoint, quant_configs
 from fp4kit.export.writer import OutputExistsError
 from fp4kit.formats import fp8, nvfp4
 from fp4kit.models import Role, adapter_for
-from fp4kit.quantize import PlanError, plan_targets, quantize
+from fp4kit.plan import PlanError, plan_targets
+from fp4kit.quantize import quantize
 from fp4kit.recipe import load_recipe, recipe_from_dict
 
 from tiny_models import build_llama, build_nemotron_h

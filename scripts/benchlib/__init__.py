@@ -1,0 +1,1 @@
+"""The GPU benchmarks of fp4kit's kernels that scripts/bench_kernels.py and scripts/bench_packed.py run."""

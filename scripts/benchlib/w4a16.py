@@ -1,0 +1,108 @@
+"""Benchmarks of the checkpoint-layout W4A16 GEMM (fp4kit.kernels.w4a16_gemm) on a GPU, for
+scripts/bench_kernels.py: CUDA-graph and eager times against torch.matmul on the bf16 weight,
+the GEMV's loop taken apart (`gemv_limits`), and the host-side cost of a call."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fp4kit.kernels import launch, w4a16_gemm as wg
+from fp4kit.kernels.packed_gemm import pack, packed_matmul
+from fp4kit.kernels.quantize import quantize
+from fp4kit.kernels.w4a16_gemm import w4a16_matmul
+
+from .gemv_probe import PROBE_ALL, PROBE_ARITHMETIC, PROBE_LOADS, gemv_probe
+
+
+def bench(nk=((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688)),
+          ms=(1, 4, 16, 64, 256, 1024)):
+    """Median times of this GEMM and of torch.matmul on the bf16 weight, side by side: replayed
+    from CUDA graphs (the GPU's time; how decode runs in serving engines) and eager (including
+    each call's host-side launch cost); and, from CUDA graphs, `packed_gemm.packed_matmul` on the
+    same weight pre-packed (`speedup_vs_bf16_packed`; `speedup_vs_bf16_best`: the faster of the two)."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    tables = launch.table("w4a16")
+    arith = launch.override(tables, DEQUANT={"lut": False})
+    rows = []
+    for n, k in nk:
+        wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+        wq = quantize(wb)
+        wp = pack(wq)
+        for m in ms:
+            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+            fp4 = lambda: w4a16_matmul(x, wq)  # noqa: E731
+            bf16 = lambda: torch.matmul(x, wb.T)  # noqa: E731
+            t_fp4 = do_bench_cudagraph(fp4, rep=50, return_mode="median")
+            t_bf16 = do_bench_cudagraph(bf16, rep=50, return_mode="median")
+            t_arith = do_bench_cudagraph(lambda: w4a16_matmul(x, wq, tables=arith), rep=50, return_mode="median")
+            weight_bytes = n * k // 2 + n * k // 16
+            row = {
+                "N": n, "K": k, "M": m, "ms_w4a16": t_fp4, "ms_bf16": t_bf16,
+                "speedup_vs_bf16": t_bf16 / t_fp4, "ms_w4a16_arith_dequant": t_arith,
+                "w4a16_weight_tbps": weight_bytes / (t_fp4 * 1e-3) / 1e12,
+                "bf16_weight_tbps": 2 * n * k / (t_bf16 * 1e-3) / 1e12,
+                "ms_w4a16_eager": do_bench(fp4, warmup=10, rep=50, return_mode="median"),
+                "ms_bf16_eager": do_bench(bf16, warmup=10, rep=50, return_mode="median"),
+                "path": wg.path(m, n, k, x.device),
+            }
+            row["speedup_vs_bf16_eager"] = row["ms_bf16_eager"] / row["ms_w4a16_eager"]
+            row["ms_packed"] = do_bench_cudagraph(lambda: packed_matmul(x, wp), rep=50, return_mode="median")
+            row["speedup_vs_bf16_packed"] = t_bf16 / row["ms_packed"]
+            row["speedup_vs_bf16_best"] = t_bf16 / min(t_fp4, row["ms_packed"])
+            if m > tables["LARGE_M"]:  # the fused kernel at this size, for the record
+                cfg = wg.config(m, n, k, x.device)
+                row["ms_w4a16_fused"] = do_bench_cudagraph(lambda: w4a16_matmul(x, wq, cfg=cfg), rep=50,
+                                                           return_mode="median")
+            rows.append(row)
+        del wb, wq, wp
+    return rows
+
+
+def gemv_limits(shapes=((8192, 8192), (28672, 8192))) -> list:
+    """At one activation row, CUDA-graph times side by side: the GEMV (`w4a16_matmul`), its loop
+    alone and without one of its parts (`_gemv_probe_kernel`: the weight loads alone, the
+    arithmetic alone on cache-resident weights), and torch.matmul on the bf16 weight."""
+    from triton.testing import do_bench_cudagraph
+
+    lut = launch.table("w4a16")["DEQUANT"]["lut"]
+    rows = []
+    for n, k in shapes:
+        wq = quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02)
+        wb = wq.dequantize(torch.bfloat16)
+        x = torch.randn((1, k), dtype=torch.bfloat16, device="cuda")
+        cfg = wg.config(1, n, k, x.device)
+        row = {"N": n, "K": k, "weight_bytes": wq.packed.numel() + wq.block_scale.numel(),
+               **{key: cfg[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT")}}
+        times = {"ms_gemv": lambda: w4a16_matmul(x, wq), "ms_bf16": lambda: torch.matmul(x, wb.T)}
+        if cfg.get("gemv") and cfg["SPLIT"] == 1:
+            times.update({f"ms_{name}": functools.partial(gemv_probe, x, wq, part, cfg, lut)
+                          for name, part in (("loop", PROBE_ALL), ("loads_only", PROBE_LOADS),
+                                             ("arithmetic_only", PROBE_ARITHMETIC))})
+        for key, fn in times.items():
+            row[key] = do_bench_cudagraph(fn, rep=50, return_mode="median")
+        rows.append(row)
+    return rows
+
+
+def host_overhead_us(n=3712, k=2688, calls=200):
+    """Host time per eager call (M=1), launch path included, vs torch.matmul's."""
+    import time
+
+    wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda")
+    wq = quantize(wb)
+    x = torch.randn((1, k), dtype=torch.bfloat16, device="cuda")
+    out = {}
+    for name, fn in (("w4a16", lambda: w4a16_matmul(x, wq)), ("bf16", lambda: torch.matmul(x, wb.T))):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        out[f"{name}_host_us_per_call"] = (t1 - t0) / calls * 1e6
+    return out

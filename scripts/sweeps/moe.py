@@ -1,0 +1,220 @@
+"""Launch-shape sweeps of the grouped MoE (fp4kit.kernels.moe_gemm) on a GPU, on Nemotron-3-Nano's
+experts (128 experts, top-6, H = 2688, I = 1856).
+
+Each sweep times candidate launch shapes or paths with CUDA graphs, each checked against the
+torch backend first; its pick turns the rows into one entry of the "moe" launch table. Candidate
+tables are built and passed in (`launch.override`); the live tables are never changed.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from fp4kit.kernels import launch, moe_gemm as mg
+from fp4kit.kernels.quantize import quantize
+
+from . import Sweep
+from .common import time_if_right, updated, with_maxnreg
+
+
+def _nano_experts(n_exp, hid, inter):
+    """Random bf16 expert stacks of the given widths quantized on the GPU: (up, down)."""
+    up = quantize(torch.randn((n_exp, inter, hid), dtype=torch.bfloat16, device="cuda") * 0.02)
+    down = quantize(torch.randn((n_exp, hid, inter), dtype=torch.bfloat16, device="cuda") * 0.02)
+    return up, down
+
+
+def _routed_tokens(t, n_exp, top_k, hid, up, down):
+    """t random tokens routed top_k of n_exp, and the torch backend's output as the fp32
+    reference a swept launch shape must match: (hidden, ids, weights, reference)."""
+    h = torch.randn((t, hid), dtype=torch.bfloat16, device="cuda")
+    ids = torch.rand((t, n_exp), device="cuda").topk(top_k, dim=-1).indices
+    w = torch.rand((t, top_k), device="cuda")
+    return h, ids, w, mg.moe_experts(h, ids, w, up, down, backend="torch").float()
+
+
+def sweep(tokens=(1, 8, 64), n_exp=128, top_k=6, hid=2688, inter=1856,
+          shapes=((64, 128, 4), (32, 128, 4), (32, 256, 4), (64, 256, 4)), maxnreg=(None,)):
+    """CUDA-graph times of decode launch shapes (BLOCK_N, BLOCK_K, warps) x register cap on
+    Nano's experts, each checked first."""
+    up, down = _nano_experts(n_exp, hid, inter)
+    out = []
+    for t in tokens:
+        h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
+        for (bn, bk, nw), mr in itertools.product(shapes, maxnreg):
+            cfg = with_maxnreg(dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=3), mr)
+            row = {"tokens": t, "maxnreg": mr, **cfg}
+            row.update(time_if_right(lambda: mg.moe_experts(h, ids, w, up, down, cfg=cfg), ref))
+            out.append(row)
+    return out
+
+
+def sweep_small(tokens=(1, 2, 4, 8, 64), n_exp=128, top_k=6, hid=2688, inter=1856, programs_per_sm=(2, 4),
+                max_parts=(4,), tables=None):
+    """CUDA-graph times of the in-kernel-routing path (`_moe_small`) per split-K target and
+    split cap, and of the sort-based path, on Nano's experts, each checked first."""
+    up, down = _nano_experts(n_exp, hid, inter)
+    out = []
+    tables = tables or launch.table("moe")
+    for t in tokens:
+        h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
+        cfg = mg.matrix_unit_config(t * top_k, n_exp, h.device, tables)
+        row = {"tokens": t, "path": "sorted"}
+        row.update(time_if_right(lambda: mg.moe_experts(h, ids, w, up, down, cfg=dict(cfg, small=False)), ref))
+        out.append(row)
+        for pps, parts in itertools.product(programs_per_sm, max_parts):
+            small = launch.override(tables, SMALL={"programs_per_sm": pps, "max_parts": parts})
+            row = {"tokens": t, "path": "small", "programs_per_sm": pps, "max_parts": parts}
+            row.update(time_if_right(lambda: mg.moe_experts(h, ids, w, up, down, cfg=dict(cfg, small=True),
+                                                            tables=small), ref))
+            out.append(row)
+    return out
+
+
+def sweep_gemv(tokens=(1, 2, 4, 8, 16, 32, 64), n_exp=128, top_k=6, hid=2688, inter=1856,
+               tiles=((1, 4, 512, 1), (1, 8, 512, 1), (1, 4, 2048, 4), (1, 8, 2048, 4), (2, 8, 512, 1)), tables=None):
+    """CUDA-graph times of the CUDA-core tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps) on the
+    in-kernel-routing path, and of the default beyond them (`beyond_gemv_config`: the register-fed
+    or the wgmma matrix units) at the same token count, side by side, on Nano's experts; each
+    checked first."""
+    up, down = _nano_experts(n_exp, hid, inter)
+    out = []
+    for t in tokens:
+        h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
+        base = mg.beyond_gemv_config(t * top_k, n_exp, h.device, h.dtype, tables)
+        row = {"tokens": t, "path": "matrix-unit"}
+        row.update(time_if_right(lambda: mg.moe_experts(h, ids, w, up, down, cfg=dict(base)), ref))
+        out.append(row)
+        for bm, bn, bk, nw in tiles:
+            cfg = dict(gemv=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1)
+            row = {"tokens": t, "path": "gemv", "tile": [bm, bn, bk, nw]}
+            row.update(time_if_right(lambda: mg.moe_experts(h, ids, w, up, down, cfg=dict(cfg)), ref))
+            out.append(row)
+    return out
+
+
+def sweep_mma(tokens=(32, 64, 128, 256), n_exp=128, top_k=6, hid=2688, inter=1856,
+              launches=((1, 2, 2), (2, 1, 2), (2, 2, 2), (2, 4, 2), (2, 2, 0), (2, 2, 4)), tables=None):
+    """CUDA-graph times of the sorted path on the register-fed matrix units for launch shapes
+    (weight tiles per warp, warps, L2 prefetch distance), and of the sorted path on wgmma at the
+    same token count, side by side, on Nano's experts; each checked first."""
+    up, down = _nano_experts(n_exp, hid, inter)
+    out = []
+    for t in tokens:
+        h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
+        base = mg.matrix_unit_config(t * top_k, n_exp, h.device, tables)
+        row = {"tokens": t, "path": "sorted"}
+        row.update(time_if_right(lambda: mg.moe_experts(h, ids, w, up, down, cfg=dict(base, small=False)), ref))
+        out.append(row)
+        for shape in launches:
+            cfg = dict(mg.moe_mma_config(*shape, tables=tables), small=False)
+            row = {"tokens": t, "path": "sorted-mma", "launch": list(shape)}
+            row.update(time_if_right(lambda: mg.moe_experts(h, ids, w, up, down, cfg=dict(cfg)), ref))
+            out.append(row)
+    return out
+
+
+def pick_mma(rows, n_exp=128, top_k=6) -> dict:
+    """MOE_MMA: the launch shape with the smallest time summed over the token counts where the
+    register-fed path is used, and max_per_expert: the mean assignments per expert at the
+    largest token count up to which that shape beats the sorted wgmma path at every swept
+    count (0 if not at the first)."""
+    def ms(r):
+        return r["ms"] if r["ms"] is not None else float("inf")
+
+    base = {r["tokens"]: ms(r) for r in rows if r["path"] == "sorted"}
+    mma = [r for r in rows if r["path"] == "sorted-mma"]
+
+    def reach(launch):
+        times = {r["tokens"]: ms(r) for r in mma if tuple(r["launch"]) == launch}
+        up_to = 0
+        for t in sorted(base):
+            if not times.get(t, float("inf")) < base[t]:
+                break
+            up_to = t
+        return up_to
+
+    launches = {tuple(r["launch"]) for r in mma}
+    # The shape that wins furthest, then the fastest summed over the counts it is used for.
+    up_to = max(reach(launch) for launch in launches)
+    totals = {launch: sum(ms(r) for r in mma if tuple(r["launch"]) == launch and r["tokens"] <= up_to)
+              for launch in launches if reach(launch) == up_to}
+    rows_per_warp, warps, prefetch = min(totals, key=lambda launch: (totals[launch], launch))
+    return {"max_per_expert": top_k * up_to / n_exp, "rows": rows_per_warp, "num_warps": warps,
+            "prefetch": prefetch}
+
+
+def pick_gemv(rows, top_k=6, decode_tokens=8) -> dict:
+    """MOE_GEMV: the tile with the smallest summed time up to `decode_tokens` tokens, and
+    max_assignments: top_k times the largest token count up to which it beats the matrix-unit
+    default beyond the tiles at every swept count (0 if not at the first)."""
+    def ms(r):
+        return r["ms"] if r["ms"] is not None else float("inf")
+
+    totals = {}
+    for r in rows:
+        if r["path"] == "gemv" and r["tokens"] <= decode_tokens:
+            totals[tuple(r["tile"])] = totals.get(tuple(r["tile"]), 0.0) + ms(r)
+    tile = min(totals, key=totals.get)
+    gemv = {r["tokens"]: ms(r) for r in rows if r["path"] == "gemv" and tuple(r["tile"]) == tile}
+    base = {r["tokens"]: ms(r) for r in rows if r["path"] == "matrix-unit"}
+    up_to = 0
+    for t in sorted(base):
+        if not gemv.get(t, float("inf")) < base[t]:
+            break
+        up_to = t
+    bm, bn, bk, nw = tile
+    return {"max_assignments": top_k * up_to, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw,
+            "num_stages": 1}
+
+
+def pick_small(rows, top_k=6) -> dict:
+    """SMALL's split-K target and cap with the smallest summed time, and max_assignments: 512 if
+    the path beats the sorted one at every swept token count, else top_k times the largest
+    count up to which it beats it (0 if not at the first)."""
+    totals = {}
+    for r in rows:
+        if r["path"] == "small":
+            key = (r["programs_per_sm"], r["max_parts"])
+            totals[key] = totals.get(key, 0.0) + (r["ms"] if r["ms"] is not None else float("inf"))
+    pps, parts = min(totals, key=totals.get)
+    best = {r["tokens"]: r["ms"] for r in rows if r["path"] == "small" and
+            (r["programs_per_sm"], r["max_parts"]) == (pps, parts) and r["ms"] is not None}
+    sorted_ms = {r["tokens"]: r["ms"] for r in rows if r["path"] == "sorted" and r["ms"] is not None}
+    up_to = 0
+    for t in sorted(sorted_ms):
+        if not best.get(t, float("inf")) < sorted_ms[t]:
+            break
+        up_to = t
+    max_a = 512 if up_to == max(sorted_ms) else top_k * up_to
+    return {"max_assignments": max_a, "programs_per_sm": pps, "max_parts": parts}
+
+
+def pick(rows) -> dict:
+    """The MOE_DECODE entry with the smallest summed sweep time."""
+    totals = {}
+    for r in rows:
+        key = (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r.get("maxnreg"))
+        totals[key] = totals.get(key, 0.0) + (r["ms"] if r["ms"] is not None else float("inf"))
+    bn, bk, nw, mr = min(totals, key=totals.get)
+    return with_maxnreg({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 3}, mr)
+
+
+def _current(name: str):
+    return launch.table("moe")[name]
+
+
+SWEEPS = {
+    "decode": Sweep("moe", "MOE_DECODE",
+                    lambda: sweep(shapes=((64, 128, 4), (32, 128, 4)), maxnreg=(None, 128, 96, 80)),
+                    lambda rows: updated(_current("MOE_DECODE"), pick(rows)),
+                    "the wgmma tiles' launch shape at decode sizes"),
+    "small": Sweep("moe", "SMALL", sweep_small, lambda rows: updated(_current("SMALL"), pick_small(rows)),
+                   "the in-kernel-routing path's split-K and the assignments up to which it beats the sorted path"),
+    "gemv": Sweep("moe", "MOE_GEMV", sweep_gemv, lambda rows: updated(_current("MOE_GEMV"), pick_gemv(rows)),
+                  "the CUDA-core tiles and the assignments up to which they beat the matrix units"),
+    "mma": Sweep("moe", "MOE_MMA", sweep_mma, lambda rows: updated(_current("MOE_MMA"), pick_mma(rows)),
+                 "the register-fed matrix units' launch shape and their reach in rows per expert"),
+}

@@ -1,0 +1,114 @@
+"""Launch-shape sweeps of the pre-packed W4A16 GEMM (fp4kit.kernels.packed_gemm) on a GPU.
+
+`sweep` times launch shapes per row class with CUDA graphs and `pick` turns the rows into the
+"packed" table's PACKED entry; `sweep_pipeline` times the software-pipelined and TMA variants
+against the plain loop (a study: no table follows from it; scripts/bench_packed.py --pipeline).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import torch
+
+from fp4kit.kernels import launch, packed_gemm as pg
+from fp4kit.kernels.quantize import quantize
+
+from . import Sweep
+
+
+def time_graph(fn) -> float:
+    """Median ms of `fn` replayed from a CUDA graph."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=30, return_mode="median")
+
+
+SHAPES = ((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688))
+PREFETCH = (0, 4)
+
+
+def _sweep_problems(shapes, classes):
+    """(N, K, M, BLOCK_M, packed weight, activations) for each shape (a random weight, quantized
+    and packed once), each row class M and BLOCK_M the class or half of it (two row programs)."""
+    for n, k in shapes:
+        w = pg.pack(quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02))
+        for m in classes:
+            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+            for bm in sorted({m, max(16, m // 2)}):
+                yield n, k, m, bm, w, x
+        del w
+
+
+def _timed(n, k, m, x, w, cfg, **extra) -> dict:
+    """A sweep row: the problem, the launch keys, the split they give, `extra`, the graph time."""
+    split = pg.config(m, n, k, x.device, cfg)["SPLIT"]
+    return {"N": n, "K": k, "M": m, **cfg, "SPLIT": split, **extra,
+            "ms": time_graph(lambda: pg.packed_matmul(x, w, cfg=cfg))}
+
+
+def sweep(shapes=SHAPES, classes=(16, 32, 64), warps=(4, 8), programs_per_sm=(1, 2, 4, 8), unroll=(1, 2),
+          prefetch=PREFETCH) -> list:
+    """CUDA-graph times of the launch shapes for each row class (M = the class) on each shape:
+    BLOCK_M the class or half of it (two row programs), every warp count, split-K target, number
+    of K tiles per loop step and L2 prefetch distance."""
+    rows = []
+    for n, k, m, bm, w, x in _sweep_problems(shapes, classes):
+        for nw, pps, u, ahead in itertools.product(warps, programs_per_sm, unroll, prefetch):
+            cfg = {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps, "UNROLL": u, "PREFETCH": ahead}
+            rows.append(_timed(n, k, m, x, w, cfg))
+    return rows
+
+
+PIPELINE_SHAPES = ((3712, 2688), (2688, 3712), (8192, 8192))
+
+
+def sweep_pipeline(shapes=PIPELINE_SHAPES, classes=(16, 64), programs_per_sm=(1, 2, 4), stages=(1, 2, 3),
+                   tma=(False, True)) -> list:
+    """CUDA-graph times of the software-pipelined loop (num_stages > 1: the next K tile's weights
+    copied to shared memory while this one is decoded and multiplied) and of the activations read
+    by the tensor-memory accelerator (TMA), against the unpipelined loop, 4 warps, one K tile per
+    step, for each row class on each shape (BLOCK_M the class or half of it). Each row records
+    whether its output equals the unpipelined pointer-load launch's byte for byte."""
+    rows = []
+    for n, k, m, bm, w, x in _sweep_problems(shapes, classes):
+        for pps in programs_per_sm:
+            base = {"BLOCK_M": bm, "num_warps": 4, "programs_per_sm": pps, "UNROLL": 1}
+            want = pg.packed_matmul(x, w, cfg=base)
+            for st, t in itertools.product(stages, tma):
+                cfg = {**base, "num_stages": st, "TMA": t}
+                rows.append(_timed(n, k, m, x, w, cfg, equal=bool(torch.equal(pg.packed_matmul(x, w, cfg=cfg), want))))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def pick(rows, tables=None) -> dict:
+    """PACKED: per row class and weight size, the launch shape with the smallest sum over the
+    swept problems of its time over the problem's best (relative, so that large weights do not
+    outvote the others). Classes and sizes the sweep did not cover keep their entry in `tables`
+    (default: the current "packed" table)."""
+    tables = tables or launch.table("packed")
+    best = {}
+    for r in rows:
+        p = (r["N"], r["K"], r["M"])
+        best[p] = min(best.get(p, float("inf")), r["ms"])
+    totals: dict = {}
+    for r in rows:
+        size = "large" if r["N"] * r["K"] >= tables["LARGE_WEIGHTS"] else "small"
+        key = (str(pg.row_class(r["M"])), size, r["BLOCK_M"], r["num_warps"], r["programs_per_sm"], r.get("UNROLL", 1),
+               r.get("PREFETCH", 0))
+        totals[key] = totals.get(key, 0.0) + r["ms"] / best[r["N"], r["K"], r["M"]]
+    table = {cls: launch.thaw(entry) for cls, entry in tables["PACKED"].items()}
+    for cls, size in {key[:2] for key in totals}:
+        keys = [key for key in totals if key[:2] == (cls, size)]
+        _, _, bm, nw, pps, u, ahead = min(keys, key=totals.get)
+        table[cls] = dict(table[cls], **{size: {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps, "UNROLL": u,
+                                                "PREFETCH": ahead}})
+    return table
+
+
+SWEEPS = {
+    "launch": Sweep("packed", "PACKED", sweep, pick,
+                    "the launch shape per row class (16-128 rows) and weight size"),
+}

@@ -1,0 +1,256 @@
+"""scripts/tune_kernels.py and its sweeps' picks (pure Python: the rows are what the sweeps record)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_ROOT / "scripts"))
+
+import tune_kernels  # noqa: E402
+from sweeps import Sweep, moe as sm, packed as sp, w4a16 as sw  # noqa: E402
+from sweeps.common import updated, with_maxnreg  # noqa: E402
+
+from fp4kit.kernels import launch  # noqa: E402
+
+
+def test_every_sweep_names_a_table_of_its_kernel():
+    known = tune_kernels.sweeps()
+    assert {"w4a16.gemv", "w4a16.mma", "w4a16.mma_wide", "w4a16.row_mma", "w4a16.decode", "w4a16.mid", "moe.decode",
+            "moe.small", "moe.gemv", "moe.mma", "packed.launch"} <= set(known)
+    for name, sweep in known.items():
+        assert isinstance(sweep, Sweep) and name.split(".")[0] == sweep.kernel
+        assert sweep.table in launch.table(sweep.kernel), name
+
+
+def test_write_pick_records_the_table_and_who_chose_it(tmp_path, monkeypatch):
+    # The pick and its chosen_by go into the tuning file given; the other tables stay as they were.
+    before = json.loads(launch.tuning_path("h200").read_text())
+    path = tmp_path / "h200.json"
+    path.write_text(json.dumps(before))
+    monkeypatch.setattr(launch, "tuning_path", lambda gpu: path)
+    chosen_by = {"command": "python scripts/tune_kernels.py w4a16.mid", "date": "2027-01-01T00:00Z", "results": "r.json"}
+    mid = dict(launch.thaw(launch.table("w4a16")["MID"]), programs_per_sm=8)
+    tune_kernels.write_pick("h200", "w4a16", "MID", launch.freeze(mid), chosen_by)
+    doc = json.loads(path.read_text())
+    assert doc["kernels"]["w4a16"]["tables"]["MID"] == mid
+    assert doc["kernels"]["w4a16"]["chosen_by"]["MID"] == chosen_by
+    assert doc["kernels"]["moe"] == before["kernels"]["moe"]
+    assert doc["kernels"]["w4a16"]["tables"]["DECODE"] == before["kernels"]["w4a16"]["tables"]["DECODE"]
+
+
+def test_every_table_says_who_chose_it():
+    doc = json.loads(launch.tuning_path("h200").read_text())
+    for kernel in ("w4a16", "moe", "packed"):
+        entry = doc["kernels"][kernel]
+        assert set(entry["chosen_by"]) == set(entry["tables"]), kernel
+        for name, by in entry["chosen_by"].items():
+            assert by.get("command") or by.get("note"), (kernel, name)
+            if by.get("results"):
+                assert (_ROOT / by["results"]).exists(), (kernel, name, by["results"])
+
+
+def test_a_pick_replaces_only_the_keys_it_picks():
+    current = launch.table("w4a16")["MMA"]
+    picked = {"num_warps": 2, "programs_per_sm": 4, "rows": 2, "prefetch": 2, "kwarps": 1}
+    got = updated(current, picked)
+    assert got == dict(launch.thaw(current), **picked) and got["balance"] == [0.9, 16]
+    assert with_maxnreg({"a": 1}, None) == {"a": 1} and with_maxnreg({"a": 1}, 96) == {"a": 1, "maxnreg": 96}
+
+
+# --------------------------------------------------------------------------------------------
+# w4a16 (scripts/sweeps/w4a16.py)
+# --------------------------------------------------------------------------------------------
+def test_pick_decode_sums_over_shapes_and_keeps_register_cap():
+    base = {"K": 1, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4}
+    rows = [dict(base, N=n, M=1, maxnreg=mr, ms=t) for n, mr, t in
+            ((1, None, 1.0), (2, None, 5.0), (1, 96, 2.0), (2, 96, 3.0), (1, 80, None), (2, 80, 0.1))]
+    # None: 6.0, 96: 5.0, 80: failed once (inf) -> 96, carried as maxnreg
+    assert sw.pick_decode(rows) == dict({k: v for k, v in base.items() if k != "K"}, maxnreg=96)
+    rows = [dict(r, maxnreg=None, ms=1.0) if r["maxnreg"] == 96 else r for r in rows]
+    assert "maxnreg" not in sw.pick_decode(rows)
+
+
+def test_pick_gemv_max_m_stops_at_first_loss():
+    def gemv(n, m, bn, t, pps=8):
+        return {"N": n, "M": m, "kernel": "gemv", "tile": [m, bn, 2048, 4], "programs_per_sm": pps, "maxnreg": None,
+                "ms": t}
+
+    rows = []
+    for n in (1, 2):
+        for m, base_ms, gemv_ms in ((1, 3.0, 2.0), (2, 3.0, 2.5), (4, 3.0, 4.0)):
+            rows.append({"N": n, "M": m, "kernel": "matrix-unit", "ms": base_ms})
+            rows.append(gemv(n, m, 8, gemv_ms))
+            rows.append(gemv(n, m, 16, gemv_ms + (0.1 if n == 1 else -0.3)))  # 16 wins the sum over shapes
+    rows.append(gemv(1, 1, 8, None, pps=4))  # a failed launch shape is never picked
+    rows.append(gemv(2, 1, 8, 0.1, pps=4))
+    got = sw.pick_gemv(rows)
+    assert got["1"] == {"BLOCK_N": 16, "BLOCK_K": 2048, "num_warps": 4, "programs_per_sm": 8}
+    assert got["max_m"] == 2  # loses at M = 4
+    rows = [dict(r, ms=5.0) if r["kernel"] == "gemv" and r["M"] == 1 and r["N"] == 2 else r for r in rows]
+    assert sw.pick_gemv(rows)["max_m"] == 0
+
+
+def test_pick_mma_sums_relative_times_over_problems():
+    def row(n, m, launch, t):
+        nw, pps, rows, pf, kw = launch
+        r = {"N": n, "K": n, "M": m, "num_warps": nw, "programs_per_sm": pps, "rows": rows, "prefetch": pf, "ms": t}
+        return r if kw is None else dict(r, kwarps=kw)
+
+    # a (a row of an older sweep, without K groups: 1), b, c: the same but for the K groups.
+    # Problems 1 (small) and 2 (large). Summed times would pick b (10.9 against 11.0); relative
+    # to each problem's best: a 1 + 10/9 = 2.11, b 1.9 + 1 = 2.9, c 1.2 + 9.5/9 = 2.26 -> a.
+    a, b, c = (2, 4, 2, 2, None), (4, 8, 1, 0, 1), (4, 8, 1, 0, 4)
+    rows = [row(1, 2, a, 1.0), row(2, 4, a, 10.0), row(1, 2, b, 1.9), row(2, 4, b, 9.0), row(1, 2, c, 1.2),
+            row(2, 4, c, 9.5)]
+    assert sw.pick_mma(rows) == {"num_warps": 2, "programs_per_sm": 4, "rows": 2, "prefetch": 2, "kwarps": 1}
+    # a failed launch (None) never wins: without a, problem 1's best is c's 1.2: b 2.58, c 2.06
+    rows[0]["ms"] = None
+    assert sw.pick_mma(rows) == {"num_warps": 4, "programs_per_sm": 8, "rows": 1, "prefetch": 0, "kwarps": 4}
+    rows[4]["ms"] = None
+    assert sw.pick_mma(rows) == {"num_warps": 4, "programs_per_sm": 8, "rows": 1, "prefetch": 0, "kwarps": 1}
+
+
+def test_pick_mma_wide_launch_and_reach():
+    def row(n, m, kernel, t, launch=None):
+        r = {"N": n, "K": 1000, "M": m, "kernel": kernel, "ms": t}
+        if launch:
+            r.update(zip(("num_warps", "programs_per_sm", "rows", "prefetch"), launch))
+        return r
+
+    a, b = (1, 8, 2, 2), (2, 4, 2, 2)
+    rows = []
+    # wgmma, a, b per (N, M): a is nearer each problem's best; summed over M it wins at N >= 200 (at N = 400
+    # though it loses at M = 16), loses at N = 100
+    for n, m, base, ta, tb in ((100, 12, 5.0, 6.0, 4.0), (100, 16, 5.0, 6.0, 9.0), (200, 12, 9.0, 8.0, 9.5),
+                               (200, 16, 9.0, 8.5, 9.5), (400, 12, 20.0, 15.0, 18.0), (400, 16, 20.0, 21.0, 18.0)):
+        rows += [row(n, m, "matrix-unit", base), row(n, m, "mma", ta, a), row(n, m, "mma", tb, b)]
+    want = {"rows": 2, "num_warps": 1, "programs_per_sm": 8, "prefetch": 2, "kwarps": 1}
+    assert sw.pick_mma_wide(rows) == dict(want, min_weights=200 * 1000)
+    # a loss on the middle shape in the sum: reach only from the largest
+    rows = [dict(r, ms=10.5) if r["kernel"] == "mma" and r["N"] == 200 and r["M"] == 16 and r["rows"] == 2
+            and r["num_warps"] == 1 else r for r in rows]
+    assert sw.pick_mma_wide(rows)["min_weights"] == 400 * 1000
+    # losing on the largest shape: never
+    slow = [dict(r, ms=30.0) if r["kernel"] == "mma" and r["N"] == 400 else r for r in rows]
+    assert sw.pick_mma_wide(slow) == dict(want, min_weights=None)
+    # a failed launch (None) never wins: b, which beats the wgmma kernel on the largest shape only
+    rows = [dict(r, ms=None) if r["kernel"] == "mma" and r["N"] == 400 and r["M"] == 12 and r["num_warps"] == 1
+            else r for r in rows]
+    assert sw.pick_mma_wide(rows) == {"rows": 2, "num_warps": 2, "programs_per_sm": 4, "prefetch": 2,
+                                              "kwarps": 1, "min_weights": 400 * 1000}
+
+
+def test_pick_mma_wide_judges_a_launch_where_it_would_run():
+    # c is nearer the best on the small shape (where a loses to the wgmma kernel and would not run)
+    # but far from it on the large one: over all problems c is the nearer (what pick_mma takes),
+    # routed (a from N = 400 up, the wgmma kernel below) a is
+    def row(n, m, kernel, t, launch=None):
+        r = {"N": n, "K": 1000, "M": m, "kernel": kernel, "ms": t}
+        if launch:
+            r.update(zip(("num_warps", "programs_per_sm", "rows", "prefetch", "kwarps"), launch))
+        return r
+
+    a, c = (1, 8, 2, 2, 1), (1, 2, 2, 2, 4)
+    rows = []
+    for n, base, ta, tc in ((100, 5.0, 10.0, 4.2), (400, 40.0, 20.0, 30.0)):
+        for m in (12, 16):
+            rows += [row(n, m, "matrix-unit", base), row(n, m, "mma", ta, a), row(n, m, "mma", tc, c)]
+    assert sw.pick_mma([r for r in rows if r["kernel"] == "mma"])["kwarps"] == 4
+    assert sw.pick_mma_wide(rows) == {"num_warps": 1, "programs_per_sm": 8, "rows": 2, "prefetch": 2,
+                                              "kwarps": 1, "min_weights": 400 * 1000}
+    # where c's routing is the nearer (a no faster than c on the large shape), c and its reach
+    rows = [dict(r, ms=30.0) if r["kernel"] == "mma" and r["N"] == 400 and r.get("kwarps") == 1 else r for r in rows]
+    assert sw.pick_mma_wide(rows) == {"num_warps": 1, "programs_per_sm": 2, "rows": 2, "prefetch": 2,
+                                              "kwarps": 4, "min_weights": 100 * 1000}
+
+
+def test_pick_row_mma_reach():
+    # ROW_MMA's reach: the smallest size from which the mma kernel is faster on every ragged-step
+    # shape at least as large (same-size shapes summed; shapes whose GEMV step divides K do not
+    # count; a failed launch counts as never faster).
+    def rows(n, k, gemv, mma, ragged=True):
+        return [{"N": n, "K": k, "M": 1, "kernel": "gemv", "ragged": ragged, "ms": gemv},
+                {"N": n, "K": k, "M": 1, "kernel": "mma", "ragged": ragged, "ms": mma}]
+
+    base = rows(100, 10, 1.0, 2.0) + rows(200, 10, 2.0, 1.5) + rows(400, 10, 4.0, 3.0) + rows(50, 80, 4.5, 4.0)
+    assert sw.pick_row_mma(base) == {"min_weights": 2000}
+    # a smaller shape where the mma kernel wins does not reach past a larger one where it loses
+    assert sw.pick_row_mma(base + rows(10, 10, 1.0, 0.5) + rows(300, 10, 1.0, 1.0)) == {"min_weights": 4000}
+    # same-size shapes are summed: one loss outweighed by a larger win keeps the size
+    assert sw.pick_row_mma(base + rows(20, 100, 1.0, 1.2)) == {"min_weights": 2000}
+    # a shape whose GEMV step divides K is ignored, however slow the mma kernel is there
+    assert sw.pick_row_mma(base + rows(1000, 10, 1.0, 9.0, ragged=False)) == {"min_weights": 2000}
+    # the largest ragged shape failing on the mma kernel: never
+    assert sw.pick_row_mma(base + rows(800, 10, 1.0, None)) == {"min_weights": None}
+
+# --------------------------------------------------------------------------------------------
+# moe (scripts/sweeps/moe.py)
+# --------------------------------------------------------------------------------------------
+def test_pick_moe_gemv_tile_and_threshold():
+    rows = []
+    for t, base, a, b in ((1, 40.0, 20.0, 25.0), (8, 190.0, 100.0, 90.0), (16, 300.0, 280.0, 320.0), (64, 500.0, 600.0, 400.0)):
+        rows.append({"tokens": t, "path": "matrix-unit", "ms": base})
+        rows.append({"tokens": t, "path": "gemv", "tile": [1, 8, 2048, 4], "ms": a})
+        rows.append({"tokens": t, "path": "gemv", "tile": [2, 8, 2048, 4], "ms": b})
+    got = sm.pick_gemv(rows, top_k=6, decode_tokens=8)
+    # summed up to 8 tokens: 120 against 115 -> the second tile; it loses at 16 tokens
+    assert got == {"max_assignments": 48, "BLOCK_M": 2, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1}
+
+
+def test_pick_moe_mma_launch_and_reach():
+    rows = []
+    for t, wg, a, b in ((32, 400.0, 300.0, 290.0), (64, 500.0, 350.0, 340.0), (128, 560.0, 420.0, 600.0),
+                        (256, 640.0, 700.0, 710.0)):
+        rows.append({"tokens": t, "path": "sorted", "ms": wg})
+        rows.append({"tokens": t, "path": "sorted-mma", "launch": [2, 2, 2], "ms": a})
+        rows.append({"tokens": t, "path": "sorted-mma", "launch": [1, 2, 2], "ms": b})
+    # [1, 2, 2] is faster at 32 and 64 tokens but loses at 128; [2, 2, 2] wins up to 128
+    assert sm.pick_mma(rows, n_exp=128, top_k=6) == {"max_per_expert": 6.0, "rows": 2, "num_warps": 2,
+                                                           "prefetch": 2}
+    rows = [dict(r, ms=None) if r["path"] == "sorted-mma" and r["launch"] == [2, 2, 2] else r for r in rows]
+    assert sm.pick_mma(rows, n_exp=128, top_k=6) == {"max_per_expert": 3.0, "rows": 1, "num_warps": 2,
+                                                           "prefetch": 2}
+    rows = [dict(r, ms=1e9) if r["path"] == "sorted-mma" else r for r in rows]
+    assert sm.pick_mma(rows, n_exp=128, top_k=6)["max_per_expert"] == 0
+
+
+def test_pick_small_threshold_from_the_sorted_path():
+    rows = []
+    for t, sorted_ms, small_ms in ((1, 8.0, 4.0), (2, 9.0, 6.0), (8, 20.0, 19.0), (64, 50.0, 55.0)):
+        rows.append({"tokens": t, "path": "sorted", "ms": sorted_ms})
+        rows.append({"tokens": t, "path": "small", "programs_per_sm": 2, "max_parts": 4, "ms": small_ms})
+        rows.append({"tokens": t, "path": "small", "programs_per_sm": 4, "max_parts": 4, "ms": small_ms + 1})
+    assert sm.pick_small(rows, top_k=6) == {"max_assignments": 48, "programs_per_sm": 2, "max_parts": 4}
+    rows = [dict(r, ms=1.0) if r["path"] == "small" else r for r in rows]
+    assert sm.pick_small(rows)["max_assignments"] == 512
+
+# --------------------------------------------------------------------------------------------
+# packed (scripts/sweeps/packed.py)
+# --------------------------------------------------------------------------------------------
+def test_packed_pick_per_class_and_size():
+    rows = []
+    for n, k in ((8192, 8192), (3712, 2688)):
+        for bm, nw, pps, ms in ((64, 4, 2, 2.0), (64, 8, 2, 1.0), (32, 4, 2, 1.5)):
+            small = n * k < launch.table("packed")["LARGE_WEIGHTS"]
+            rows.append({"N": n, "K": k, "M": 64, "BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps,
+                         "ms": ms if not small else {4: 1.0, 8: 3.0}[nw] * (0.5 if bm == 32 else 1.0)})
+    table = sp.pick(rows)
+    assert table["64"]["large"] == {"BLOCK_M": 64, "num_warps": 8, "programs_per_sm": 2, "UNROLL": 1, "PREFETCH": 0}
+    # a prefetch distance is picked like the other keys
+    rows.append({"N": 8192, "K": 8192, "M": 64, "BLOCK_M": 64, "num_warps": 8, "programs_per_sm": 2, "PREFETCH": 4,
+                 "ms": 0.8})
+    assert sp.pick(rows)["64"]["large"]["PREFETCH"] == 4
+    table = sp.pick(rows[:-1])
+    assert table["64"]["small"] == {"BLOCK_M": 32, "num_warps": 4, "programs_per_sm": 2, "UNROLL": 1, "PREFETCH": 0}
+    assert table["16"] == launch.thaw(launch.table("packed")["PACKED"]["16"])  # not swept: kept
+    # classes and sizes not swept are kept from the table given
+    other = launch.override(launch.table("packed"), PACKED={"16": {"small": {"BLOCK_M": 16, "num_warps": 8,
+                                                                             "programs_per_sm": 1, "UNROLL": 1}}})
+    assert sp.pick(rows, other)["16"]["small"]["num_warps"] == 8
