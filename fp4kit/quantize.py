@@ -398,6 +398,11 @@ def run(job: QuantizeJob, log=print) -> tuple[QuantizedModel, Path]:
     recipe, spec, model_ref, output = validate_job(job)
     timings = {}
     t0 = time.perf_counter()
+    import transformers  # noqa: F401  (its import is a stage of its own, not part of loading the weights)
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    timings["import"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     log(f"loading {model_ref} on {job.device}")
     model, tokenizer = load_model(model_ref, device=job.device, trust_remote_code=job.trust_remote_code,
                                   allow_pickle=job.allow_pickle)

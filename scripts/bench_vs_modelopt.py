@@ -116,6 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("model", help="BF16 model folder (with a tokenizer)")
     ap.add_argument("--calib", default="8x32k")
     ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--keep", action="store_true", help="keep both checkpoints (default: removed after the comparison)")
     ap.add_argument("--modelopt-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.modelopt_child:
@@ -151,6 +152,11 @@ def main(argv=None) -> int:
         "speedup_whole_process": mo_wall / fk_wall,
         "bytes": compare_checkpoints(fk_dir, mo_dir),
     }
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(fk_dir, ignore_errors=True)
+        shutil.rmtree(mo_dir, ignore_errors=True)
     gpu = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
     path = ROOT / "benchmarks" / "results" / f"vs-modelopt-{gpu}.json"
     doc = json.loads(path.read_text()) if path.is_file() else {}

@@ -3,6 +3,7 @@ check every parameter it fills against the checkpoint's bytes.
 
     python scripts/check_engines.py CKPT --engine vllm   [--mtp] [--json OUT]
     python scripts/check_engines.py CKPT --engine sglang [--mtp] [--json OUT]
+    python scripts/check_engines.py merge OUT.json REPORT.json... [--extra META.json]
 
 Run it with the python of an environment where the engine is installed. The engine's config
 classes read config.json / hf_quant_config.json, its model class (Nemotron-H, or the MTP draft
@@ -38,7 +39,6 @@ the engine could not build or load the model (the error is in the report).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -464,7 +464,8 @@ def stacked_expect(name_after: str, module, shard_id, param, via: str) -> Expect
 
 def expert_expect(name_after: str, expert_id: int, shard_id: str, param, intermediate: int | None, via: str) -> Expect:
     """Expected place of one expert's tensor in a fused expert parameter [E, ...]: index
-    `expert_id` along dim 0 (w1 / w3 halves of a gated w13 are not distinguished here)."""
+    `expert_id` along dim 0. Nemotron-H's experts are not gated, so w13 holds the up
+    projection alone (shard w1); the w1 / w3 halves of a gated w13 are not told apart."""
     return Expect(name_after, expert=expert_id, via=via)
 
 
@@ -484,17 +485,19 @@ def stub_kernel_choice_vllm() -> list[str]:
 
     mo.select_linear_kernel = inert
     replaced.append("vllm.model_executor.layers.quantization.modelopt.select_linear_kernel")
+    import vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method  # noqa: F401
+
     for modname, fn in (("vllm.model_executor.layers.fused_moe.oracle.nvfp4", "select_nvfp4_moe_backend"),
-                        ("vllm.model_executor.layers.fused_moe.oracle.fp8", "select_fp8_moe_backend")):
+                        ("vllm.model_executor.layers.fused_moe.oracle.fp8", "select_fp8_moe_backend"),
+                        ("vllm.model_executor.layers.fused_moe.oracle.unquantized", "select_unquantized_moe_backend")):
         mod = __import__(modname, fromlist=[fn])
         orig = getattr(mod, fn)
-        backend_enum = None
 
-        def pick(*args, _orig=orig, _fn=fn, **kwargs):
+        def pick(*args, _fn=fn, **kwargs):
             return _vllm_first_backend(_fn), InertKernel
-        setattr(mod, fn, pick)
-        if getattr(mo, fn, None) is orig:
-            setattr(mo, fn, pick)
+        for other in list(sys.modules.values()):  # every module that imported it by name
+            if getattr(other, "__name__", "").startswith("vllm.") and getattr(other, fn, None) is orig:
+                setattr(other, fn, pick)
         replaced.append(f"{modname}.{fn}")
     # The CPU platform has no non-gated (relu2) fused-MoE kernel and FusedMoEConfig refuses
     # the layer there; the check asks the platform, so answer it as a CUDA platform would.
@@ -524,8 +527,12 @@ def stub_kernel_choice_vllm() -> list[str]:
 def _vllm_first_backend(fn: str):
     if fn == "select_nvfp4_moe_backend":
         from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend as B
-    else:
+    elif fn == "select_fp8_moe_backend":
         from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend as B
+    else:
+        import vllm.model_executor.layers.fused_moe.oracle.unquantized as u
+
+        B = next(v for k, v in vars(u).items() if k.endswith("MoeBackend") and isinstance(v, type) and hasattr(v, "__members__"))
     for name in ("MARLIN", "TRITON"):
         if hasattr(B, name):
             return getattr(B, name)
@@ -612,6 +619,14 @@ class VllmEngine:
             if hasattr(qc, "get_checkpoint_weight_mapper"):
                 mapper = mapper | qc.get_checkpoint_weight_mapper()
         experts = {n: m for n, m in modules.items() if hasattr(m, "get_expert_mapping") and hasattr(m, "w2_weight")}
+        mtp_experts = []
+        if self.mtp and getattr(self.model_config().hf_config, "n_routed_experts", None):
+            # NemotronHMTP.load_weights maps experts through the model-level table
+            from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
+
+            mtp_experts = fused_moe_make_expert_params_mapping(
+                model, ckpt_gate_proj_name="up_proj", ckpt_down_proj_name="down_proj", ckpt_up_proj_name=None,
+                num_experts=self.model_config().hf_config.n_routed_experts)
 
         def expect(name):
             if self.mtp:
@@ -622,6 +637,11 @@ class VllmEngine:
             if mapped is None:
                 return None
             new, shard = mapped
+            for param_name, weight_name, expert_id, shard_id in mtp_experts:
+                if weight_name in new:
+                    target = new.replace(weight_name, param_name)
+                    return expert_expect(target, expert_id, shard_id, params[target], None, f"expert {expert_id} {shard_id}") \
+                        if target in params else Expect(target, via=f"expert {expert_id} {shard_id}")
             for path, mod in experts.items():
                 # RoutedExperts.load_weights: qual_name.replace(weight_name, param_name), less
                 # the layer name, is the attribute on the RoutedExperts module.
@@ -675,9 +695,6 @@ class VllmEngine:
             return None
         return exempt
 
-    def kv_scale_dtype_note(self, model) -> dict:
-        return {}
-
 
 # ----------------------------------------------------------------------------------------
 # SGLang
@@ -696,9 +713,11 @@ class SglangEngine:
 
         self.ckpt, self.mtp = ckpt, mtp
         self.version = sglang.__version__
-        self.stubbed = []
+        # Backend choices as server options: Marlin MoE (the NVFP4 MoE path SGLang takes below
+        # Blackwell), no CUDA graphs, no radix cache (its Mamba snapshots need GPU support).
+        self.stubbed = ["server args: moe_runner_backend=marlin, disable_cuda_graph, disable_radix_cache"]
         kw = dict(model_path=str(ckpt), device="cpu", dtype="bfloat16", tp_size=1, load_format="safetensors",
-                  disable_cuda_graph=True)
+                  disable_cuda_graph=True, disable_radix_cache=True, moe_runner_backend="marlin")
         if mtp:
             kw.update(speculative_algorithm="EAGLE", speculative_draft_model_path=str(ckpt),
                       speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2)
@@ -713,15 +732,17 @@ class SglangEngine:
             get_parallel().override_permanently(world_group=ps._WORLD)
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(backend="gloo")
+        from sglang.srt.layers.moe.utils import initialize_moe_config
+
+        initialize_moe_config()
         self.model_config = ModelConfig.from_server_args(self.server_args, model_path=str(ckpt),
                                                          is_draft_model=mtp)
         self.stubbed += stub_kernel_choice_sglang()
 
     def build(self):
-        from sglang.srt.configs.device_config import DeviceConfig  # noqa: F401
         from sglang.srt.configs.load_config import LoadConfig
         from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
-        from sglang.srt.utils import set_default_torch_dtype
+        from sglang.srt.model_loader.utils import set_default_torch_dtype
 
         load_config = LoadConfig(load_format="safetensors")
         quant_config = _get_quantization_config(self.model_config, load_config)
@@ -778,11 +799,42 @@ class SglangEngine:
         return expect
 
     def exempt_for(self, model):
-        return lambda name: None
+        """Parameters SGLang creates that no checkpoint carries: KV-cache scales (default 1.0
+        when absent), the swizzled copy of an NVFP4
+        MoE block scale (a kernel layout, built from `w*_weight_scale`; modelopt_quant.py
+        ModelOptNvFp4FusedMoEMethod.create_weights), and the `input_scale` placeholders of
+        weight-only NVFP4 (ModelOptNvFp4A16LinearMethod: "consumed during loading and
+        discarded before runtime"; MoE: the W4A16 config's experts, filled with 1.0)."""
+        from sglang.srt.layers.quantization import modelopt_quant as mq
+        from sglang.srt.layers.quantization.kv_cache import BaseKVCacheMethod
+
+        modules = dict(model.named_modules())
+        a16_config = getattr(self.quant_config, "nvfp4a16_config", None)  # this model's, not a later build's
+
+        def exempt(name):
+            owner, leaf = name.rsplit(".", 1)
+            qm = getattr(modules.get(owner), "quant_method", None)
+            if isinstance(qm, BaseKVCacheMethod):
+                return "KV-cache quant parameter: SGLang defaults it when the checkpoint has none (quantization/kv_cache.py)"
+            if leaf.endswith("_blockscale_swizzled"):
+                return "kernel-layout copy of the NVFP4 MoE block scale, derived after loading"
+            if leaf == "input_scale" and isinstance(qm, mq.ModelOptNvFp4A16LinearMethod):
+                return "W4A16_NVFP4 placeholder: discarded before runtime (ModelOptNvFp4A16LinearMethod)"
+            mqc = getattr(qm, "quant_config", None)
+            a16 = mqc is not None and (getattr(mqc, "is_w4a16", False) or (a16_config is not None and mqc is a16_config))
+            if leaf in ("w13_input_scale", "w2_input_scale") and a16:
+                return "W4A16_NVFP4 experts: no input scale on disk; SGLang fills 1.0 (ModelOptNvFp4FusedMoEMethod.create_weights)"
+            return None
+        return exempt
 
 
 def stub_kernel_choice_sglang() -> list[str]:
-    return []
+    """SGLang without a GPU and without its CPU kernel package (not on PyPI) picks vLLM's
+    custom rotary op as a fallback kernel; take the CPU rotary path instead."""
+    import sglang.srt.layers.rotary_embedding.base as rope
+
+    rope._is_cpu = True
+    return ["sglang.srt.layers.rotary_embedding.base._is_cpu = True (rotary kernel choice)"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -821,7 +873,52 @@ def check(ckpt: Path, engine_name: str, mtp: bool = False) -> dict:
     return result
 
 
+def summarize(report: dict) -> dict:
+    """One report's outcome in a few numbers (the full lists stay in the report)."""
+    if "error" in report:
+        return {"ok": False, "error": report["error"]}
+    out = {"ok": report["ok"], "written": report["written"], "placement_checked": report["placement_checked"],
+           "checked": report["checked"]}
+    for key in ("unwritten", "differs", "misplaced", "overlaps"):
+        out[key] = sorted(report[key])
+    out["skipped"] = report["skipped"]
+    out["skipped_by_design"] = len(report["skipped_by_design"])
+    out["unwritten_defaulted"] = {k: v["reason"] for k, v in report.get("unwritten_defaulted", {}).items()}
+    out["rounded"] = {k: [{"param": r["target"], "param_dtype": r["param_dtype"], "disk": r.get("disk_value"),
+                           "stored": r.get("stored_value"), "max_rel_change": r["max_rel_change"]} for r in v]
+                      for k, v in report["rounded"].items()}
+    return out
+
+
+def merge(reports: list[Path], labels: dict | None = None) -> dict:
+    """Runs of this script (their --json files) in one table: engine -> checkpoint (its folder's
+    parent/name, or labels[path]) -> summary."""
+    table: dict = {}
+    meta: dict = {}
+    for path in reports:
+        r = json.loads(path.read_text())
+        meta.setdefault(r["engine"], {"versions": r["versions"], "stubbed": r.get("stubbed")})
+        if r.get("stubbed"):
+            meta[r["engine"]]["stubbed"] = r["stubbed"]
+        ck = Path(r["checkpoint"])
+        key = (labels or {}).get(r["checkpoint"], f"{ck.parent.name}/{ck.name}") + (" --mtp" if r.get("mtp") else "")
+        table.setdefault(r["engine"], {})[key] = dict(summarize(r), date=r["date"], report=path.name)
+    return {"engines": meta, "results": table}
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "merge":
+        ap = argparse.ArgumentParser(prog="check_engines.py merge", description="combine --json reports into one file")
+        ap.add_argument("out", type=Path)
+        ap.add_argument("reports", type=Path, nargs="+")
+        ap.add_argument("--extra", type=Path, help="a JSON object merged in at the top (e.g. how the runs were made)")
+        a = ap.parse_args(argv[1:])
+        doc = json.loads(a.extra.read_text()) if a.extra else {}
+        doc.update(merge(a.reports))
+        a.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--engine", choices=sorted(ENGINES), required=True)

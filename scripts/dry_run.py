@@ -253,6 +253,16 @@ def save_bf16(args) -> dict:
     return {"layers": cfg.num_hidden_layers, "bytes": folder_bytes(dest), "save_s": time.perf_counter() - t0}
 
 
+def proc_memory(pid: int, keys: tuple[str, ...]) -> list[int]:
+    """The given /proc/<pid>/status fields in bytes (0 where the process is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return [0] * len(keys)
+    found = dict(re.findall(r"^(\w+):\s+(\d+) kB", text, re.M))
+    return [int(found.get(k, 0)) * 1024 for k in keys]
+
+
 _LOAD_PROBE = """
 import sys, time, torch
 from transformers import AutoModelForCausalLM
@@ -272,18 +282,27 @@ def cli_run(args) -> dict:
     cmd = ["fp4kit", "quantize", "--model", str(folder), "--calib", args.calib, "--device", "cuda", "-o", str(out),
            "--overwrite", "--allow-repeat", "--batch-size", str(args.batch_size)]
     t0 = time.perf_counter()
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if run.returncode != 0:
-        raise SystemExit(f"fp4kit quantize failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
-    times = {k: float(v) for k, v in re.findall(r"([a-z ]+?) ([0-9.]+)s", run.stdout.split("time:", 1)[1].splitlines()[0])}
-    child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9
+    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
+        proc = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, text=True)
+        peak = {"VmRSS": 0, "RssAnon": 0}
+        while proc.poll() is None:
+            peak = {k: max(v, now) for (k, v), now in zip(peak.items(), proc_memory(proc.pid, tuple(peak)))}
+            time.sleep(0.1)
+        wall = time.perf_counter() - t0
+        out_f.seek(0), err_f.seek(0)
+        stdout, stderr = out_f.read(), err_f.read()
+    if proc.returncode != 0:
+        raise SystemExit(f"fp4kit quantize failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    times = {k.strip(): float(v) for k, v in re.findall(r"([a-z ]+?) ([0-9.]+)s", stdout.split("time:", 1)[1].splitlines()[0])}
     src_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     result = {"command": " ".join(cmd), "wall_s": wall, "stages_s": {k.strip(): v for k, v in times.items()},
-              "hf_from_pretrained_device_map_s": hf_load, "source_bytes": src_bytes,
+              "hf_from_pretrained_device_map_s": hf_load, "source_bytes": src_bytes, "stdout_tail": stdout[-1500:],
               "load_over_hf": times.get("load", float("nan")) / hf_load,
               "load_gb_per_s": src_bytes / times["load"] / 1e9 if times.get("load") else None,
-              "checkpoint_bytes": folder_bytes(out), "peak_host_rss_gb_children": child_rss}
+              "checkpoint_bytes": folder_bytes(out),
+              # VmRSS counts the safetensors files' mapped pages, which the kernel can drop at
+              # will; RssAnon is the process's own memory (pinned buffers included).
+              "peak_host_rss_gb": peak["VmRSS"] / 1e9, "peak_host_anon_gb": peak["RssAnon"] / 1e9}
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)
     return result

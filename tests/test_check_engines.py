@@ -158,3 +158,20 @@ def test_fill_reads_back_as_filled_in_every_dtype():
         check_engines.fill_bytes(t, 0xFF)
         if dtype.is_floating_point:
             assert bool(t.float().isnan().all())
+
+
+def test_merge_summarizes_reports(tmp_path):
+    report = run(make_loader(skip={"attn.v_proj.weight"}), scale_dtype=torch.bfloat16)
+    report.update(checkpoint="/x/ckpt-a", engine="toy", mtp=False, versions={"toy": "1"}, date="d", stubbed=["k"])
+    failed = {"checkpoint": "/x/ckpt-b", "engine": "toy", "mtp": True, "versions": {"toy": "1"}, "date": "d",
+              "ok": False, "error": "RuntimeError: boom"}
+    paths = []
+    for i, r in enumerate((report, failed)):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(check_engines.json.dumps(r, default=str))
+    doc = check_engines.merge(paths)
+    a = doc["results"]["toy"]["x/ckpt-a"]
+    assert a["ok"] is False and a["skipped"] == ["attn.v_proj.weight"] and a["unwritten"] == ["qkv"]
+    assert a["rounded"]["attn.k_proj.k_scale"][0]["stored"] == pytest.approx(0.0090942, rel=1e-4)
+    assert doc["results"]["toy"]["x/ckpt-b --mtp"] == {"ok": False, "error": "RuntimeError: boom", "date": "d", "report": "r1.json"}
+    assert doc["engines"]["toy"]["stubbed"] == ["k"]

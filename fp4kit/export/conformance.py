@@ -460,6 +460,22 @@ class _Checker:
 
     # --- config ---
 
+    def _check_mamba_groups(self, config: dict) -> None:
+        # SGLang 0.5.23 builds the mixer from `mamba_n_groups` (default 8) and sizes its state
+        # cache from `n_groups`; vLLM and transformers read `n_groups`.
+        groups, sglang = config.get("n_groups"), config.get("mamba_n_groups")
+        if groups is None:
+            self.error("missing_key", "config.json:n_groups", "nemotron_h's Mamba layers need n_groups")
+        elif sglang is None:
+            self.error(
+                "missing_key",
+                "config.json:mamba_n_groups",
+                f"SGLang builds the Mamba mixer with mamba_n_groups (default 8), not n_groups ({groups}); "
+                "its conv1d weights then do not fit",
+            )
+        elif sglang != groups:
+            self.error("config_mismatch", "config.json:mamba_n_groups", f"{sglang!r} but n_groups is {groups!r}")
+
     def _check_hybrid_pattern(self, config: dict) -> None:
         pattern = config.get("hybrid_override_pattern")
         if pattern is None:
@@ -490,6 +506,8 @@ class _Checker:
                     "config.json:layers_block_type",
                     f"does not spell hybrid_override_pattern {pattern!r}; the engines use layers_block_type",
                 )
+        if "M" in pattern:
+            self._check_mamba_groups(config)
         n = config.get("num_hidden_layers")
         if isinstance(n, int) and n != len(pattern):
             self.error(

@@ -76,8 +76,9 @@ def quant_configs(qm: QuantizedModel, carried: list[str] = ()) -> tuple[dict, di
         flat["quantized_layers"] = layers
     else:
         raise ValueError(f"recipe {qm.recipe.name!r} quantized no weight of this model")
+    # Always present (null: a BF16 KV cache): vLLM's parser of the nested file requires the key.
+    nested["quantization"]["kv_cache_quant_algo"] = kv
     if kv:
-        nested["quantization"]["kv_cache_quant_algo"] = kv
         flat["kv_cache_quant_algo"] = kv
         flat["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
     return nested, flat
@@ -100,6 +101,11 @@ def _source_config(qm: QuantizedModel, source_dir: Path | None) -> dict:
             config.pop(key, None)
             if pattern is not None:
                 config[attr] = pattern
+        # SGLang builds the Mamba mixer from `mamba_n_groups` (its default 8) but sizes the state
+        # cache from `n_groups`; transformers reads the two as one.
+        n_groups = config.get("n_groups", getattr(qm.model.config, "n_groups", None))
+        if n_groups is not None:
+            config["mamba_n_groups"] = n_groups
     if not config.get("architectures"):
         config["architectures"] = [type(qm.model).__name__]
     return config
@@ -169,7 +175,14 @@ def export_checkpoint(
         writer = ShardWriter(folder.tmp, max_shard_bytes)
         n = len(qm.model.state_dict())
         bar = tqdm(total=n, desc="export", unit="tensor", disable=not progress)
-        _write_tensors(qm, writer, bar.update, source_dir)
+        try:
+            _write_tensors(qm, writer, bar.update, source_dir)
+        except BaseException:
+            try:
+                writer.wait()  # no background write may outlive the folder's removal
+            except Exception:
+                pass
+            raise
         bar.close()
         writer.close()
         config = _source_config(qm, source_dir)

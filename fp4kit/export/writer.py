@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -27,8 +28,8 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 
 
 class _PinnedStage:
-    """One page-locked host buffer that GPU tensors are copied into, a shard at a time: the copies
-    run at full PCIe speed without a host sync per tensor, and host memory stays at one shard."""
+    """A page-locked host buffer that a shard's GPU tensors are copied into: the copies run at full
+    PCIe speed without a host sync per tensor, and the buffer is reused shard after shard."""
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
@@ -59,8 +60,11 @@ def _aligned(n: int) -> int:
 class ShardWriter:
     """Collects tensors and writes safetensors shards of at most `max_shard_bytes`.
 
-    Tensors are held as given (GPU tensors stay on the GPU) until their shard is written, so the
-    host holds one shard at a time whatever the checkpoint's size."""
+    Tensors are held as given (GPU tensors stay on the GPU) until their shard is written. Up to
+    IN_FLIGHT shards are written at once by background threads while the next one is collected,
+    so the host holds at most that many shards whatever the checkpoint's size."""
+
+    IN_FLIGHT = 2
 
     def __init__(self, folder: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         self.folder = folder
@@ -69,7 +73,9 @@ class ShardWriter:
         self._pending_bytes = 0
         self._shards: list[list[str]] = []
         self._names: set[str] = set()
-        self._stage = _PinnedStage()
+        self._free = [_PinnedStage() for _ in range(self.IN_FLIGHT)]
+        self._writing: list[tuple[Future, _PinnedStage]] = []
+        self._pool = ThreadPoolExecutor(max_workers=self.IN_FLIGHT, thread_name_prefix="fp4kit-shard")
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -84,22 +90,40 @@ class ShardWriter:
         self._pending_bytes += size
         self.total_bytes += size
 
+    def _wait_oldest(self) -> None:
+        future, stage = self._writing.pop(0)
+        future.result()  # a failed write raises here
+        self._free.append(stage)
+
     def _flush(self) -> None:
         if not self._pending:
             return
+        if not self._free:
+            self._wait_oldest()
+        stage = self._free.pop()
         index = len(self._shards)
         on_gpu = {k: t for k, t in self._pending.items() if t.device.type == "cuda"}
         host = {k: t.to("cpu") for k, t in self._pending.items() if t.device.type not in ("cpu", "cuda")}
         if on_gpu:
-            host.update(self._stage.host_copies(on_gpu))
+            host.update(stage.host_copies(on_gpu))
         tensors = {k: host.get(k, t) for k, t in self._pending.items()}
-        save_file(tensors, str(self.folder / f"shard-{index:05d}.tmp"), metadata={"format": "pt"})
+        path = str(self.folder / f"shard-{index:05d}.tmp")
+        self._writing.append((self._pool.submit(save_file, tensors, path, {"format": "pt"}), stage))
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
+
+    def wait(self) -> None:
+        """Block until every shard handed to the background threads is on disk."""
+        try:
+            while self._writing:
+                self._wait_oldest()
+        finally:
+            self._pool.shutdown(wait=True)
 
     def close(self) -> list[str]:
         """Finish the shards; rename them to their final names; write the index if sharded."""
         self._flush()
+        self.wait()
         n = len(self._shards)
         if n == 0:
             raise ValueError("no tensors to write")

@@ -106,6 +106,8 @@ def make_configs() -> tuple[dict, dict]:
         "num_hidden_layers": 3,
         "hidden_size": H,
         "n_routed_experts": E,
+        "n_groups": 1,
+        "mamba_n_groups": 1,
         "quantization_config": {
             "quant_method": "modelopt",
             "quant_algo": "MIXED_PRECISION",
@@ -307,6 +309,14 @@ DEFECTS = {
     "missing_hybrid_override_pattern": dict(
         config=lambda c: c.pop("hybrid_override_pattern"),
         expect=("missing_key", "config.json:hybrid_override_pattern"),
+    ),
+    "mamba_n_groups_missing": dict(
+        config=lambda c: c.pop("mamba_n_groups"),
+        expect=("missing_key", "config.json:mamba_n_groups"),
+    ),
+    "mamba_n_groups_differs": dict(
+        config=lambda c: c.__setitem__("mamba_n_groups", 8),
+        expect=("config_mismatch", "config.json:mamba_n_groups"),
     ),
     "layers_block_type_in_transformers_names": dict(
         config=lambda c: c.__setitem__("layers_block_type", ["full_attention", "moe", "linear_attention"]),

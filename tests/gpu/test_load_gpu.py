@@ -12,7 +12,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from fp4kit.export.load import load_quantized, native_e4m3  # noqa: E402
+from fp4kit.export.load import load_quantized  # noqa: E402
+from fp4kit.modules import native_e4m3  # noqa: E402
 from fp4kit.export.modelopt import export_checkpoint  # noqa: E402
 from fp4kit.formats import e4m3  # noqa: E402
 from fp4kit.models.tiny import corpus_path, load_tiny_model  # noqa: E402

@@ -32,3 +32,19 @@ def _in_this_process(request):
     if IN_SUBPROCESS_ONLY and request.node.name != "test_in_fresh_process":
         pytest.skip("the interpreter cannot run in this process (triton imported without "
                     "TRITON_INTERPRET=1, or a GPU here); see test_fresh_process.py")
+
+
+# Parametrized cases that repeat a code path another case in the quick run already takes, on
+# larger problems: they run with the slow tests (`-m slow`).
+SLOW_CASES = (
+    "test_moe.py::test_moe_matches_transformers_experts[gemv-split-13-dtype0-",
+    "test_moe.py::test_moe_matches_transformers_experts[gemv-13-dtype0-",
+    "test_w4a16.py::test_w4a16_mma[launch0-nk1-",
+    "test_w4a16.py::test_w4a16_mma[launch1-nk1-",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(case in item.nodeid for case in SLOW_CASES):
+            item.add_marker(pytest.mark.slow)

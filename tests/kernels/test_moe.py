@@ -98,10 +98,10 @@ def test_moe_mma_launch_defaults_to_the_sorted_path_when_small():
 
 @pytest.mark.parametrize("launch", [(2, 2, 2), (1, 4, 0)])
 def test_moe_sorted_mma(launch):
-    # The sorted path on the register-fed matrix units (the launch table's MOE_MMA), forced: K of 3.125
-    # and 1.625 steps, scale bytes one at a time (K / 16 odd), rows not filling the last tile,
-    # runs of 1 to 10 assignments per expert.
-    n_exp, hid, inter, top_k, tokens = 8, 400, 208, 2, 37
+    # The sorted path on the register-fed matrix units (the launch table's MOE_MMA), forced: K of 2.125
+    # and 1.125 steps, scale bytes one at a time (K / 16 odd), rows not filling the last tile,
+    # runs of 5 to 9 assignments per expert (one past a tile of 8).
+    n_exp, hid, inter, top_k, tokens = 6, 272, 144, 2, 19
     up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=40, scale=0.1), scale_rule="4o6")
     down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=41, scale=0.1))
     x = _rand(tokens, hid, seed=42, dtype=torch.float16)

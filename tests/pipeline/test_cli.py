@@ -58,6 +58,7 @@ def test_existing_output_is_refused(tmp_path, model_dir):
     assert r.returncode == 2 and "--overwrite" in r.stderr
 
 
+@pytest.mark.slow
 def test_kill_mid_calibration_then_resume_is_byte_identical(tmp_path, model_dir):
     common = ["quantize", "--model", str(model_dir), "--calib", "96x128", "--checkpoint-every", "2", "--no-progress"]
     ref = fp4kit(*common, "-o", str(tmp_path / "ref"))

@@ -61,7 +61,6 @@ CONFIG_DIFFERENCES: dict[str, str] = {
         "ModelOpt also lists the input embedding (`model.embed_tokens`); fp4kit lists only "
         "Linear layers kept in BF16, since an engine never quantizes an embedding."
     ),
-    "kv_cache_quant_algo (no KV quantization)": "ModelOpt writes null; fp4kit leaves the key out.",
     "config_groups / flat group_size": (
         "ModelOpt's config.json quantization_config carries `config_groups` (group_size inside); "
         "fp4kit writes no config_groups and a top-level `group_size`."
@@ -312,8 +311,8 @@ def test_llama_quant_config(case, llama_w4a16, llama_fp8):
     assert mo.get("group_size") == fk.get("group_size") == (16 if algo == "W4A16_NVFP4" else None)
     kv = "FP8" if case == "llama-fp8" else None
     assert mo.get("kv_cache_quant_algo") == fk.get("kv_cache_quant_algo") == kv
-    if kv is None:  # CONFIG_DIFFERENCES["kv_cache_quant_algo (no KV quantization)"]
-        assert "kv_cache_quant_algo" in mo and "kv_cache_quant_algo" not in fk
+    # Both write the key, null without KV quantization (vLLM's nested NVFP4 parser requires it).
+    assert "kv_cache_quant_algo" in mo and "kv_cache_quant_algo" in fk
     # CONFIG_DIFFERENCES["exclude_modules / ignore"]
     assert sorted(mo["exclude_modules"]) == ["lm_head", "model.embed_tokens"]
     assert sorted(fk["exclude_modules"]) == ["lm_head"]
