@@ -83,8 +83,16 @@ def model_card(qm, nested_config: dict, total_bytes: int, extra: dict) -> str:
         f"Quantized with fp4kit from `{extra.get('source', 'a BF16 model')}` under the recipe `{recipe.name}` "
         f"(version {recipe.version}). Checkpoint format: nvidia-modelopt (`quant_method: modelopt`, "
         f"`quant_algo: {nested_config['quantization'].get('quant_algo')}`"
-        + (f", KV cache `{nested_config['quantization']['kv_cache_quant_algo']}`" if "kv_cache_quant_algo" in nested_config["quantization"] else "")
+        + (f", KV cache `{nested_config['quantization']['kv_cache_quant_algo']}`" if nested_config["quantization"].get("kv_cache_quant_algo") else "")
         + "), loadable by vLLM and SGLang.",
+        "",
+        "## Loading",
+        "",
+        "- vLLM: `vllm serve <this folder>` (the quantization is read from config.json).",
+        "- SGLang: `python -m sglang.launch_server --model-path <this folder>`.",
+        "- transformers: `fp4kit.load_quantized(<this folder>)` (pip install fp4kit). Plain "
+        "`AutoModelForCausalLM.from_pretrained` has no loader for this format: it fails on NVFP4 "
+        "shapes, or reads FP8 codes as unscaled numbers.",
         "",
         "## Quantization details",
         "",

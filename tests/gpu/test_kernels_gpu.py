@@ -22,25 +22,11 @@ from fp4kit.kernels import launch, mma, moe_gemm, packed_gemm, quantize as kquan
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from benchlib import gemv_probe  # noqa: E402
 
+from .helpers import DEV, _bits, _randn  # noqa: E402
+
 pytestmark = pytest.mark.gpu
-DEV = "cuda"
 W4A16 = launch.table("w4a16")
 ARITH = launch.override(W4A16, DEQUANT={"lut": False})  # the table dequantization's PTX off
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def _same(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor) -> bool:
-    return (torch.equal(a.packed.cpu(), b.packed.cpu())
-            and torch.equal(_bits(a.block_scale).cpu(), _bits(b.block_scale).cpu())
-            and torch.equal(_bits(a.global_scale).cpu(), _bits(b.global_scale).cpu()))
-
-
-def _randn(*shape, dtype=torch.bfloat16, seed=0, scale=0.02):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return (torch.randn(shape, generator=g, device=DEV) * scale).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
