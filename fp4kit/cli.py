@@ -183,6 +183,9 @@ def _cmd_push(args: argparse.Namespace) -> int:
         url = push(args.checkpoint, args.repo, private=args.private, revision=args.revision)
     except (ValueError, FileNotFoundError) as exc:
         return _err(str(exc), 2)
+    except Exception as exc:  # the hub client's network, auth and offline errors
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return _err(f"push to {args.repo} failed ({type(exc).__name__}): {first}", 1)
     print(f"uploaded {args.checkpoint} to {url}")
     return 0
 

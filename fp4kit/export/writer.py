@@ -141,6 +141,16 @@ class ShardWriter:
         return files + ["model.safetensors.index.json"]
 
 
+def _modes_as_created(folder: Path) -> None:
+    """Give the folder and its files the modes a plain open() would (0666 / 0777 less the umask):
+    some writers create their files 0600, which others sharing the checkpoint cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(folder, 0o777 & ~mask)
+    for p in folder.rglob("*"):
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
 class AtomicFolder:
     """A folder that appears under its final name only when `commit()` is called."""
 
@@ -157,6 +167,7 @@ class AtomicFolder:
         self.tmp.mkdir()
 
     def commit(self) -> Path:
+        _modes_as_created(self.tmp)
         if self.final.exists():
             old = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
             os.replace(self.final, old)

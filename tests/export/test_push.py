@@ -56,3 +56,29 @@ def test_refuses_bad_ids_and_nonconformant_folders(ckpt, tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         push(tmp_path, "me/x", api=hub)
     assert hub.calls == []  # nothing reached the hub
+
+
+def test_push_without_network_is_one_line_and_exit_1(ckpt):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "fp4kit.cli", "push", str(ckpt), "--repo", "me/tiny-nvfp4"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: push to me/tiny-nvfp4 failed ("), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_checkpoint_files_readable_by_others(ckpt):
+    import os
+    import stat
+
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(ckpt.stat().st_mode) == 0o777 & ~mask
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in ckpt.iterdir()}
+    assert "model.safetensors" in modes
+    assert set(modes.values()) == {0o666 & ~mask}, modes
