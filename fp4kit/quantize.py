@@ -151,16 +151,13 @@ def _nvfp4_error(w: torch.Tensor, qt: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, 
     """sqnr_terms of w against qt's dequantized values, a few members (or rows) at a time."""
     if w.dim() < 2:
         return sqnr_terms(w, qt.dequantize())
-    terms = []
-    if w.dim() > 2:
-        for sl in _chunks(w.shape[0], w[0].numel()):
-            part = nvfp4.NVFP4Tensor(qt.packed[sl], qt.block_scale[sl], qt.global_scale[sl])
-            terms.append(sqnr_terms(w[sl], part.dequantize()))
-    else:
-        for sl in _chunks(w.shape[0], w.shape[-1]):
-            part = nvfp4.NVFP4Tensor(qt.packed[sl], qt.block_scale[sl], qt.global_scale)
-            terms.append(sqnr_terms(w[sl], part.dequantize()))
-    return sum(s for s, _ in terms), sum(n for _, n in terms)
+    stack = w.dim() > 2  # one global scale per member, else one for all rows
+    signal = noise = 0
+    for sl in _chunks(w.shape[0], w[0].numel()):
+        part = nvfp4.NVFP4Tensor(qt.packed[sl], qt.block_scale[sl], qt.global_scale[sl] if stack else qt.global_scale)
+        s, n = sqnr_terms(w[sl], part.dequantize())
+        signal, noise = signal + s, noise + n
+    return signal, noise
 
 
 def quantize_weights(

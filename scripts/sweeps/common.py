@@ -34,3 +34,7 @@ def updated(table: Mapping, picked: Mapping) -> dict:
     """A table entry with a pick's keys replaced (the keys a sweep does not pick kept)."""
     return {**launch.thaw(table), **launch.thaw(picked)}
 
+
+def merged(kernel: str, table: str, pick):
+    """A Sweep's pick: `pick(rows)` merged into the live table entry `kernel`.`table` (`updated`)."""
+    return lambda rows: updated(launch.table(kernel)[table], pick(rows))

@@ -16,7 +16,7 @@ from fp4kit.kernels import launch, moe_gemm as mg
 from fp4kit.kernels.quantize import quantize
 
 from . import Sweep
-from .common import time_if_right, updated, with_maxnreg
+from .common import merged, time_if_right, with_maxnreg
 
 
 def _nano_experts(n_exp, hid, inter):
@@ -202,19 +202,15 @@ def pick(rows) -> dict:
     return with_maxnreg({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 3}, mr)
 
 
-def _current(name: str):
-    return launch.table("moe")[name]
-
-
 SWEEPS = {
     "decode": Sweep("moe", "MOE_DECODE",
                     lambda: sweep(shapes=((64, 128, 4), (32, 128, 4)), maxnreg=(None, 128, 96, 80)),
-                    lambda rows: updated(_current("MOE_DECODE"), pick(rows)),
+                    merged("moe", "MOE_DECODE", pick),
                     "the wgmma tiles' launch shape at decode sizes"),
-    "small": Sweep("moe", "SMALL", sweep_small, lambda rows: updated(_current("SMALL"), pick_small(rows)),
+    "small": Sweep("moe", "SMALL", sweep_small, merged("moe", "SMALL", pick_small),
                    "the in-kernel-routing path's split-K and the assignments up to which it beats the sorted path"),
-    "gemv": Sweep("moe", "MOE_GEMV", sweep_gemv, lambda rows: updated(_current("MOE_GEMV"), pick_gemv(rows)),
+    "gemv": Sweep("moe", "MOE_GEMV", sweep_gemv, merged("moe", "MOE_GEMV", pick_gemv),
                   "the CUDA-core tiles and the assignments up to which they beat the matrix units"),
-    "mma": Sweep("moe", "MOE_MMA", sweep_mma, lambda rows: updated(_current("MOE_MMA"), pick_mma(rows)),
+    "mma": Sweep("moe", "MOE_MMA", sweep_mma, merged("moe", "MOE_MMA", pick_mma),
                  "the register-fed matrix units' launch shape and their reach in rows per expert"),
 }

@@ -16,7 +16,7 @@ from fp4kit.kernels.quantize import quantize
 from fp4kit.kernels.tiles import gemv_k_tile
 
 from . import Sweep
-from .common import time_if_right, updated, with_maxnreg
+from .common import merged, time_if_right, with_maxnreg
 
 
 def sweep(shapes=((8192, 8192), (3712, 2688)), ms=(1, 16),
@@ -290,23 +290,19 @@ def pick_mma(rows) -> dict:
     return {"num_warps": nw, "programs_per_sm": pps, "rows": rows_, "prefetch": pf, "kwarps": kw}
 
 
-def _current(name: str):
-    return launch.table("w4a16")[name]
-
-
 SWEEPS = {
     "decode": Sweep("w4a16", "DECODE",
                     lambda: sweep(tiles=((64, 128),), warps=(4,), programs_per_sm=(4, 8), maxnreg=(None, 128, 96, 80)),
-                    lambda rows: updated(_current("DECODE"), pick_decode(rows)),
+                    merged("w4a16", "DECODE", pick_decode),
                     "the wgmma kernel's launch shape up to 16 rows"),
-    "mid": Sweep("w4a16", "MID", sweep_mid, lambda rows: updated(_current("MID"), pick_decode(rows)),
+    "mid": Sweep("w4a16", "MID", sweep_mid, merged("w4a16", "MID", pick_decode),
                  "the wgmma kernel's launch shape for 17-64 rows"),
-    "gemv": Sweep("w4a16", "GEMV", sweep_gemv, lambda rows: updated(_current("GEMV"), pick_gemv(rows)),
+    "gemv": Sweep("w4a16", "GEMV", sweep_gemv, merged("w4a16", "GEMV", pick_gemv),
                   "the CUDA-core GEMV's tiles and the rows up to which it beats the matrix units"),
-    "mma": Sweep("w4a16", "MMA", sweep_mma, lambda rows: updated(_current("MMA"), pick_mma(rows)),
+    "mma": Sweep("w4a16", "MMA", sweep_mma, merged("w4a16", "MMA", pick_mma),
                  "the register-fed matrix-unit kernel's launch shape (2-8 rows)"),
-    "mma_wide": Sweep("w4a16", "MMA_WIDE", sweep_mma_wide, lambda rows: updated(_current("MMA_WIDE"), pick_mma_wide(rows)),
+    "mma_wide": Sweep("w4a16", "MMA_WIDE", sweep_mma_wide, merged("w4a16", "MMA_WIDE", pick_mma_wide),
                       "its two-tile launch shape (9-16 rows) and the weights from which it beats wgmma"),
-    "row_mma": Sweep("w4a16", "ROW_MMA", sweep_row_mma, lambda rows: updated(_current("ROW_MMA"), pick_row_mma(rows)),
+    "row_mma": Sweep("w4a16", "ROW_MMA", sweep_row_mma, merged("w4a16", "ROW_MMA", pick_row_mma),
                      "the weight size from which one row runs on the mma kernel where the GEMV pads K"),
 }
