@@ -1,8 +1,14 @@
-"""Writes a ModelOpt-format checkpoint folder atomically.
+"""Writes a ModelOpt-format checkpoint folder atomically, streaming its safetensors shards.
 
 Everything goes to a temporary sibling folder first (`.<name>.partial-<pid>`), which is renamed
 to the final name only once every file is complete, so an interrupted run never leaves a folder
 that passes for a checkpoint.
+
+Shards are written by `write_safetensors`, which lays out a file exactly as
+`safetensors.torch.save_file` does (tests/export/test_writer.py compares the bytes) but streams
+each tensor from wherever it lives: GPU tensors pass through a few small page-locked buffers, the
+next chunk's copy running while the previous one is written, so neither a shard nor the
+checkpoint is ever held in host memory.
 """
 
 from __future__ import annotations
@@ -10,13 +16,25 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+# safetensors' dtype names, in the order its writer places tensors (this dtype order first, then
+# the name).
+_DTYPES = {
+    torch.uint64: "U64", torch.int64: "I64", torch.float64: "F64", torch.float32: "F32",
+    torch.uint32: "U32", torch.int32: "I32", torch.bfloat16: "BF16", torch.float16: "F16",
+    torch.uint16: "U16", torch.int16: "I16", torch.float8_e8m0fnu: "F8_E8M0",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+_RANK = {dtype: i for i, dtype in enumerate(_DTYPES)}
 
 
 class OutputExistsError(FileExistsError):
@@ -27,44 +45,140 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class _PinnedStage:
-    """A page-locked host buffer that a shard's GPU tensors are copied into: the copies run at full
-    PCIe speed without a host sync per tensor, and the buffer is reused shard after shard."""
-
-    def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None
-
-    def host_copies(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        need = sum(_aligned(_tensor_bytes(t)) for t in tensors.values())
-        if self._buf is None or self._buf.numel() < need:
-            self._buf = None
-            self._buf = torch.empty(need, dtype=torch.uint8, pin_memory=True)
-        raw = self._buf.numpy()
-        out, offset = {}, 0
-        for name, t in tensors.items():
-            n = _tensor_bytes(t)
-            # A storage of its own per tensor (safetensors refuses tensors that share one).
-            host = torch.frombuffer(memoryview(raw[offset : offset + n]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-            host = host.view(t.dtype).view(t.shape)
-            host.copy_(t, non_blocking=True)
-            out[name] = host
-            offset += _aligned(n)
-        torch.cuda.synchronize()
-        return out
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as a flat uint8 tensor on t's device (no copy for a contiguous t)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _aligned(n: int) -> int:
-    return -(-n // 64) * 64
+def safetensors_layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[bytes, list[str]]:
+    """The header (length prefix included) and the order of the data, as safetensors writes them."""
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype} has no safetensors name")
+    order = sorted(tensors, key=lambda n: (_RANK[tensors[n].dtype], n))
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = _tensor_bytes(t)
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, order
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class _Stage:
+    """A ring of page-locked host buffers and a copy stream, one per writer thread."""
+
+    BUFFERS = 3
+    BUFFER_BYTES = 64 << 20
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffer_bytes = self.BUFFER_BYTES
+        self.stream = torch.cuda.Stream(device)
+        self.bufs = [torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(self.BUFFERS)]
+        self.views = [b.numpy() for b in self.bufs]
+
+
+_local = threading.local()
+
+
+def _stage_for(device: torch.device) -> _Stage:
+    stages = getattr(_local, "stages", None)
+    if stages is None:
+        stages = _local.stages = {}
+    key = (device, _Stage.BUFFERS, _Stage.BUFFER_BYTES)
+    if key not in stages:
+        stages[key] = _Stage(device)
+    return stages[key]
+
+
+def _stream_gpu(fd: int, run: list[torch.Tensor], ready: torch.cuda.Event | None) -> None:
+    """Writes the bytes of consecutive GPU tensors (one device) through the thread's stage: the
+    copy into one buffer runs while another buffer is written."""
+    stage = _stage_for(run[0].device)
+    if ready is not None:
+        stage.stream.wait_event(ready)
+    pending: deque = deque()  # (buffer index, bytes filled, event)
+    slot, fill = 0, 0
+
+    def seal() -> None:
+        nonlocal slot, fill
+        if fill:
+            event = torch.cuda.Event()
+            event.record(stage.stream)
+            pending.append((slot, fill, event))
+            slot, fill = (slot + 1) % stage.BUFFERS, 0
+        if len(pending) == stage.BUFFERS:
+            drain(1)
+
+    def drain(count: int) -> None:
+        for _ in range(min(count, len(pending))):
+            i, n, event = pending.popleft()
+            event.synchronize()
+            _write_all(fd, stage.views[i][:n])
+
+    with torch.cuda.stream(stage.stream):
+        for t in run:
+            raw = _raw(t)
+            done, total = 0, raw.numel()
+            while done < total:
+                n = min(total - done, stage.buffer_bytes - fill)
+                stage.bufs[slot][fill : fill + n].copy_(raw[done : done + n], non_blocking=True)
+                fill += n
+                done += n
+                if fill == stage.buffer_bytes:
+                    seal()
+        seal()
+        drain(len(pending))
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None,
+                      ready: dict[torch.device, torch.cuda.Event] | None = None) -> None:
+    """A safetensors file of `tensors` (CPU or CUDA), byte-identical to `save_file`'s.
+
+    ready: per CUDA device, an event recorded after the tensors were produced (the copies wait
+    on it instead of on the whole device)."""
+    header, order = safetensors_layout(tensors, metadata)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        _write_all(fd, header)
+        run: list[torch.Tensor] = []  # consecutive GPU tensors of one device
+        for name in order:
+            t = tensors[name].detach()
+            if not t.numel():
+                continue
+            if t.device.type == "cuda" and (not run or run[0].device == t.device):
+                run.append(t)
+                continue
+            if run:
+                _stream_gpu(fd, run, (ready or {}).get(run[0].device))
+                run = []
+            if t.device.type == "cuda":
+                run.append(t)
+            else:
+                _write_all(fd, _raw(t).numpy())
+        if run:
+            _stream_gpu(fd, run, (ready or {}).get(run[0].device))
+    finally:
+        os.close(fd)
 
 
 class ShardWriter:
     """Collects tensors and writes safetensors shards of at most `max_shard_bytes`.
 
-    Tensors are held as given (GPU tensors stay on the GPU) until their shard is written. Up to
-    IN_FLIGHT shards are written at once by background threads while the next one is collected,
-    so the host holds at most that many shards whatever the checkpoint's size."""
+    Tensors are held as given (GPU tensors stay on the GPU) until their shard is written; each
+    full shard goes to one of WRITERS background threads at once, while the next is collected."""
 
-    IN_FLIGHT = 2
+    WRITERS = 2
 
     def __init__(self, folder: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         self.folder = folder
@@ -73,16 +187,17 @@ class ShardWriter:
         self._pending_bytes = 0
         self._shards: list[list[str]] = []
         self._names: set[str] = set()
-        self._free = [_PinnedStage() for _ in range(self.IN_FLIGHT)]
-        self._writing: list[tuple[Future, _PinnedStage]] = []
-        self._pool = ThreadPoolExecutor(max_workers=self.IN_FLIGHT, thread_name_prefix="fp4kit-shard")
+        self._writing: list[Future] = []
+        self._pool = ThreadPoolExecutor(max_workers=self.WRITERS, thread_name_prefix="fp4kit-shard")
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._names:
             raise ValueError(f"tensor {name!r} written twice")
         self._names.add(name)
-        t = tensor.detach().contiguous()
+        t = tensor.detach()
+        if t.device.type not in ("cpu", "cuda"):
+            t = t.to("cpu")
         size = _tensor_bytes(t)
         if self._pending and self._pending_bytes + size > self.max_shard_bytes:
             self._flush()
@@ -90,33 +205,25 @@ class ShardWriter:
         self._pending_bytes += size
         self.total_bytes += size
 
-    def _wait_oldest(self) -> None:
-        future, stage = self._writing.pop(0)
-        future.result()  # a failed write raises here
-        self._free.append(stage)
-
     def _flush(self) -> None:
         if not self._pending:
             return
-        if not self._free:
-            self._wait_oldest()
-        stage = self._free.pop()
-        index = len(self._shards)
-        on_gpu = {k: t for k, t in self._pending.items() if t.device.type == "cuda"}
-        host = {k: t.to("cpu") for k, t in self._pending.items() if t.device.type not in ("cpu", "cuda")}
-        if on_gpu:
-            host.update(stage.host_copies(on_gpu))
-        tensors = {k: host.get(k, t) for k, t in self._pending.items()}
-        path = str(self.folder / f"shard-{index:05d}.tmp")
-        self._writing.append((self._pool.submit(save_file, tensors, path, {"format": "pt"}), stage))
+        devices = {t.device for t in self._pending.values() if t.device.type == "cuda"}
+        ready = {}
+        for d in devices:
+            ready[d] = torch.cuda.Event()
+            ready[d].record(torch.cuda.current_stream(d))
+        path = self.folder / f"shard-{len(self._shards):05d}.tmp"
+        self._writing.append(self._pool.submit(write_safetensors, self._pending, path, {"format": "pt"}, ready))
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 
     def wait(self) -> None:
-        """Block until every shard handed to the background threads is on disk."""
+        """Block until every shard handed to the background threads is on disk (a failed write
+        raises here)."""
         try:
             while self._writing:
-                self._wait_oldest()
+                self._writing.pop(0).result()
         finally:
             self._pool.shutdown(wait=True)
 

@@ -39,10 +39,11 @@ def fp32_reciprocal(c: float) -> float:
 def div_const(x: torch.Tensor, c: float, mode: str) -> torch.Tensor:
     """fp32 `x / c` with c a Python number, as torch computes it on `mode`'s device."""
     x = x.float()
+    # 0-d tensors made on x's own device by `full` (a fill, not a copy from the host, so no wait
+    # for the device); a 0-d tensor there is not a "CPU scalar", so CUDA divides exactly too.
     if check_mode(mode) == "cuda":
-        return x * torch.tensor(fp32_reciprocal(c), dtype=torch.float32, device=x.device)
-    # a 0-d tensor on x's own device is not a "CPU scalar", so CUDA divides exactly too
-    return x / torch.tensor(c, dtype=torch.float32, device=x.device)
+        return x * torch.full((), fp32_reciprocal(c), dtype=torch.float32, device=x.device)
+    return x / torch.full((), c, dtype=torch.float32, device=x.device)
 
 
 def div_by_scale(w: torch.Tensor, scale: torch.Tensor, mode: str) -> torch.Tensor:

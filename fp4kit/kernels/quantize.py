@@ -923,6 +923,7 @@ def quantize(
     arith: str = DEFAULT_ARITH,
     backend: str = "triton",
     tables: Mapping | None = None,
+    deferred: list | None = None,
 ):
     """`fp4kit.formats.nvfp4.quantize` on the GPU: same arguments, same errors, same bytes.
 
@@ -931,7 +932,9 @@ def quantize(
     backend: "triton" (this kernel; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or
     "torch" (the reference itself). tables: the launch table (default: the device's).
     The checks that need the data (finite weights, a given global amax covering max|w|) run
-    after both kernels are queued, so the GPU never waits on the host between them.
+    after both kernels are queued, so the GPU never waits on the host between them; with a
+    `deferred` list they are appended to it as a callable instead (which raises the same error),
+    so that a caller quantizing many tensors waits on the GPU once.
     """
     check_backend(backend, _quantize_kernel, w, what=_WHAT)
     if backend == "torch":
@@ -956,10 +959,17 @@ def quantize(
         imp = nvfp4._importance_weights(importance, w, _WHAT)  # the reference's validation
         imp = imp.reshape(-1, w.shape[-1]).contiguous()
     qt, choice, own = launch(w, scale_rule, g, imp, return_choice, arith, tables=tables)
-    if not bool(torch.isfinite(own).all()):
-        check_finite(w, _WHAT)  # raises, naming the count and first position
-    if g is not None:
-        _check_global_amax(g, own)
+
+    def check() -> None:
+        if not bool(torch.isfinite(own).all()):
+            check_finite(w, _WHAT)  # raises, naming the count and first position
+        if g is not None:
+            _check_global_amax(g, own)
+
+    if deferred is None:
+        check()
+    else:
+        deferred.append(check)
     return (qt, choice.bool()) if return_choice else qt
 
 

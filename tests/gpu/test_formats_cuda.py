@@ -49,3 +49,31 @@ def test_fp8_on_cuda_matches_cpu_and_torch_promotion(dtype):
     assert torch.equal(s_gpu.cpu(), s_cpu)
     # ModelOpt's expression, `w / scale` with torch's own promotion, on the GPU:
     assert torch.equal((w.cuda() / s_gpu).to(torch.float8_e4m3fn).view(torch.uint8).cpu(), q_cpu.view(torch.uint8))
+
+
+def test_kernels_fp8_cast_on_cuda_equals_encode_everywhere():
+    """torch's CUDA cast after the clamp: every finite bf16 and fp16 value, and fp32 around every
+    E4M3 midpoint and beyond 448 (where older CUDA casts give NaN without the clamp)."""
+    from fp4kit.kernels import fp8 as kfp8
+
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+        x = x[torch.isfinite(x)]
+        assert torch.equal(kfp8.cast_e4m3(x.cuda()).view(torch.uint8).cpu(), e4m3.encode(x))
+    pos = e4m3.decode(torch.arange(0, 0x7F, dtype=torch.uint8))
+    mids = ((pos[:-1].double() + pos[1:].double()) / 2).float()
+    x = torch.cat([mids, torch.nextafter(mids, torch.full_like(mids, 1e9)), pos, torch.tensor([463.99, 464.0, 500.0, 3.4e38])])
+    x = torch.cat([x, -x])
+    assert torch.equal(kfp8.cast_e4m3(x.cuda()).view(torch.uint8).cpu(), e4m3.encode(x))
+
+
+@pytest.mark.parametrize("mode", ["cuda", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kernels_fp8_on_cuda_writes_the_references_bytes(dtype, mode):
+    from fp4kit.kernels import fp8 as kfp8
+
+    w = random_weight((512, 1024), dtype, seed=4)
+    q_ref, s_ref = fp8.quantize_per_tensor(w, arith=mode)
+    q, s = kfp8.quantize_per_tensor(w.cuda(), arith=mode)
+    assert torch.equal(q.view(torch.uint8).cpu(), q_ref.view(torch.uint8))
+    assert torch.equal(s.cpu(), s_ref)

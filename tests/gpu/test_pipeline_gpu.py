@@ -1,5 +1,5 @@
 """The pipeline on a CUDA GPU: quantized tensors stay on the device and the export streams them
-through one pinned buffer; the checkpoint bytes equal the CPU pipeline's.
+through a ring of small pinned buffers; the checkpoint bytes equal the CPU pipeline's.
 
 Run: python -m pytest -q tests/gpu   (skipped without CUDA)
 """
@@ -12,7 +12,9 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from fp4kit.export import writer as writer_mod  # noqa: E402
 
 from fp4kit.export.checkpoint import CheckpointReader  # noqa: E402
 from fp4kit.export.modelopt import export_checkpoint  # noqa: E402
@@ -51,6 +53,19 @@ def test_shard_writer_streams_gpu_tensors_through_pinned_memory(tmp_path):
     for k, v in tensors.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape
         assert torch.equal(_raw(got[k]), _raw(v)), k
+
+
+@pytest.mark.parametrize("buffer_bytes", [1000, 4096, 64 << 20])
+def test_gpu_tensors_stream_to_save_files_bytes(tmp_path, monkeypatch, buffer_bytes):
+    """Chunks cross tensor boundaries, a tensor spans several buffers and the ring wraps."""
+    monkeypatch.setattr(writer_mod._Stage, "BUFFER_BYTES", buffer_bytes)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tensors = {f"w{i}": torch.randn(37 + 50 * i, 29, device="cuda", generator=g).to(torch.bfloat16) for i in range(6)}
+    tensors.update({"s": torch.rand(7, device="cuda", generator=g), "cpu": torch.arange(300, dtype=torch.int16),
+                    "t": torch.randn(64, 16, device="cuda", generator=g).t(), "z": torch.tensor(2.5, device="cuda")})
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp_path / "ref.safetensors", {"format": "pt"})
+    writer_mod.write_safetensors(tensors, tmp_path / "ours.safetensors", {"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
 
 
 def test_gpu_pipeline_writes_the_cpu_pipelines_bytes(tmp_path):

@@ -1,0 +1,86 @@
+"""kernels.fp8 against the reference fp4kit.formats.fp8: the same bytes and scales, the same errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4kit.formats import FormatError, e4m3, fp8
+from fp4kit.kernels import fp8 as kfp8
+
+
+def _all_finite(dtype: torch.dtype) -> torch.Tensor:
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    return x[torch.isfinite(x)]
+
+
+def _around_midpoints() -> torch.Tensor:
+    pos = e4m3.decode(torch.arange(0, 0x7F, dtype=torch.uint8))
+    mids = ((pos[:-1].double() + pos[1:].double()) / 2).float()
+    x = torch.cat([mids, torch.nextafter(mids, torch.full_like(mids, 1e9)), torch.nextafter(mids, torch.zeros_like(mids)), pos,
+                   torch.tensor([448.0, 463.99, 464.0, 464.01, 500.0, 1e30, 3.4e38, 1e-30, 0.0])])
+    return torch.cat([x, -x])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cast_equals_encode_for_every_value(dtype):
+    x = _all_finite(dtype)
+    assert torch.equal(kfp8.cast_e4m3(x).view(torch.uint8), e4m3.encode(x))
+
+
+def test_cast_equals_encode_around_every_midpoint_and_beyond_448_in_fp32():
+    x = _around_midpoints()
+    assert torch.equal(kfp8.cast_e4m3(x).view(torch.uint8), e4m3.encode(x))
+
+
+def _weight(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-8, 4, (shape[0], 1), generator=g).float())
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("arith", ["cuda", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("mults", [None, (1.0, 1.5), (0.5, 0.75, 1.0)])  # below 1: saturated values
+def test_bytes_and_scale_equal_the_reference(arith, dtype, mults):
+    w = _weight((96, 256), dtype, seed=3)
+    q, s = kfp8.quantize_per_tensor(w, arith, amax_multipliers=mults)
+    q_ref, s_ref = fp8.quantize_per_tensor(w, arith, amax_multipliers=mults)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert s.dtype == torch.float32 and s.dim() == 0 and torch.equal(s, s_ref)
+
+
+def test_all_zero_weight_gets_scale_one():
+    q, s = kfp8.quantize_per_tensor(torch.zeros(4, 32, dtype=torch.bfloat16))
+    assert float(s) == 1.0 and not q.view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weight_raises_the_references_error_now_or_when_deferred(bad):
+    w = torch.randn(8, 32)
+    w[3, 5] = bad
+    with pytest.raises(FormatError) as ref:
+        fp8.quantize_per_tensor(w)
+    with pytest.raises(FormatError) as now:
+        kfp8.quantize_per_tensor(w)
+    assert str(now.value).split(": ", 1)[1] == str(ref.value).split(": ", 1)[1]  # count and first position
+    deferred: list = []
+    kfp8.quantize_per_tensor(w, deferred=deferred)  # does not raise yet
+    assert len(deferred) == 1
+    with pytest.raises(FormatError, match=r"first at index \(3, 5\)"):
+        deferred[0]()
+
+
+def test_a_finite_weight_passes_its_deferred_check():
+    deferred: list = []
+    kfp8.quantize_per_tensor(torch.randn(8, 32), deferred=deferred)
+    deferred[0]()
+
+
+def test_bad_input_is_refused_like_the_reference():
+    for bad in (torch.zeros(4, 4, dtype=torch.int32), torch.zeros(0, 4)):
+        with pytest.raises(FormatError):
+            fp8.quantize_per_tensor(bad)
+        with pytest.raises(FormatError):
+            kfp8.quantize_per_tensor(bad)
