@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 
 from ..formats.constants import E4M3_NAN_CODE, NVFP4_BLOCK_SIZE
-from .checkpoint import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, NVFP4_ALGOS, SCALE_SUFFIXES, SINGLE_FILE
+from .checkpoint import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, NVFP4_ALGOS, QUANT_METHOD, SCALE_SUFFIXES, SINGLE_FILE
 
 Level = Literal["error", "warning"]
 
@@ -73,6 +73,16 @@ _HYBRID_CHARS = set("M*-E")
 SGLANG_BLOCK_TYPES = ("mamba", "attention", "mlp", "moe")
 _BLOCK_LETTER = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "moe": "E", "mlp": "-"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+# Sibling linears the engines fuse into one layer (their `packed_modules_mapping`): the engine-side
+# name and the shards, in load order. These are the groups fp4kit's model adapters give one
+# `fuse_group` (q/k/v, gate/up); routed experts fuse gate/up per expert the same way (w13).
+FUSED_LINEARS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# The only producer whose hf_quant_config.json vLLM accepts when config.json has no
+# quantization_config (`weight_utils.get_quant_config`, `ModelArchConfigConvertor._normalize_quantization_config`).
+MODELOPT_PRODUCER = "modelopt"
+# Top-level algos vLLM maps to a method when it reads hf_quant_config.json itself (any other raises
+# "Unknown ModelOpt quant algo"); W4A16_NVFP4 is served only from config.json's quantization_config.
+VLLM_NESTED_ALGOS = ("FP8", "NVFP4", "MIXED_PRECISION")
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,7 @@ class Finding:
 class ConformanceReport:
     path: str
     findings: list[Finding] = field(default_factory=list)
+    tensors: int = 0  # tensors read from the safetensors headers
 
     @property
     def errors(self) -> list[Finding]:
@@ -104,6 +115,7 @@ class ConformanceReport:
         return {
             "path": self.path,
             "ok": self.ok,
+            "tensors": self.tensors,
             "errors": len(self.errors),
             "warnings": len(self.warnings),
             "findings": [asdict(f) for f in self.findings],
@@ -310,6 +322,45 @@ def vllm_mixed_algo(unit: str, layers: dict[str, str], fused_shards: tuple[str, 
     return algo
 
 
+def _flat_view(nested: dict, hf_quant: dict) -> dict:
+    """The flat `quantization_config` the engines take from hf_quant_config.json when config.json
+    has none (vLLM reads the nested keys, SGLang unwraps them), for the checks that follow."""
+    flat: dict = {"quant_method": QUANT_METHOD}
+    if "producer" in hf_quant:
+        flat["producer"] = hf_quant["producer"]
+    for key in ("quant_algo", "group_size", "quantized_layers"):
+        if key in nested:
+            flat[key] = nested[key]
+    if "exclude_modules" in nested:
+        flat["ignore"] = nested["exclude_modules"]
+    if nested.get("kv_cache_quant_algo") == "FP8":
+        flat["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    return flat
+
+
+def _fused_scale_rules(algo: str | None, expert: bool) -> list[tuple[str, Level, str]]:
+    """(leaf, level, what the engines do) for each per-tensor scale a fused layer holds once.
+
+    NVFP4 `weight_scale_2` is taken as is (no requantization): a shard stored with another
+    global scale dequantizes off by the ratio, an error. Input scales quantize one shared input
+    with the largest value, and FP8 weights are requantized to the largest weight scale: the
+    engines serve these, with one more rounding, so they are warnings.
+    """
+    if algo in NVFP4_ALGOS:
+        pick = "the gate's (w1) value" if expert else "the largest value"
+        rules = [("weight_scale_2", "error", f"the engines use {pick} for every shard without requantizing, "
+                  "so the other shards dequantize scaled by the ratio")]
+        if algo == "NVFP4":
+            rules.append(("input_scale", "warning", "the engines quantize the shared input with the largest value (vLLM warns)"))
+        return rules
+    if algo == "FP8":
+        return [
+            ("weight_scale", "warning", "the engines requantize every shard to the largest scale (one more rounding)"),
+            ("input_scale", "warning", "the engines quantize the shared input with the largest value (vLLM warns)"),
+        ]
+    return []
+
+
 def _family(algo: str | None) -> str | None:
     return "NVFP4" if algo in NVFP4_ALGOS else algo
 
@@ -332,6 +383,7 @@ class _Checker:
         self.exclusions: list[str] = []
         self.layers: dict[str, str] = {}  # checkpoint module name -> per-layer algo (MIXED)
         self.kv_fp8 = False
+        self.hf_quant: dict = {}
         # Tensors named somewhere (index, header) that could not be read: checks that need the
         # full set of modules skip what depends on them instead of reporting follow-on errors.
         self.unreadable: set[str] = set()
@@ -374,8 +426,10 @@ class _Checker:
             self._check_names()
             self._check_modules()
             self._check_experts(config if isinstance(config, dict) else {})
+            self._check_fused_scales()
         self._check_kv()
         self._check_numerics()
+        self.report.tensors = len(self.tensors)
         return self.report
 
     def _json(self, name: str, *, required: bool) -> object | None:
@@ -526,14 +580,28 @@ class _Checker:
     def _check_quant_config(self, config: object, hf_quant: object) -> None:
         flat = config.get("quantization_config") if isinstance(config, dict) else None
         nested = hf_quant.get("quantization") if isinstance(hf_quant, dict) else None
-        if isinstance(config, dict) and not isinstance(flat, dict):
-            self.error(
-                "missing_key",
-                "config.json:quantization_config",
-                "no quantization_config; the engines read it first",
-            )
+        self.hf_quant = hf_quant if isinstance(hf_quant, dict) else {}
         if isinstance(hf_quant, dict) and not isinstance(nested, dict):
             self.error("missing_key", "hf_quant_config.json:quantization", "no nested quantization section")
+        if isinstance(config, dict) and not isinstance(flat, dict):
+            if not isinstance(nested, dict):
+                self.error(
+                    "missing_key",
+                    "config.json:quantization_config",
+                    "no quantization_config, and no hf_quant_config.json section for the engines to fall back to",
+                )
+                return
+            # Both engines then read hf_quant_config.json; vLLM only from ModelOpt.
+            self._check_producer("config.json has no quantization_config")
+            algo = nested.get("quant_algo")
+            if algo in COMMON_ALGOS and algo not in VLLM_NESTED_ALGOS:
+                self.error(
+                    "unsupported_quant_algo",
+                    "hf_quant_config.json:quantization.quant_algo",
+                    f"{algo!r}: config.json has no quantization_config, and from hf_quant_config.json vLLM "
+                    f"maps only {list(VLLM_NESTED_ALGOS)} (it raises 'Unknown ModelOpt quant algo')",
+                )
+            flat = _flat_view(nested, self.hf_quant)
         if not (isinstance(flat, dict) and isinstance(nested, dict)):
             return
         if flat.get("quant_method") != "modelopt":
@@ -560,6 +628,18 @@ class _Checker:
             self._check_mixed_config(flat, nested)
         else:
             self._check_single_config(algo, flat, nested)
+
+    def _check_producer(self, why: str) -> None:
+        producer = self.hf_quant.get("producer")
+        name = producer.get("name") if isinstance(producer, dict) else None
+        if name != MODELOPT_PRODUCER:
+            self.error(
+                "producer_not_modelopt",
+                "hf_quant_config.json:producer.name",
+                f"{name!r}: {why}, so vLLM reads hf_quant_config.json, and it accepts that file only "
+                f"from producer {MODELOPT_PRODUCER!r} (otherwise it builds the model unquantized or "
+                "raises 'Unsupported quantization config')",
+            )
 
     def _algo_ok(self, algo: object, key: str) -> bool:
         if algo in COMMON_ALGOS:
@@ -659,6 +739,7 @@ class _Checker:
                 "MIXED_PRECISION needs quantized_layers in config.json (SGLang reads no other file "
                 "once config.json has a quantization_config)",
             )
+            self._check_producer("config.json's MIXED_PRECISION quantization_config has no quantized_layers")
         if not isinstance(nested_layers, dict) or not nested_layers:
             self.error(
                 "missing_key",
@@ -746,17 +827,23 @@ class _Checker:
             return False
         return "norm" not in module.rpartition(".")[2]
 
+    def _fused(self, module: str) -> tuple[str, tuple[str, ...]] | None:
+        """(fused name, shards) when `module` is one shard of a fused linear whose shards are all here."""
+        parent, _, leaf = module.rpartition(".")
+        for fused, shards in FUSED_LINEARS.items():
+            if leaf in shards and all(f"{parent}.{s}" in self.modules for s in shards):
+                return fused, shards
+        return None
+
     def _unit(self, module: str) -> tuple[str, tuple[str, ...]]:
-        """The engine-side module that owns `module`: a fused qkv_proj, a MoE layer, or itself."""
+        """The engine-side module that owns `module`: a fused linear, a MoE layer, or itself."""
         name = _engine_name(module)
         m = _EXPERT.match(name)
         if m:
             return m["layer"], ()
-        base, _, leaf = name.rpartition(".")
-        if leaf in ("q_proj", "k_proj", "v_proj") and all(
-            f"{module.rpartition('.')[0]}.{s}" in self.modules for s in ("q_proj", "k_proj", "v_proj")
-        ):
-            return f"{base}.qkv_proj", ("q_proj", "k_proj", "v_proj")
+        fused = self._fused(module)
+        if fused is not None:
+            return f"{name.rpartition('.')[0]}.{fused[0]}", fused[1]
         return name, ()
 
     def _engine_algos(self, module: str) -> dict[str, str | None]:
@@ -904,7 +991,8 @@ class _Checker:
                         f"experts declare {sorted(map(str, declared))}; the engines give every expert "
                         "of a layer the algo of its first entry",
                     )
-            shown = {self._tensor_algo(self.modules[mod]) for mod in modules}
+            # families: an ignored input_scale next to a W4A16 expert does not change its format
+            shown = {_family(self._tensor_algo(self.modules[mod])) for mod in modules}
             if len(shown) > 1:
                 self.error("mixed_moe_layer", layer, f"expert tensors mix formats {sorted(map(str, shown))}")
             for proj in sorted({p for projs in experts.values() for p in projs}):
@@ -926,6 +1014,41 @@ class _Checker:
                     if sig != common:
                         diff = sorted(set(sig) ^ set(common))
                         self.error("expert_shape_mismatch", mod, f"differs from most experts of {layer} in {diff}")
+
+    # --- scales of fused siblings ---
+
+    def _check_fused_scales(self) -> None:
+        """One value per fused layer: the engines keep one weight_scale_2 / input_scale / FP8
+        weight_scale for all shards of a fused linear (and for an expert's gate/up, w13)."""
+        groups: dict[str, list[str]] = {}
+        for module in self.modules:
+            fused = self._fused(module)
+            if fused is not None and module.rpartition(".")[2] == fused[1][0]:
+                parent = module.rpartition(".")[0]
+                groups[f"{parent}.{fused[0]}"] = [f"{parent}.{s}" for s in fused[1]]
+        broken = {_split(t)[0] for t in self.unreadable}
+        for group, members in sorted(groups.items()):
+            algos = {self._tensor_algo(self.modules[m]) for m in members}
+            if len(algos) != 1 or broken & set(members):
+                continue  # mixed or unreadable shards are reported by the module checks
+            algo = algos.pop()
+            expert = _EXPERT.match(members[0]) is not None
+            for leaf, level, effect in _fused_scale_rules(algo, expert):
+                values = [self._scalar(f"{m}.{leaf}") for m in members]
+                if None in values or len({v.tobytes() for v in values}) == 1:
+                    continue
+                shown = ", ".join(f"{m.rpartition('.')[2]}={float(v):.9g}" for m, v in zip(members, values))
+                self.add(level, "fused_scale_mismatch", group, f"{leaf} differs across the fused shards ({shown}): {effect}")
+
+    def _scalar(self, name: str) -> np.ndarray | None:
+        """A one-element F32 tensor's value (as a 0-d array), or None."""
+        t = self.tensors.get(name)
+        if t is None or t.dtype != "F32" or math.prod(t.shape) != 1:
+            return None
+        try:
+            return np.concatenate(list(self._chunks(t))).view("<f4").reshape(())
+        except OSError:
+            return None
 
     # --- KV cache scales ---
 
