@@ -11,6 +11,8 @@ sliding window, so building a set never reads a whole large corpus.
 
 A source whose stream is shorter than N*L raises CalibSourceTooSmall; with allow_repeat=True
 the stream is cycled, starting again from its first token (same order, not reshuffled).
+`check_source_size` says the same before any model is loaded, from at most SIZE_SAMPLE_BYTES
+of tokenized text and the source's file size.
 
 Finished sets are cached as safetensors under `cache_dir`, keyed by a sha256 of everything the
 tokens depend on: the tokenizer (its backend JSON, else its vocabulary) and EOS id, the source
@@ -26,7 +28,7 @@ import os
 import pathlib
 import random
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -164,12 +166,84 @@ def _token_stream(tokenizer, documents: Iterator[str], need: int, eos: int, prog
 
 
 def _too_small_message(src: Source, spec: CalibSpec, available: int) -> str:
-    fits = available // spec.seq_len
-    smaller = f", or a smaller spec such as {CalibSpec(fits, spec.seq_len)}" if fits >= 1 else ", or a smaller spec"
     return (
         f"calibration source {src.description} gives {available} tokens with this tokenizer "
-        f"(documents plus one EOS each) but {spec} needs {spec.total_tokens}; pass allow_repeat=True "
-        f"(--allow-repeat) to cycle through the source again{smaller}"
+        f"(documents plus one EOS each) but {spec} needs {spec.total_tokens}{_fix_hint(spec, available)}"
+    )
+
+
+def _fix_hint(spec: CalibSpec, available: int) -> str:
+    fits = available // spec.seq_len
+    smaller = f", or a smaller --calib such as {CalibSpec(fits, spec.seq_len)}" if fits >= 1 else ", or a smaller --calib"
+    return f"; pass --allow-repeat to cycle through the source again{smaller}"
+
+
+# --- size, before the model loads -----------------------------------------------------------
+
+# UTF-8 bytes of text tokenized to judge a source's size; a larger source is judged by
+# extrapolating the sample's tokens per byte to its file size.
+SIZE_SAMPLE_BYTES = 1 << 18
+# An extrapolated count refuses a source only when the estimate times this still falls short:
+# the sample's tokens per byte need not hold for the rest of the source.
+ESTIMATE_SLACK = 1.5
+
+
+def check_source_size(
+    source: str | os.PathLike | None,
+    spec: CalibSpec | str,
+    count_tokens: Callable[[list[str]], list[int]] | None = None,
+    *,
+    allow_repeat: bool = False,
+    split: str = "calibration",
+    text_field: str | None = None,
+) -> None:
+    """Refuse a source whose token stream is shorter than `spec` needs, without tokenizing all of it.
+
+    `count_tokens(documents)` gives each document's token count without special tokens (EOS is
+    counted here, one per document); None bounds it by the UTF-8 byte count, which no byte-level
+    or SentencePiece tokenizer exceeds by more than a token per document. At most
+    SIZE_SAMPLE_BYTES of text are counted: a source that ends within them is judged exactly,
+    a longer one by its file size. An empty source is refused even with `allow_repeat`; hub
+    datasets and Parquet files, whose size says nothing of their text, are left to
+    `build_calibration_set`. Raises CalibSourceTooSmall.
+    """
+    if isinstance(spec, str):
+        spec = parse_calib_spec(spec)
+    src = open_source(source, split=split, text_field=text_field)
+    if src.nbytes is None:
+        return
+    count = count_tokens or (lambda docs: [len(d.encode("utf-8")) + 1 for d in docs])
+    need = spec.total_tokens
+    tokens = sampled = 0  # tokens counted (EOS included), and the UTF-8 bytes of text they cover
+    whole = True  # every document counted in full
+    for doc in src.documents():
+        if tokens >= need or (allow_repeat and tokens) or sampled >= SIZE_SAMPLE_BYTES:
+            whole = False
+            break
+        part = doc[: SIZE_SAMPLE_BYTES - sampled]
+        tokens += count([part])[0] + (len(part) == len(doc))
+        whole = whole and len(part) == len(doc)
+        sampled += len(part.encode("utf-8"))
+    if whole and tokens == 0:
+        raise CalibSourceTooSmall(
+            f"calibration source {src.description} holds no text; give one that does, or none for the bundled corpus"
+        )
+    if allow_repeat or tokens >= need:
+        return
+    if whole:
+        if count_tokens is not None:
+            raise CalibSourceTooSmall(_too_small_message(src, spec, tokens))
+        raise CalibSourceTooSmall(
+            f"calibration source {src.description} holds {sampled} bytes of text in its documents, "
+            f"at most {tokens} tokens with EOS, but {spec} needs {need}{_fix_hint(spec, tokens)}"
+        )
+    estimate = tokens * src.nbytes // max(1, sampled)
+    if estimate * ESTIMATE_SLACK >= need:
+        return
+    per = f"{sampled / tokens:.1f} bytes per token" if count_tokens is not None else "at most one token per byte"
+    raise CalibSourceTooSmall(
+        f"calibration source {src.description} gives about {estimate} tokens (its first {sampled} bytes of "
+        f"text count {per}; it has {src.nbytes} bytes) but {spec} needs {need}{_fix_hint(spec, estimate)}"
     )
 
 

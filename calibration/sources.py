@@ -46,11 +46,16 @@ class CalibSourceError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """A resolved source: a description for messages, its documents, and a content fingerprint."""
+    """A resolved source: a description for messages, its documents, and a content fingerprint.
+
+    `nbytes` is the size of the files that hold its text, where that bounds the text (plain text
+    and JSON lines); None for compressed tables and hub datasets.
+    """
 
     description: str
     documents: Callable[[], Iterator[str]]
     fingerprint: Callable[[], str]
+    nbytes: int | None = None
 
 
 def split_documents(text: str) -> list[str]:
@@ -145,6 +150,7 @@ def _bundled_source(split: str, text_field: str | None) -> Source:
         description=f"bundled corpus split {split!r}",
         documents=lambda: iter(split_documents(_read_text(path))),
         fingerprint=lambda: _fingerprint(kind="bundled", split=split, sha256=_sha256_file(path)),
+        nbytes=path.stat().st_size,
     )
 
 
@@ -188,7 +194,9 @@ def _local_source(path: pathlib.Path, text_field: str | None) -> Source:
         ]
         return _fingerprint(kind="local", files=entries, text_field=text_field)
 
-    return Source(description=description, documents=documents, fingerprint=fingerprint)
+    # Parquet compresses its text, so its file size says nothing about how much text it holds.
+    nbytes = None if any(f.suffix.lower() == ".parquet" for f in files) else sum(f.stat().st_size for f in files)
+    return Source(description=description, documents=documents, fingerprint=fingerprint, nbytes=nbytes)
 
 
 def _file_reader(path: pathlib.Path, text_field: str | None) -> Callable[[], Iterator[str]]:

@@ -266,3 +266,32 @@ class Observers:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+AUTO_BATCH_MOST = 64  # `--batch-size auto` never goes above this many samples per forward
+AUTO_BATCH_HEADROOM = 0.85  # the share of the free device memory a batch may take
+
+
+def fitting_batch(per_sample_bytes: int, free_bytes: int, remaining: int, *, most: int = AUTO_BATCH_MOST,
+                  headroom: float = AUTO_BATCH_HEADROOM) -> int:
+    """The largest batch whose peak fits: `per_sample_bytes` is what one sample's forward added to
+    the device's peak memory, `free_bytes` what the device has for the next forward. At least 1,
+    at most `most` and the samples left."""
+    if per_sample_bytes <= 0:
+        return max(1, min(most, remaining))
+    return max(1, min(most, remaining, int(headroom * free_bytes) // per_sample_bytes))
+
+
+def measured_forward(model: nn.Module, batch: torch.Tensor) -> tuple[int, int]:
+    """Runs one calibration forward of `batch` and returns (bytes it added to the device's peak
+    memory, bytes free for the next forward: the device's free memory plus what torch's caching
+    allocator holds unused). CUDA only."""
+    device = batch.device
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    model(input_ids=batch, use_cache=False, logits_to_keep=1)
+    torch.cuda.synchronize(device)
+    added = torch.cuda.max_memory_allocated(device) - base
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return added, free

@@ -8,6 +8,8 @@ that subcommand runs, and `fp4kit --help` starts without torch.
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -22,6 +24,15 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     return dims
 
 
+def _batch_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number or 'auto'") from None
+
+
 def _err(message: str, code: int) -> int:
     print(f"error: {message}", file=sys.stderr)
     return code
@@ -31,27 +42,50 @@ def _err(message: str, code: int) -> int:
 # fp4kit error
 # --------------------------------------------------------------------------------------------
 def _add_error(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", type=_parse_shape, default=(1024, 1024), help="synthetic tensor shape, e.g. 1024x1024")
-    p.add_argument("--dist", choices=("randn", "student-t"), default="randn")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--file", help="a .safetensors file to read the tensor from")
+    p.add_argument("--shape", type=_parse_shape, default=(1024, 1024), help="synthetic tensor shape, e.g. 1024x1024 (last dim a multiple of 16)")
+    p.add_argument("--dist", choices=("randn", "student-t"), default="randn", help="distribution of the synthetic tensor (default randn)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tensor (default 0)")
+    p.add_argument("--file", help="a .safetensors file to read the tensor from (with --tensor)")
     p.add_argument("--tensor", help="tensor name inside --file")
+
+
+def _read_tensor(file: str, name: str | None):
+    """(tensor, None) from a safetensors file, or (None, the error line) naming the fix."""
+    from safetensors import safe_open
+
+    from .export.conformance import read_safetensors_header
+
+    if not Path(file).is_file():
+        return None, f"--file {file}: no such file"
+    try:
+        header, _ = read_safetensors_header(Path(file))
+    except Exception as exc:  # an unreadable file as a whole: conformance's header error or OSError
+        return None, f"--file {file}: not a readable safetensors file ({exc})"
+    # Matrices first: those are what a recipe quantizes.
+    names = sorted(header, key=lambda n: (len(header[n].shape) < 2, n))
+    some = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    if name is None:
+        return None, f"--file {file}: pass --tensor NAME; it holds {len(names)} tensors: {some}"
+    if name not in header:
+        return None, f"tensor {name!r} is not in {file}; it holds {len(names)} tensors: {some}"
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(name), None
 
 
 def _cmd_error(args: argparse.Namespace) -> int:
     import torch
 
-    from .formats import nvfp4
+    from .formats import FormatError, nvfp4
     from .formats.metrics import sqnr_db
 
     if args.file:
-        from safetensors import safe_open
-
-        with safe_open(args.file, framework="pt") as f:
-            if args.tensor not in f.keys():
-                return _err(f"tensor {args.tensor!r} is not in {args.file}", 2)
-            w = f.get_tensor(args.tensor)
+        w, problem = _read_tensor(args.file, args.tensor)
+        if problem:
+            return _err(problem, 2)
         source = f"{args.file}:{args.tensor}"
+        given = f"--tensor {args.tensor}"
+    elif args.tensor:
+        return _err("--tensor names a tensor of --file; pass --file too", 2)
     else:
         g = torch.Generator().manual_seed(args.seed)
         w = torch.randn(*args.shape, generator=g)
@@ -60,12 +94,16 @@ def _cmd_error(args: argparse.Namespace) -> int:
             w = torch.distributions.StudentT(3.0).sample(args.shape)
         w = w.to(torch.bfloat16)
         source = f"{args.dist} {'x'.join(map(str, args.shape))} bf16 (seed {args.seed})"
+        given = f"--shape {'x'.join(map(str, args.shape))}"
     x = w.float()
     rows = []
-    for rule in nvfp4.SCALE_RULES:
-        q, choice = nvfp4.quantize(w, scale_rule=rule, return_choice=True)
-        w_hat = q.dequantize()
-        rows.append((rule, (w_hat - x).pow(2).mean().item(), sqnr_db(x, w_hat), choice.float().mean().item()))
+    try:
+        for rule in nvfp4.SCALE_RULES:
+            q, choice = nvfp4.quantize(w, scale_rule=rule, return_choice=True)
+            w_hat = q.dequantize()
+            rows.append((rule, (w_hat - x).pow(2).mean().item(), sqnr_db(x, w_hat), choice.float().mean().item()))
+    except FormatError as exc:
+        return _err(f"{given}: {exc}", 2)
     print(f"NVFP4 weight error on {source}")
     print(f"{'rule':<6}{'MSE':>14}{'SQNR dB':>10}{'blocks->4':>11}")
     for rule, mse, sqnr, frac in rows:
@@ -90,10 +128,12 @@ def _add_quantize(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", help="calibration text: hub dataset id, .txt/.jsonl/.parquet file or folder (default: bundled corpus)")
     p.add_argument("-o", "--output", help="output folder (default: <model>-<recipe>)")
     p.add_argument("--overwrite", action="store_true", help="replace the output folder if it exists")
-    p.add_argument("--seed", type=int, default=job.seed)
+    p.add_argument("--seed", type=int, default=job.seed, help=f"seed of the calibration set's document order (default {job.seed})")
     p.add_argument("--device", default=job.device, help="cpu, cuda, cuda:N, or auto (accelerate device_map)")
     p.add_argument("--backend", choices=BACKENDS, help="weight quantizer (default: triton on CUDA, torch on CPU)")
-    p.add_argument("--batch-size", type=int, default=job.batch_size, help="calibration samples per forward pass")
+    p.add_argument("--batch-size", type=_batch_size, default=job.batch_size,
+                   help="calibration samples per forward pass, or auto: the largest batch the GPU fits, "
+                        f"measured on the first sample (default {job.batch_size})")
     p.add_argument("--allow-repeat", action="store_true", help="reuse calibration text when the source is smaller than N x L")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run (off by default)")
     p.add_argument("--allow-pickle", action="store_true", help="accept pickle (.bin) weights; they can run code when loaded")
@@ -110,7 +150,7 @@ def _add_quantize(p: argparse.ArgumentParser) -> None:
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from .export.card import role_rows, summary_table
-    from .quantize import QuantizeJob, run, validate_job
+    from .quantize import NetworkError, QuantizeJob, run, validate_job
 
     job = QuantizeJob(
         model=args.model, recipe=args.recipe, calib=args.calib, dataset=args.dataset, output=args.output,
@@ -120,11 +160,14 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         arith=args.arith,
     )
     try:
-        validate_job(job)
+        checked = validate_job(job)
+    except NetworkError as exc:
+        return _err(str(exc), 1)
     except (ValueError, OSError) as exc:
         return _err(str(exc), 2)
+    args.job, args.checked = job, checked  # what main's Ctrl-C message reports on
     try:
-        qm, path = run(job, log=lambda m: print(m, file=sys.stderr))
+        qm, path = run(job, log=lambda m: print(m, file=sys.stderr), checked=checked)
     except (ValueError, FileNotFoundError, FileExistsError) as exc:
         return _err(str(exc), 1)
     print(summary_table(role_rows(qm)))
@@ -135,15 +178,52 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize_interrupted(args: argparse.Namespace | None) -> int:
+    """Ctrl-C in `fp4kit quantize`: how far the calibration snapshot got, and the command that
+    continues from it."""
+    if getattr(args, "checked", None) is None:
+        # Nothing more is imported here: the Ctrl-C may have cut torch's own import short.
+        return _err("interrupted before calibration began; there is nothing to resume: run the same command again", 130)
+    from .quantize import CalibState, calib_state_dir
+
+    job, (_, spec, _, output) = args.job, args.checked
+    if job.progress:
+        print(file=sys.stderr)  # end the progress bar's line
+    try:
+        saved = CalibState.read(calib_state_dir(output))
+    except ValueError:
+        saved = None
+    if saved is None:
+        return _err(
+            f"interrupted before the first calibration snapshot (one every {job.checkpoint_every} batches); "
+            "there is nothing to resume: run the same command again", 130,
+        )
+    argv = list(args.argv) + ([] if "--resume" in args.argv else ["--resume"])
+    return _err(
+        f"interrupted; the calibration snapshot holds {saved['done']} of {spec.samples} samples; "
+        f"continue with: {_prog()} {shlex.join(argv)}", 130,
+    )
+
+
+def _prog() -> str:
+    """How this process was started: the console script, or `python -m fp4kit.cli`."""
+    started = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("fp4kit")
+    if started.name in ("cli.py", "__main__.py"):
+        return f"{Path(sys.executable).name} -m fp4kit.cli"
+    return "fp4kit"
+
+
 # --------------------------------------------------------------------------------------------
 # fp4kit verify / push
 # --------------------------------------------------------------------------------------------
 def _add_verify(p: argparse.ArgumentParser) -> None:
     from .verify import AGAINST
 
-    p.add_argument("checkpoint", type=Path)
+    p.add_argument("checkpoint", type=Path, help="the checkpoint folder")
     p.add_argument("--source", help="the BF16 model it was made from: re-derive and compare every byte")
-    p.add_argument("--against", choices=AGAINST, help="re-quantize a sample of layers with nvidia-modelopt and compare")
+    p.add_argument("--against", choices=AGAINST,
+                   help="with --source: re-quantize a sample of layers with nvidia-modelopt and compare (a checkpoint "
+                        "made with --arith cuda, the default, needs a CUDA device for this)")
     p.add_argument("--tp", type=int, help="check that the quantized layers shard cleanly for tensor parallelism N")
     p.add_argument("--ep", action="store_true", help="with --tp: experts are placed whole (expert parallelism)")
     p.add_argument("--device", default="cpu", help="where to load --source")
@@ -158,6 +238,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     if not (args.checkpoint / CONFIG_FILE).is_file():
         return _err(f"{args.checkpoint} is not a checkpoint folder (no {CONFIG_FILE})", 2)
+    problem = _verify_inputs(args)
+    if problem:
+        return _err(problem, 2)
     try:
         report = verify(args.checkpoint, source=args.source, against=args.against, tp=args.tp, ep=args.ep, device=args.device)
     except (ValueError, FileNotFoundError) as exc:
@@ -169,10 +252,38 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _verify_inputs(args: argparse.Namespace) -> str | None:
+    """What verify would refuse only after loading the source model, checked first."""
+    import torch
+
+    from .export.checkpoint import read_metadata
+    from .quantize import _looks_like_path, check_model_folder
+
+    if args.against and not args.source:
+        return f"--against {args.against} re-quantizes the BF16 source model: pass --source too"
+    if args.source and _looks_like_path(args.source):
+        try:
+            check_model_folder(Path(args.source), flag="--source")
+        except (ValueError, OSError) as exc:
+            return str(exc)
+    if args.against == "modelopt":
+        try:
+            arith = (read_metadata(args.checkpoint) or {}).get("arith", "cuda")
+        except ValueError:
+            arith = None  # an unreadable record: verify reports it
+        if arith == "cuda" and not torch.cuda.is_available():
+            return (
+                f"--against modelopt: {args.checkpoint} was quantized with --arith cuda (the default), whose bytes "
+                "nvidia-modelopt reproduces only on a CUDA device; run verify on a machine with CUDA, or quantize "
+                "with --arith cpu to verify on this one"
+            )
+    return None
+
+
 def _add_push(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", type=Path)
+    p.add_argument("checkpoint", type=Path, help="the checkpoint folder (it must pass `fp4kit verify`'s conformance)")
     p.add_argument("--repo", required=True, help="hub id, owner/name")
-    p.add_argument("--private", action="store_true")
+    p.add_argument("--private", action="store_true", help="create the hub repository as private (if it does not exist yet)")
     p.add_argument("--revision", help="branch to upload to")
 
 
@@ -215,13 +326,16 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--backend", choices=BACKENDS, help="how quantized layers run (default: triton on CUDA, torch on CPU)")
     p.add_argument("--no-act-quant", action="store_true", help="run W4A4 NVFP4 layers weight-only, as the engines do on Hopper")
-    p.add_argument("--out", help="folder for eval.json, eval.md and the plots")
+    p.add_argument("--out", help="folder for eval.json, eval.md and the plots (with --compare-recipes: compare.json and compare.md)")
+    p.add_argument("--keep-checkpoints", metavar="DIR",
+                   help="with --compare-recipes: keep each variant's checkpoint and report in DIR/<variant>/ "
+                        "(default: a temporary folder, removed at the end)")
     p.add_argument("--update-card", action="store_true", help="write the measured quality into the checkpoint's README.md")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from .evaluate import compare_recipes, evaluate, layers_markdown, quality_markdown
+    from .evaluate import check_inputs, compare_recipes, evaluate, layers_markdown, quality_markdown
 
     if args.compare_recipes:
         if args.reference or args.quantized:
@@ -229,10 +343,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if args.backend or args.no_act_quant or args.update_card:
             return _err("--backend/--no-act-quant/--update-card apply to --quantized only", 2)
         try:
+            check_inputs(model=args.model, data=args.data, dataset=args.dataset, recipe=args.recipe, calib=args.calib,
+                         tokens=args.tokens, seq_len=args.seq_len, out=args.out, keep_checkpoints=args.keep_checkpoints)
+        except (ValueError, OSError) as exc:
+            return _err(str(exc), 2)
+        try:
             summary = compare_recipes(
                 args.model, base_recipe=args.recipe, calib=args.calib, dataset=args.dataset, data=args.data,
                 tokens=args.tokens, seq_len=args.seq_len, device=args.device, batch_size=args.batch_size,
-                out=args.out, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr),
+                out=args.out, keep_checkpoints=args.keep_checkpoints, progress=not args.no_progress,
+                log=lambda m: print(m, file=sys.stderr),
             )
         except (ValueError, FileNotFoundError, ImportError) as exc:
             return _err(str(exc), 1)
@@ -240,8 +360,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         return 0
     if not (args.reference and args.quantized):
         return _err("give --reference and --quantized, or --compare-recipes", 2)
-    if args.model or args.recipe or args.calib or args.dataset:
-        return _err("--model/--recipe/--calib/--dataset apply to --compare-recipes only", 2)
+    if args.model or args.recipe or args.calib or args.dataset or args.keep_checkpoints:
+        return _err("--model/--recipe/--calib/--dataset/--keep-checkpoints apply to --compare-recipes only", 2)
+    try:
+        check_inputs(reference=args.reference, quantized=args.quantized, data=args.data, tokens=args.tokens,
+                     seq_len=args.seq_len, out=args.out)
+    except (ValueError, OSError) as exc:
+        return _err(str(exc), 2)
     try:
         result = evaluate(
             args.reference, args.quantized, data=args.data, tokens=args.tokens, seq_len=args.seq_len, device=args.device,
@@ -288,18 +413,93 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=description)
         if command is None or command == name:
             add_arguments(p)
+            p.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error (also FP4KIT_DEBUG=1)")
         p.set_defaults(func=run)
     return parser
 
 
+def _describe(exc: BaseException) -> str:
+    """One line for an unexpected error: what it is and, where known, what to do."""
+    import errno
+
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return f"no space left on the device{f' writing {exc.filename}' if exc.filename else ''}; free space and run the command again"
+    kind = type(exc).__name__
+    # The hub client's HTTP libraries raise errors of their own, not ConnectionError.
+    http_client = type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "requests", "urllib3")
+    if isinstance(exc, (ConnectionError, TimeoutError)) or http_client:
+        return f"network error ({kind}: {first}); check the connection, or use local files"
+    return f"{kind}: {first}" if first else kind
+
+
+class _Interrupts:
+    """A SIGINT handler that raises KeyboardInterrupt, as Python's own does, and counts: a library
+    that turns the KeyboardInterrupt into an error of its own (transformers' lazy imports do) is
+    still known to have been stopped by Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.previous = None
+
+    def __call__(self, signum, frame) -> None:
+        self.count += 1
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self.previous = signal.signal(signal.SIGINT, self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _interrupted(command: str, args: argparse.Namespace | None, debug: bool) -> int:
+    import traceback
+
+    if debug:
+        traceback.print_exc()
+    # CPython remembers a KeyboardInterrupt that escaped code run from a string (exec of a str,
+    # as dataclasses and typing do) and then ends the process by SIGINT instead of with the exit
+    # status; running a string clears that record (pythonrun.c, run_eval_code_obj).
+    exec("None")
+    if command == "quantize":
+        return _quantize_interrupted(args)
+    return _err("interrupted", 130)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. Bad input ends in one `error:` line and exit 2; an unexpected error in
+    one line and exit 1 (the traceback with --debug or FP4KIT_DEBUG=1); Ctrl-C in exit 130."""
+    import traceback
+
     argv = sys.argv[1:] if argv is None else list(argv)
-    # The subcommand is the first argument: the top-level parser has no options besides -h.
-    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else "")
-    args = parser.parse_args(argv)
-    if getattr(args, "file", None) and not getattr(args, "tensor", None):
-        parser.error("--file needs --tensor")
-    return args.func(args)
+    debug = "--debug" in argv or os.environ.get("FP4KIT_DEBUG") == "1"
+    command = argv[0] if argv and argv[0] in COMMANDS else ""
+    args = None
+    with _Interrupts() as interrupts:
+        try:
+            # The subcommand is the first argument: the top-level parser has no options besides -h.
+            parser = build_parser(command)
+            args = parser.parse_args(argv)
+            args.argv = argv
+            return args.func(args)
+        except KeyboardInterrupt:
+            return _interrupted(command, args, debug)
+        except Exception as exc:
+            if interrupts.count:
+                return _interrupted(command, args, debug)
+            if debug:
+                traceback.print_exc()
+            hint = "" if debug else " (--debug shows the traceback)"
+            return _err(f"{command or 'fp4kit'} failed: {_describe(exc)}{hint}", 1)
 
 
 if __name__ == "__main__":

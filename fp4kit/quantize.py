@@ -6,6 +6,7 @@ calibration set and the export for the CLI.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .calibrate import Observers, Statistics
+from .calibrate import Observers, Statistics, fitting_batch, measured_forward
 from .formats import FormatError, fp8, nvfp4
 from .formats.arith import DEFAULT_ARITH, check_mode, div_const
 from .formats.constants import FP8_MAX, NVFP4_GLOBAL_DENOM
@@ -39,21 +40,40 @@ class CalibState:
         self.fingerprint = fingerprint
         self.every = max(1, every)
 
-    def load(self) -> tuple[Statistics, int] | None:
+    @staticmethod
+    def read(folder: Path) -> dict | None:
+        """The snapshot's record ({"fingerprint", "done"}), or None where there is none."""
         import json
 
-        from safetensors.torch import load_file
-
-        meta = self.folder / "state.json"
+        meta = Path(folder) / "state.json"
         if not meta.is_file():
             return None
-        saved = json.loads(meta.read_text())
+        try:
+            saved = json.loads(meta.read_text())
+            int(saved["done"])
+        except (ValueError, TypeError, KeyError):
+            raise ValueError(f"--resume: the calibration snapshot in {folder} is damaged; remove it and run without --resume") from None
+        return saved
+
+    def saved_samples(self) -> int | None:
+        """How many samples the snapshot holds; None without one; raises if its settings differ."""
+        saved = self.read(self.folder)
+        if saved is None:
+            return None
         if saved.get("fingerprint") != self.fingerprint:
             raise ValueError(
                 f"--resume: the saved calibration in {self.folder} was made with different settings "
                 f"({saved.get('fingerprint')}); remove it or run without --resume"
             )
-        return Statistics.from_state_dict(load_file(str(self.folder / "stats.safetensors"))), int(saved["done"])
+        return int(saved["done"])
+
+    def load(self) -> tuple[Statistics, int] | None:
+        from safetensors.torch import load_file
+
+        done = self.saved_samples()
+        if done is None:
+            return None
+        return Statistics.from_state_dict(load_file(str(self.folder / "stats.safetensors"))), done
 
     def save(self, stats: Statistics, done: int) -> None:
         import json
@@ -75,30 +95,59 @@ class CalibState:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _forward_samples(model: nn.Module, samples: torch.Tensor, batch_size: int, progress: bool, stats: Statistics,
-                     start: int = 0, state: CalibState | None = None) -> None:
+def _forward_samples(model: nn.Module, samples: torch.Tensor, batch_size: int | str, progress: bool, stats: Statistics,
+                     start: int = 0, state: CalibState | None = None) -> int:
+    """Runs the calibration forward over samples[start:]; returns the batch size used. With
+    batch_size "auto" on a CUDA device the first sample runs alone and its peak memory sets the
+    batch for the rest (`calibrate.fitting_batch`); on other devices "auto" is 1."""
     device = next(model.parameters()).device
-    seq = samples.shape[1]
+    n, seq = samples.shape
+    auto = batch_size == AUTO_BATCH
+    size = 1 if auto else batch_size
     # Counted in tokens, so the bar shows tokens/s and the time left.
-    bar = tqdm(total=samples.numel(), initial=start * seq, desc=f"calibrate ({samples.shape[0]} x {seq})", unit="tok",
+    bar = tqdm(total=samples.numel(), initial=start * seq, desc=f"calibrate ({n} x {seq})", unit="tok",
                unit_scale=True, disable=not progress)
+    batches, i = 0, start
     with torch.inference_mode():
-        for i in range(start, samples.shape[0], batch_size):
-            batch = samples[i : i + batch_size].to(device)
-            model(input_ids=batch, use_cache=False, logits_to_keep=1)
+        while i < n:
+            batch = samples[i : i + size].to(device)
+            if auto and batches == 0 and device.type == "cuda":
+                added, free = measured_forward(model, batch)
+                size = fitting_batch(added, free, n - i - 1)
+                if progress:
+                    bar.write(f"batch size auto: {size} (one sample adds {added / 2**30:.2f} GiB at its peak; {free / 2**30:.1f} GiB free)")
+            else:
+                model(input_ids=batch, use_cache=False, logits_to_keep=1)
             bar.update(batch.numel())
-            done = i + batch.shape[0]
-            if state is not None and (done // batch_size) % state.every == 0 and done < samples.shape[0]:
-                state.save(stats, done)
+            batches += 1
+            i += batch.shape[0]
+            # Every `every` batches, and once calibration is complete: a run stopped while it
+            # quantizes or exports resumes without calibrating again.
+            if state is not None and (batches % state.every == 0 or i == n):
+                state.save(stats, i)
     bar.close()
+    return size
 
 
-def _nvfp4(w, rule: Rule, global_amax, importance, backend: str, arith: str):
+def _nvfp4(w, rule: Rule, global_amax, importance, backend: str, arith: str, deferred: list):
+    """(NVFP4Tensor, 4/6 choice); on the GPU the data checks go to `deferred` (see
+    kernels.quantize.quantize), so no weight waits on the host."""
     if backend == "triton":
         from .kernels import quantize as kq
 
-        return kq.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, importance=importance, return_choice=True, arith=arith)
+        return kq.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, importance=importance, return_choice=True,
+                           arith=arith, deferred=deferred)
     return nvfp4.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, importance=importance, return_choice=True, arith=arith)
+
+
+def _fp8(w: torch.Tensor, arith: str, search, backend: str, deferred: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 per-tensor (bytes, scale); on the GPU without a host wait (kernels.fp8), the
+    finiteness check going to `deferred`."""
+    if backend == "triton":
+        from .kernels import fp8 as kfp8
+
+        return kfp8.quantize_per_tensor(w, arith, amax_multipliers=search, deferred=deferred)
+    return fp8.quantize_per_tensor(w, arith, amax_multipliers=search)
 
 
 def _split(t: torch.Tensor, stack: bool) -> list[torch.Tensor]:
@@ -117,6 +166,14 @@ def _non_finite_error(t, w: torch.Tensor) -> FormatError:
         f"{name}.weight ({t.role.value}): {int(torch.isnan(w).sum())} NaN and {int(torch.isinf(w).sum())} Inf "
         f"values (first at {where}); non-finite weights cannot be quantized"
     )
+
+
+def _named(t, w: torch.Tensor, exc: ValueError) -> ValueError:
+    """A quantizer's error, naming the checkpoint tensor (and for non-finite weights, the expert
+    and the first position)."""
+    if not bool(torch.isfinite(w).all()):
+        return _non_finite_error(t, w)
+    return type(exc)(f"{t.disk_names[0]} ({t.role.value}): {exc}")
 
 
 def _input_scale(amax: torch.Tensor | None, denom: float, n: int, what: str, warnings: list[str], arith: str) -> list[torch.Tensor]:
@@ -147,8 +204,13 @@ def _chunks(n: int, per_item: int) -> list[slice]:
     return [slice(i, min(n, i + step)) for i in range(0, n, step)]
 
 
-def _nvfp4_error(w: torch.Tensor, qt: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """sqnr_terms of w against qt's dequantized values, a few members (or rows) at a time."""
+def _nvfp4_error(w: torch.Tensor, qt: nvfp4.NVFP4Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """sqnr_terms of w against qt's dequantized values: on the GPU in one pass of
+    kernels.error, else a few members (or rows) at a time."""
+    if backend == "triton":
+        from .kernels.error import nvfp4_error_terms
+
+        return nvfp4_error_terms(w, qt)
     if w.dim() < 2:
         return sqnr_terms(w, qt.dequantize())
     stack = w.dim() > 2  # one global scale per member, else one for all rows
@@ -165,13 +227,16 @@ def quantize_weights(
     arith: str = DEFAULT_ARITH,
 ) -> dict[str, QuantizedTarget]:
     """Every planned weight in its format. The quantized tensors stay on the weight's device, and
-    nothing here waits for the GPU per weight: the SQNR terms and 4/6 fractions are read back
-    together at the end (a weight that cannot be quantized raises as soon as its kernel says so)."""
+    nothing here waits for the GPU per NVFP4 weight: the data checks, the SQNR terms and the 4/6
+    fractions are read back together at the end (a weight that cannot be quantized raises then,
+    named as it would be at once)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     group_amax = fused_group_amax(plan)
     out: dict[str, QuantizedTarget] = {}
     pending: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+    checks: list[tuple[Planned, list]] = []
+    input_scales: list[tuple[list, torch.Tensor | None, float, int, str]] = []
     todo = [p for p in plan if p.rule is not None]
     for p in tqdm(todo, desc="quantize", unit="weight", disable=not progress):
         t, rule = p.target, p.rule
@@ -184,40 +249,92 @@ def quantize_weights(
                 importance = stats.importance(t.key) if rule.importance else None
                 if rule.importance and importance is None:
                     warnings.append(f"{t.disk_names[0]}: no E[x^2] was collected; 4/6 uses the plain squared error")
-                qt, choice = _nvfp4(w, rule, group_amax.get(t.fuse_group), importance, backend, arith)
-                signal, noise = _nvfp4_error(w, qt)
+                deferred: list = []
+                qt, choice = _nvfp4(w, rule, group_amax.get(t.fuse_group), importance, backend, arith, deferred)
+                checks.append((p, deferred))
+                signal, noise = _nvfp4_error(w, qt, backend)
                 tensors = {
                     "weight": _split(qt.packed, stack),
                     "weight_scale": _split(qt.block_scale, stack),
                     "weight_scale_2": _split(qt.global_scale, stack),
                 }
                 if rule.format == "nvfp4":
-                    tensors["input_scale"] = _input_scale(stats.input_amax.get(t.key), NVFP4_GLOBAL_DENOM, n, t.disk_names[0], warnings, arith)
+                    tensors["input_scale"] = []  # filled after the loop (`input_scales`)
+                    input_scales.append((tensors["input_scale"], stats.input_amax.get(t.key), NVFP4_GLOBAL_DENOM, n, t.disk_names[0]))
                 frac4 = choice.float().mean() if rule.scale_rule == "4o6" else None
                 after = qt.packed.numel() + qt.block_scale.numel() + 4 * qt.global_scale.numel()
             else:
                 search = rule.amax_search or None
                 members = w.unbind(0) if stack else [w]
-                parts = [fp8.quantize_per_tensor(x, arith, amax_multipliers=search) for x in members]
-                tensors = {"weight": [q for q, _ in parts], "weight_scale": [s for _, s in parts]}
-                tensors["input_scale"] = _input_scale(stats.input_amax.get(t.key), FP8_MAX, n, t.disk_names[0], warnings, arith)
+                deferred = []
+                parts = [_fp8(x, arith, search, backend, deferred) for x in members]
+                checks.append((p, deferred))
+                tensors = {"weight": [q for q, _ in parts], "weight_scale": [s for _, s in parts], "input_scale": []}
+                input_scales.append((tensors["input_scale"], stats.input_amax.get(t.key), FP8_MAX, n, t.disk_names[0]))
                 terms = [sqnr_terms(x, fp8.dequantize_per_tensor(q, s)) for x, (q, s) in zip(members, parts)]
                 signal, noise = sum(a for a, _ in terms), sum(b for _, b in terms)
                 frac4 = None
                 after = w.numel() + 4 * n
         except ValueError as exc:
-            if not bool(torch.isfinite(w).all()):
-                raise _non_finite_error(t, w) from None
-            raise type(exc)(f"{t.disk_names[0]} ({t.role.value}): {exc}") from None
+            raise _named(t, w, exc) from None
         pending[t.key] = (signal, noise, frac4)
         out[t.key] = QuantizedTarget(
             target=t, rule=rule, algo=algo, tensors=tensors, sqnr_db=float("nan"), frac4=None,
             bytes_before=w.numel() * w.element_size(), bytes_after=after,
         )
+    # Every layer's input amax read back at once, then its static input_scale(s).
+    amaxes = [a.detach().float().reshape(-1) for _, a, _, _, _ in input_scales if a is not None]
+    host = iter(torch.cat(amaxes).cpu().split([a.numel() for a in amaxes]) if amaxes else [])
+    for slot, amax, denom, n, what in input_scales:
+        slot.extend(_input_scale(None if amax is None else next(host), denom, n, what, warnings, arith))
+    for p, deferred in checks:
+        try:
+            for check in deferred:
+                check()
+        except ValueError as exc:
+            raise _named(p.target, p.target.weight.detach(), exc) from None
     for key, (signal, noise, frac4) in pending.items():
         out[key].sqnr_db = sqnr_db_of(float(signal), float(noise))
         out[key].frac4 = None if frac4 is None else float(frac4)
     return out
+
+
+class _KernelWarmUp(threading.Thread):
+    """Compiles the Triton kernels the quantize stage will launch while the model calibrates.
+
+    Triton compiles a kernel for each set of constants and argument properties (alignment,
+    divisibility by 16) on its first launch, seconds in all for a recipe's shapes, and the
+    quantize stage itself takes a fraction of that. This thread runs each distinct launch once,
+    on the real weights and on a stream of its own, discarding the results, so the compiles
+    overlap the calibration forward instead of adding to the stage. A failure here is ignored:
+    the stage itself then reports it."""
+
+    def __init__(self, plan: list[Planned], arith: str) -> None:
+        super().__init__(name="fp4kit-kernel-warm-up", daemon=True)
+        self.plan, self.arith, self.seconds = plan, arith, 0.0
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            from .kernels.error import nvfp4_error_terms
+
+            seen = set()
+            stream = torch.cuda.Stream(self.plan[0].target.weight.device)
+            with torch.cuda.stream(stream):
+                for p in self.plan:
+                    w, rule = p.target.weight.detach(), p.rule
+                    key = (tuple(w.shape), w.dtype, rule.scale_rule, bool(rule.importance), bool(p.target.fuse_group))
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    g = w.abs().amax().float() if p.target.fuse_group else None
+                    imp = torch.ones((*w.shape[:-2], w.shape[-1]), device=w.device) if rule.importance else None
+                    qt, _ = _nvfp4(w, rule, g, imp, "triton", self.arith, [])
+                    nvfp4_error_terms(w, qt)
+            stream.synchronize()
+        except Exception:
+            pass
+        self.seconds = time.perf_counter() - t0
 
 
 def quantize(
@@ -226,7 +343,7 @@ def quantize(
     samples: torch.Tensor | None,
     *,
     backend: str | None = None,
-    batch_size: int = 1,
+    batch_size: int | str = 1,
     progress: bool = True,
     state: CalibState | None = None,
     arith: str = DEFAULT_ARITH,
@@ -244,6 +361,10 @@ def quantize(
     need_sq = [p.target for p in plan if p.rule is not None and p.rule.importance]
     moe = {p.target.name: p.target.module for p in plan if p.target.role == Role.ROUTED_EXPERTS}
     timings: dict[str, float] = {}
+    nvfp4_plan = [p for p in plan if p.rule is not None and p.rule.format.startswith("nvfp4")]
+    warm_up = _KernelWarmUp(nvfp4_plan, arith) if backend == "triton" and nvfp4_plan else None
+    if warm_up is not None:
+        warm_up.start()
 
     t0 = time.perf_counter()
     stats, start = Statistics(), 0
@@ -261,6 +382,11 @@ def quantize(
         raise ValueError(f"recipe {recipe.name!r} needs calibration statistics, but no calibration samples were given")
     timings["calibrate"] = time.perf_counter() - t0
 
+    if warm_up is not None:
+        t0 = time.perf_counter()
+        warm_up.join()
+        timings["compile beside calibrate"] = warm_up.seconds
+        timings["compile wait"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     quantized = quantize_weights(plan, stats, backend=backend, progress=progress, warnings=warnings, arith=arith)
     timings["quantize"] = time.perf_counter() - t0
@@ -282,6 +408,7 @@ def quantize(
 
 # --- the job the CLI runs -------------------------------------------------------------------
 
+AUTO_BATCH = "auto"  # --batch-size auto: the largest batch that fits the device
 DEFAULT_CALIB = "512x2048"
 EMBEDDED_CALIB = "32x512"  # the bundled corpus is small: the embedded model's default set
 
@@ -297,7 +424,7 @@ class QuantizeJob:
     seed: int = 0
     device: str = "cpu"
     backend: str | None = None
-    batch_size: int = 1
+    batch_size: int | str = 1  # or "auto"
     allow_repeat: bool = False
     trust_remote_code: bool = False
     allow_pickle: bool = False
@@ -312,112 +439,404 @@ def _looks_like_path(text: str) -> bool:
     return text.startswith((".", "/", "~")) or text.count("/") != 1 or Path(text).exists()
 
 
+# --- preflight: every input checked before any weight is read --------------------------------
+
+
+class NetworkError(RuntimeError):
+    """The hub could not be reached to look up a model id."""
+
+
 def validate_job(job: QuantizeJob):
-    """Everything that can be checked before any weight is loaded; returns (recipe, spec, model_ref, output)."""
-    from .calibration import iter_documents, parse_calib_spec
+    """Every input checked before any weight is read, cheapest first: recipe, calibration spec,
+    options, device, model folder (config, architecture, weight files and their headers), output
+    (a folder or absent, writable, free disk), a snapshot for --resume, calibration source (there,
+    and large enough for N x L). Returns (recipe, spec, model_ref, output).
+
+    Refusals raise ValueError or OSError with one line naming the input and the fix; a hub model
+    that cannot be reached raises NetworkError."""
+    from .calibration import check_source_size, parse_calib_spec
     from .models.tiny import tiny_model_path
     from .recipe import load_recipe
 
     recipe = load_recipe(job.recipe)
     spec = parse_calib_spec(job.calib or (EMBEDDED_CALIB if job.model is None else DEFAULT_CALIB))
-    if job.dataset is not None:
-        iter_documents(job.dataset)  # checks that the source exists (and reads as text) now
     check_mode(job.arith)
     if job.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every must be >= 1, got {job.checkpoint_every}")
-    if job.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {job.batch_size}")
+    if job.batch_size != AUTO_BATCH and (not isinstance(job.batch_size, int) or job.batch_size < 1):
+        raise ValueError(f"--batch-size must be a whole number >= 1 or {AUTO_BATCH!r}, got {job.batch_size!r}")
+    if job.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {job.seed}")
     if job.backend is not None and job.backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {BACKENDS}, got {job.backend!r}")
-    if job.model is None:
-        model_ref = str(tiny_model_path())
+    check_device(job.device, job.backend)
+
+    model_dir = tiny_model_path() if job.model is None else None
+    if job.model is not None and _looks_like_path(job.model):
+        model_dir = Path(job.model).expanduser()
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"--model {job.model}: no such folder (and not a hub id of the form org/name)")
+    if model_dir is not None:
+        weight_bytes = check_model_folder(model_dir, allow_pickle=job.allow_pickle, trust_remote_code=job.trust_remote_code)
+        model_ref = str(model_dir)
     else:
+        weight_bytes = None
         model_ref = job.model
-        if _looks_like_path(model_ref):
-            p = Path(model_ref).expanduser()
-            if not p.is_dir():
-                raise FileNotFoundError(f"--model {model_ref}: no such folder (and not a hub id of the form org/name)")
-            if not (p / "config.json").is_file():
-                raise FileNotFoundError(f"--model {model_ref}: the folder has no config.json")
-            if not job.allow_pickle and not any(p.glob("*.safetensors")) and any(p.glob("*.bin")):
-                raise ValueError(
-                    f"--model {model_ref}: only pickle (.bin) weights, which can run code when loaded; "
-                    "convert them to safetensors, or pass --allow-pickle if you trust the source"
-                )
-            model_ref = str(p)
+        check_hub_model(model_ref, trust_remote_code=job.trust_remote_code)
+
     if job.output is None:
-        name = Path(model_ref).name if job.model is None or _looks_like_path(model_ref) else model_ref.split("/")[-1]
+        name = model_dir.name if model_dir is not None else model_ref.split("/")[-1]
         output = Path(f"{name}-{recipe.name}")
     else:
         output = Path(job.output).expanduser()
-    if output.exists() and not job.overwrite:
-        raise FileExistsError(f"output folder {output} exists; pass --overwrite to replace it")
-    if Path(model_ref).is_dir():
-        check_free_space(Path(model_ref), output)
-    if job.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {job.device}: no CUDA device is available")
+    check_output(output, job.overwrite, model_dir)
+    if job.resume:
+        done = CalibState(calib_state_dir(output), job_fingerprint(job, recipe, spec, model_ref)).saved_samples()
+        if done is None:
+            raise FileNotFoundError(
+                f"--resume: there is no calibration snapshot for {output} ({calib_state_dir(output)} does not exist); "
+                "check -o, or run without --resume to start afresh"
+            )
+    if weight_bytes is not None:
+        check_free_space(weight_bytes, output)
+    check_source_size(job.dataset, spec, _token_counter(model_dir), allow_repeat=job.allow_repeat)
     return recipe, spec, model_ref, output
 
 
-def check_free_space(model_dir: Path, output: Path) -> None:
-    """Refuse to start when the output's disk cannot hold a checkpoint as large as the BF16 source
-    (an upper bound: quantized weights are smaller)."""
+def check_device(device: str, backend: str | None = None) -> None:
+    """`device` is cpu, cuda, cuda:N (a device this machine has) or auto; `backend` can run there."""
+    if device != "auto":
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, ValueError):
+            dev = None
+        if dev is None or dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device {device}: expected cpu, cuda, cuda:N or auto")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA device is available; use --device cpu")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            n = torch.cuda.device_count()
+            raise ValueError(f"--device {device}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
+    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if backend == "triton" and not on_cuda:
+        raise ValueError("--backend triton runs on a CUDA device only; use --device cuda, or --backend torch on the CPU")
+
+
+def _read_json(path: Path, where: str):
+    import json
+
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{where}: {path.name} is not UTF-8 text; restore it from the model's source") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{where}: {path.name} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
+            "restore it from the model's source"
+        ) from None
+
+
+def _causal_lm_types() -> set[str] | None:
+    """The model types transformers' AutoModelForCausalLM builds, read from the source of its
+    mapping (importing it costs seconds: it imports every model's configuration); None if that
+    source is not where this transformers version keeps it."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    path = Path(spec.origin).parent / "models" / "auto" / "modeling_auto.py" if spec and spec.origin else None
+    if path is None or not path.is_file():
+        return None
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES" for t in node.targets):
+            try:
+                return {model_type for model_type, _ in ast.literal_eval(node.value.args[0])}
+            except (ValueError, TypeError, IndexError, AttributeError):
+                return None
+    return None
+
+
+def check_config(config, where: str, *, trust_remote_code: bool = False) -> None:
+    """A parsed config.json names an architecture transformers can build as a causal LM (or the
+    folder brings its own code and --trust-remote-code allows it)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: config.json is not a JSON object; restore it from the model's source")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"{where}: config.json has no model_type, so the architecture is unknown; restore it from the model's source")
+    known = _causal_lm_types()
+    if known is None or model_type in known:
+        return
+    own_code = isinstance(config.get("auto_map"), dict) and "AutoModelForCausalLM" in config["auto_map"]
+    if own_code and trust_remote_code:
+        return
+    import importlib.metadata
+
+    version = importlib.metadata.version("transformers")
+    if own_code:
+        raise ValueError(
+            f"{where}: model_type {model_type!r} is not built into transformers {version}; the folder brings its "
+            "own code (auto_map): pass --trust-remote-code if you trust it"
+        )
+    raise ValueError(
+        f"{where}: model_type {model_type!r} is not a causal LM transformers {version} can build; check config.json, "
+        "or upgrade transformers"
+    )
+
+
+def check_model_folder(folder: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False, flag: str = "--model") -> int:
+    """config.json parses and names a supported architecture; every weight file the index names
+    is there with a sane safetensors header (8-byte length, JSON header, the data it describes
+    inside the file). Reads headers only. Returns the weight files' total size in bytes.
+    Messages name the folder as `flag` gave it."""
+    from .export.checkpoint import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+    from .export.conformance import read_safetensors_header
+
+    where = f"{flag} {folder}"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{where}: no such folder")
+    if not (folder / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{where}: the folder has no config.json")
+    check_config(_read_json(folder / CONFIG_FILE, where), where, trust_remote_code=trust_remote_code)
+
+    index = folder / INDEX_FILE
+    if index.is_file():
+        index_json = _read_json(index, where)
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{where}: {INDEX_FILE} has no weight_map of tensor names to files; restore it from the model's source")
+        files: dict[str, list[str]] = {}
+        for tensor, file in weight_map.items():
+            files.setdefault(file, []).append(tensor)
+    elif (folder / SINGLE_FILE).is_file():
+        files = {SINGLE_FILE: []}
+    else:
+        pickles = sorted(p for p in folder.glob("*.bin") if p.is_file())
+        if pickles and not allow_pickle:
+            raise ValueError(
+                f"{where}: only pickle (.bin) weights, which can run code when loaded; "
+                "convert them to safetensors, or pass --allow-pickle if you trust the source"
+            )
+        if pickles:
+            return sum(p.stat().st_size for p in pickles)
+        raise FileNotFoundError(
+            f"{where}: no weights ({SINGLE_FILE} or {INDEX_FILE}); download the model's weights into the folder"
+        )
+    total = 0
+    for file, tensors in sorted(files.items()):
+        path = folder / file
+        if not path.is_file():
+            raise FileNotFoundError(f"{where}: {file}, named in {INDEX_FILE}, is missing; download it again")
+        try:
+            header, problems = read_safetensors_header(path)
+        except OSError as exc:
+            raise OSError(f"{where}: {file} cannot be read ({exc.strerror or exc})") from None
+        except Exception as exc:  # conformance's header error: the file as a whole is unreadable
+            raise ValueError(f"{where}: {file} is not a valid safetensors file ({exc}); download it again") from None
+        if problems:
+            _, tensor, message = problems[0]
+            raise ValueError(f"{where}: {file} is damaged or truncated (tensor {tensor}: {message}); download it again")
+        missing = [t for t in tensors if t not in header]
+        if missing:
+            raise ValueError(f"{where}: {INDEX_FILE} places {missing[0]} in {file}, which does not hold it; download the model again")
+        total += path.stat().st_size
+    return total
+
+
+def check_hub_model(repo_id: str, *, trust_remote_code: bool = False) -> None:
+    """A hub model id: its config.json in the local cache, else one request (no retries) that says
+    whether the hub can be reached and has it."""
+    from huggingface_hub import constants, hf_hub_download, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.utils import build_hf_headers, get_session
+
+    where = f"--model {repo_id}"
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    if isinstance(cached, str):
+        check_config(_read_json(Path(cached), where), where, trust_remote_code=trust_remote_code)
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise FileNotFoundError(f"{where}: not in the local hub cache, and HF_HUB_OFFLINE is set; download it first, or give a local folder")
+    try:
+        response = get_session().head(hf_hub_url(repo_id, "config.json"), headers=build_hf_headers(), follow_redirects=True, timeout=10)
+    except Exception as exc:  # the HTTP client's connection, DNS, proxy and timeout errors
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise NetworkError(
+            f"{where}: cannot reach {constants.ENDPOINT} ({first}); check the network, or give a local model folder"
+        ) from None
+    if response.status_code in (401, 403, 404):
+        raise FileNotFoundError(
+            f"{where}: no such model on the hub, or it is private or gated (HTTP {response.status_code}); "
+            "check the id, or log in with `hf auth login`"
+        )
+    if response.status_code >= 400:
+        raise NetworkError(f"{where}: the hub answered HTTP {response.status_code}; try again later, or give a local model folder")
+    check_config(_read_json(Path(hf_hub_download(repo_id, "config.json")), where), where, trust_remote_code=trust_remote_code)
+
+
+def check_output(output: Path, overwrite: bool, model_dir: Path | None = None) -> None:
+    """The output is a folder or absent (--overwrite for a folder), not the source model, and its
+    location is writable (tested by creating and removing a file there)."""
+    import os
+    import tempfile
+
+    if output.exists() and not output.is_dir():
+        raise FileExistsError(f"-o {output}: is a file, not a folder; choose another name (--overwrite replaces only a folder)")
+    if model_dir is not None and output.exists() and (output.resolve() == model_dir.resolve() or output.resolve() in model_dir.resolve().parents):
+        raise ValueError(f"-o {output}: holds the source model; choose another folder")
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"output folder {output} exists; pass --overwrite to replace it")
+    anchor = output.absolute().parent
+    while not anchor.exists():
+        anchor = anchor.parent
+    if not anchor.is_dir():
+        raise FileExistsError(f"-o {output}: {anchor} is a file, so no folder can be made below it; choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(dir=anchor, prefix=".fp4kit-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise PermissionError(f"-o {output}: cannot write in {anchor} ({exc.strerror or exc}); choose a writable location") from None
+
+
+def check_free_space(need: int, output: Path) -> None:
+    """Refuse to start when the output's disk cannot hold `need` bytes: a checkpoint as large as the
+    BF16 source (an upper bound: quantized weights are smaller)."""
     import shutil
 
-    need = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
-    parent = output.resolve().parent
+    parent = output.absolute().parent
     while not parent.exists():
         parent = parent.parent
     free = shutil.disk_usage(parent).free
     if need > free:
-        raise OSError(f"{parent} has {free / 1e9:.1f} GB free; the checkpoint may need up to {need / 1e9:.1f} GB (the BF16 source size)")
+        raise OSError(
+            f"-o {output}: {parent} has {free / 1e9:.1f} GB free; the checkpoint may need up to {need / 1e9:.1f} GB "
+            "(the BF16 source size); free space or choose another location"
+        )
+
+
+def _token_counter(model_dir: Path | None):
+    """Token counts per document with the model's own tokenizer.json (the `tokenizers` library
+    alone, without transformers), or None where the folder has none."""
+    path = None if model_dir is None else model_dir / "tokenizer.json"
+    if path is None or not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception:  # tokenizers' own error type; transformers names the problem when it loads the file
+        return None
+    return lambda docs: [len(e.ids) for e in tokenizer.encode_batch(docs, add_special_tokens=False)]
+
+
+def calib_state_dir(output: Path) -> Path:
+    """Where a run writing `output` keeps its calibration snapshots."""
+    return output.parent / f".{output.name}.calib-state"
+
+
+def job_fingerprint(job: QuantizeJob, recipe: Recipe, spec, model_ref: str) -> dict:
+    """Everything that decides the calibration statistics (see CalibState)."""
+    return {"model": model_ref, "recipe": recipe.to_dict(), "calib": str(spec), "dataset": job.dataset,
+            "seed": job.seed, "batch_size": job.batch_size, "allow_repeat": job.allow_repeat, "arith": job.arith}
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+class _KernelFallbacks:
+    """Keeps transformers' "`x` is falling back to its reference PyTorch implementation" warnings
+    out of the output while installed, remembering the packages they name."""
+
+    LOGGER = "transformers.integrations.hub_kernels"
+
+    def __init__(self) -> None:
+        self.missing: list[str] = []
+
+    def filter(self, record) -> bool:
+        import re
+
+        found = re.search(r"falling back to its reference .* because `([\w.-]+)` is not installed", record.getMessage())
+        if found is None:
+            return True
+        if found[1] not in self.missing:
+            self.missing.append(found[1])
+        return False
+
+    def __enter__(self):
+        import logging
+
+        logging.getLogger(self.LOGGER).addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import logging
+
+        logging.getLogger(self.LOGGER).removeFilter(self)
+
+    def note(self) -> str | None:
+        if not self.missing:
+            return None
+        names = " and ".join(name.replace("_", "-") for name in self.missing)
+        return f"note: install {names} for faster calibration (transformers ran its reference PyTorch code instead)"
 
 
 def load_model(model_ref: str, *, device: str, trust_remote_code: bool = False, tokenizer: bool = True,
-               allow_pickle: bool = False):
-    """BF16 model (+ tokenizer). Weights from safetensors only unless `allow_pickle`."""
+               allow_pickle: bool = False, progress: bool = True):
+    """BF16 model (+ tokenizer). Weights from safetensors only unless `allow_pickle`; transformers'
+    own "Loading weights" bar only with `progress`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     kwargs = dict(dtype=torch.bfloat16, trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True)
     if device != "cpu":
         # Straight from the files to the device ("auto": accelerate spreads it over GPUs and CPU):
         # no copy of the whole model in host memory.
         kwargs["device_map"] = device
-    model = AutoModelForCausalLM.from_pretrained(model_ref, **kwargs)
+    bars = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_ref, **kwargs)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tok = AutoTokenizer.from_pretrained(model_ref, trust_remote_code=trust_remote_code) if tokenizer else None
     return model.eval(), tok
 
 
-def run(job: QuantizeJob, log=print) -> tuple[QuantizedModel, Path]:
+def run(job: QuantizeJob, log=print, checked: tuple | None = None) -> tuple[QuantizedModel, Path]:
+    """validate_job (or its result, `checked`), then load -> calibrate -> quantize -> export."""
     from .calibration import build_calibration_set
     from .export.modelopt import export_checkpoint
 
-    recipe, spec, model_ref, output = validate_job(job)
+    recipe, spec, model_ref, output = checked if checked is not None else validate_job(job)
+    state = CalibState(calib_state_dir(output), job_fingerprint(job, recipe, spec, model_ref), job.checkpoint_every)
+    if not job.resume:
+        state.clear()  # a snapshot left by an earlier run is not this run's to continue
     timings = {}
     t0 = time.perf_counter()
     import transformers  # noqa: F401  (its import is a stage of its own, not part of loading the weights)
     from transformers import AutoModelForCausalLM  # noqa: F401
 
     timings["import"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    log(f"loading {model_ref} on {job.device}")
-    model, tokenizer = load_model(model_ref, device=job.device, trust_remote_code=job.trust_remote_code,
-                                  allow_pickle=job.allow_pickle)
-    timings["load"] = time.perf_counter() - t0
+    with _KernelFallbacks() as fallbacks:
+        t0 = time.perf_counter()
+        log(f"loading {model_ref} on {job.device}")
+        model, tokenizer = load_model(model_ref, device=job.device, trust_remote_code=job.trust_remote_code,
+                                      allow_pickle=job.allow_pickle, progress=job.progress)
+        timings["load"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    samples = build_calibration_set(
-        tokenizer, spec, job.dataset, seed=job.seed, allow_repeat=job.allow_repeat, progress=job.progress
-    )
-    timings["calibration set"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        samples = build_calibration_set(
+            tokenizer, spec, job.dataset, seed=job.seed, allow_repeat=job.allow_repeat, progress=job.progress
+        )
+        timings["calibration set"] = time.perf_counter() - t0
 
-    fingerprint = {"model": model_ref, "recipe": recipe.to_dict(), "calib": str(spec), "dataset": job.dataset,
-                   "seed": job.seed, "batch_size": job.batch_size, "allow_repeat": job.allow_repeat, "arith": job.arith}
-    state = CalibState(output.parent / f".{output.name}.calib-state", fingerprint, job.checkpoint_every)
-    if not job.resume:
-        state.clear()
-    qm = quantize(model, recipe, samples, backend=job.backend, batch_size=job.batch_size, progress=job.progress, state=state,
-                  arith=job.arith)
+        qm = quantize(model, recipe, samples, backend=job.backend, batch_size=job.batch_size, progress=job.progress, state=state,
+                      arith=job.arith)
+    # The fallbacks cost time on a GPU only; on the CPU there is nothing faster to install.
+    if job.progress and next(model.parameters()).device.type == "cuda" and fallbacks.note():
+        log(fallbacks.note())
     qm.calibration = {"spec": str(spec), "tokens": int(samples.numel()), "source": job.dataset or "the bundled Shakespeare calibration split", "seed": job.seed}
     source_dir = Path(model_ref) if Path(model_ref).is_dir() else None
     extra = {"source": job.model or "the embedded tiny Nemotron-H", "title": f"{Path(model_ref).name} {recipe.name}"}

@@ -88,3 +88,19 @@ def test_gpu_pipeline_writes_the_cpu_pipelines_bytes(tmp_path):
     # The calibration forward runs on two devices, so activation statistics (input and KV
     # scales) may differ in the last bit; every weight tensor must be identical.
     assert not [n for n in differ if not n.endswith(("input_scale", "k_scale", "v_scale"))], differ
+
+
+def test_batch_size_auto_measures_one_sample_then_fills_the_device():
+    from fp4kit.calibrate import Statistics
+    from fp4kit.quantize import _forward_samples
+
+    model, _ = load_tiny_model(device="cuda")
+    samples = torch.randint(0, model.config.vocab_size, (9, 64), generator=torch.Generator().manual_seed(0))
+    seen: list[int] = []
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        used = _forward_samples(model, samples, "auto", False, Statistics())
+    finally:
+        hook.remove()
+    # the tiny model's sample is a few MiB on a GPU of tens of GiB: the rest goes in one batch
+    assert used == 8 and seen == [1, 8]

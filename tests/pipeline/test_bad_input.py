@@ -39,8 +39,8 @@ def test_pickle_checkpoints_are_refused(tmp_path):
     from fp4kit.quantize import QuantizeJob, validate_job
 
     with pytest.raises(ValueError, match="only pickle .* --allow-pickle"):
-        validate_job(QuantizeJob(model=str(path), output=str(tmp_path / "out")))
-    validate_job(QuantizeJob(model=str(path), output=str(tmp_path / "out"), allow_pickle=True))
+        validate_job(QuantizeJob(model=str(path), output=str(tmp_path / "out"), calib="4x64"))
+    validate_job(QuantizeJob(model=str(path), output=str(tmp_path / "out"), calib="4x64", allow_pickle=True))
 
 
 def test_remote_code_is_not_run_unless_asked(tmp_path):
