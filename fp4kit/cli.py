@@ -161,9 +161,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     )
     try:
         checked = validate_job(job)
-    except NetworkError as exc:
-        return _err(str(exc), 1)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, NetworkError) as exc:  # refused before loading: an unreachable hub too
         return _err(str(exc), 2)
     args.job, args.checked = job, checked  # what main's Ctrl-C message reports on
     try:
@@ -294,9 +292,9 @@ def _cmd_push(args: argparse.Namespace) -> int:
         url = push(args.checkpoint, args.repo, private=args.private, revision=args.revision)
     except (ValueError, FileNotFoundError) as exc:
         return _err(str(exc), 2)
-    except Exception as exc:  # the hub client's network, auth and offline errors
+    except Exception as exc:  # the hub client's network, auth and offline errors: nothing was uploaded
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return _err(f"push to {args.repo} failed ({type(exc).__name__}): {first}", 1)
+        return _err(f"push to {args.repo} failed ({type(exc).__name__}): {first}", 2)
     print(f"uploaded {args.checkpoint} to {url}")
     return 0
 

@@ -58,7 +58,7 @@ def test_refuses_bad_ids_and_nonconformant_folders(ckpt, tmp_path):
     assert hub.calls == []  # nothing reached the hub
 
 
-def test_push_without_network_is_one_line_and_exit_1(ckpt):
+def test_push_without_network_is_one_line_and_exit_2(ckpt):
     import os
     import subprocess
     import sys
@@ -66,7 +66,7 @@ def test_push_without_network_is_one_line_and_exit_1(ckpt):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([sys.executable, "-m", "fp4kit.cli", "push", str(ckpt), "--repo", "me/tiny-nvfp4"],
                        capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: push to me/tiny-nvfp4 failed ("), r.stderr
     assert "Traceback" not in r.stderr

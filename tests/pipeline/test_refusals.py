@@ -353,13 +353,13 @@ def test_disk_full_is_one_line(tmp_path, capsys, monkeypatch):
                     "free space and run the command again (--debug shows the traceback)")
 
 
-def test_hub_id_without_network_is_one_line_and_exit_1(tmp_path):
+def test_hub_id_without_network_is_one_line_and_exit_2(tmp_path):
     # Port 9 (discard) on the loopback: the connection is refused at once, as with no network.
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "0"}
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "fp4kit.cli", "quantize", "--model", "someorg/somemodel", "-o", str(tmp_path / "out")],
                        capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == 2, r.stderr
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --model someorg/somemodel: cannot reach http://127.0.0.1:9 ("), r.stderr
     assert lines[0].endswith("; check the network, or give a local model folder")
