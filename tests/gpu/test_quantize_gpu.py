@@ -279,3 +279,20 @@ def test_quantize_flags_nan_and_inf():
     w[2, 3, 4] = float("inf")
     with pytest.raises(Exception, match="finite|inf|Inf"):
         kquant.quantize(w, scale_rule="4o6")
+
+
+# --------------------------------------------------------------------------------------------
+# error: the SQNR terms of a quantized weight, against the reference's float64 sums
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(8, 1856, 2688), (2688, 1856), (3, 48)])
+def test_error_terms_on_expert_shapes(shape):
+    from fp4kit.formats.metrics import sqnr_terms
+    from fp4kit.kernels.error import nvfp4_error_terms
+
+    w = _randn(*shape, seed=5)
+    qt = kquant.quantize(w, scale_rule="4o6")
+    signal, noise = nvfp4_error_terms(w, qt)
+    ref_signal, ref_noise = sqnr_terms(w.cpu(), qt.to("cpu").dequantize())
+    assert signal.device.type == "cuda" and signal.dtype == torch.float64
+    assert float(signal) == pytest.approx(float(ref_signal), rel=2e-6)
+    assert float(noise) == pytest.approx(float(ref_noise), rel=2e-6)
