@@ -8,4 +8,8 @@ def __getattr__(name: str):
         from .export.load import load_quantized
 
         return load_quantized
+    if name == "generate":  # the static-buffer decode loop, fp4kit/decode.py
+        from .decode import generate
+
+        return generate
     raise AttributeError(f"module 'fp4kit' has no attribute {name!r}")

@@ -387,6 +387,89 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# fp4kit generate
+# --------------------------------------------------------------------------------------------
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    from .kernels.backend import BACKENDS
+
+    p.add_argument("--model", required=True, help="a quantized checkpoint folder or a BF16 model folder")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda (default: cuda when there is one)")
+    p.add_argument("--backend", choices=BACKENDS, help="how quantized layers run (default: triton on CUDA, torch on CPU)")
+    p.add_argument("--no-graph", action="store_true", help="run each decode step eagerly instead of replaying a CUDA graph")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .export.checkpoint import read_quant_configs
+    from .quantize import check_model_folder
+
+    folder = Path(args.model)
+    if args.max_new_tokens < 1:
+        return _err(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}", 2)
+    try:
+        check_model_folder(folder)
+        quantized = read_quant_configs(folder) != (None, None)
+    except (ValueError, OSError) as exc:
+        return _err(str(exc), 2)
+    if args.backend and not quantized:
+        return _err(f"--backend runs quantized layers; {folder} is not a quantized checkpoint", 2)
+    if args.device.startswith("cuda") and not _cuda():
+        return _err(f"--device {args.device}: no CUDA device here", 2)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .decode import generate
+    from .export.load import MODEL_DTYPE, load_quantized
+    from .modules import resolve_backend
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if quantized:
+        # The Triton kernels run W4A4 layers weight-only, as the engines do on Hopper.
+        import torch
+
+        backend = resolve_backend(args.backend, torch.device(args.device))
+        model = load_quantized(folder, args.device, backend=backend, act_quant=backend != "triton")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=MODEL_DTYPE, device_map=args.device, use_safetensors=True).eval()
+    single = len(args.prompt) == 1
+    if single:
+        print(args.prompt[0], end="", flush=True)
+    seen = [[] for _ in args.prompt]
+    shown = [0] * len(args.prompt)
+
+    def stream(tokens):
+        if not single:
+            return
+        # Decode the whole continuation each step: a token may complete a character only with the next.
+        if tokens[0] is not None:
+            seen[0].append(tokens[0])
+            text = tokenizer.decode(seen[0], skip_special_tokens=True)
+            print(text[shown[0]:], end="", flush=True)
+            shown[0] = len(text)
+
+    try:
+        result = generate(model, tokenizer, args.prompt, args.max_new_tokens, graph=False if args.no_graph else None,
+                          stream=stream)
+    except ValueError as exc:
+        return _err(str(exc), 2)
+    if single:
+        print()
+    else:
+        for prompt, text in zip(args.prompt, result.text):
+            print(f"{prompt}{text}\n")
+    how = "CUDA graph" if result.graph else "eager"
+    print(f"{sum(map(len, result.tokens))} tokens in {result.seconds:.2f}s: {result.tokens_per_s:.1f} tokens/s "
+          f"({how}, batch {result.batch})", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # The parser
 # --------------------------------------------------------------------------------------------
 # name: (help, description, add arguments, run)
@@ -395,6 +478,8 @@ COMMANDS = {
     "quantize": ("quantize a BF16 Hugging Face model into an NVFP4 checkpoint (ModelOpt format)", None, _add_quantize, _cmd_quantize),
     "verify": ("check a checkpoint: engine conformance, re-derived bytes, ModelOpt, TP sharding", None, _add_verify, _cmd_verify),
     "push": ("upload a checkpoint folder to the Hugging Face hub (after a conformance check)", None, _add_push, _cmd_push),
+    "generate": ("generate text from a checkpoint or BF16 model, one decode step replayed as a CUDA graph", None,
+                 _add_generate, _cmd_generate),
     "eval": (
         "quality of a quantized checkpoint against its BF16 model (KL, top-1, perplexity, weight SQNR)",
         "Either --reference DIR --quantized DIR, or --compare-recipes [--model DIR].",

@@ -8,9 +8,10 @@ Layers, lowest first (a module may import its own layer and the ones below it):
       calibrate, calibration, statistics and text, the runtime nn.Modules, the plan (which
       modules, plan,          module gets which rule), and the checkpoint's vocabulary and
       export.checkpoint       reader (which the modules' errors and names come from)
-    3 export.*, fp4kit        writing a checkpoint (writer, card, modelopt), loading it
-                              (load), checking it (conformance), uploading it (push); the
-                              package root (__version__, a lazy re-export of load_quantized)
+    3 export.*, fp4kit,       writing a checkpoint (writer, card, modelopt), loading it
+      decode                  (load), checking it (conformance), uploading it (push); the
+                              package root (__version__, lazy re-exports of load_quantized
+                              and generate); decoding from static buffers (decode)
     4 quantize                the pipeline: load -> calibrate -> quantize -> export
     5 verify, evaluate        judging a checkpoint: re-derived bytes, quality
     6 cli                     the command line
@@ -31,7 +32,7 @@ LAYERS = (
     ("formats",),
     ("kernels",),
     ("models", "recipe", "calibrate", "calibration", "modules", "plan", "export.checkpoint"),
-    ("export", ""),
+    ("export", "", "decode"),
     ("quantize",),
     ("verify", "evaluate"),
     ("cli",),

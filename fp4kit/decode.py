@@ -1,0 +1,264 @@
+"""`fp4kit.generate`: decoding from static buffers, one step captured as a CUDA graph.
+
+`generate(model, tokenizer, prompts, max_new_tokens)` prefills the prompts with the model's own
+forward into a transformers `StaticCache` (fixed-size key/value tensors for the attention layers,
+fixed-size conv and SSM states for the Mamba layers), then decodes one token per step. A step
+reads and writes only tensors whose addresses never change: the cache, the input ids, the
+positions and the attention mask. On CUDA that step is captured once per batch bucket as a
+`torch.cuda.CUDAGraph` and replayed per token; on the CPU, or with graph=False, the same step runs
+eagerly. The tokens equal transformers' `model.generate(do_sample=False)` (left padding, EOS
+stopping and padding of finished rows as it does them), for BF16 models and for models loaded
+with `load_quantized`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+WARMUP_STEPS = 2  # eager runs on a side stream before capture: lazy kernel compiles and allocations
+# Attention implementations whose decode step takes the 4-D mask built here.
+MASKED_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass
+class Generation:
+    """What `generate` produced: per prompt, the new tokens (up to and including EOS)."""
+
+    tokens: list[list[int]]
+    text: list[str] | None
+    steps: int  # decode steps run (the first token comes from the prefill)
+    seconds: float  # prefill + decode, host clock after the last token was read back
+    graph: bool  # whether the decode step was replayed from a CUDA graph
+    captures: int = 0
+    replays: int = 0
+    batch: int = 0  # rows run, the batch padded up to its bucket when a graph is used
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(len(t) for t in self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _StaticStep:
+    """One bucket's decode state: every tensor the step reads or writes, allocated once."""
+
+    cache: object  # transformers.StaticCache
+    input_ids: torch.Tensor  # [B, 1]
+    position_ids: torch.Tensor  # [B, 1]
+    mask: torch.Tensor  # [B, 1, 1, max_len]: bool (sdpa) or additive (eager)
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None  # the captured step's output, [B, 1, vocab]
+    counts: dict = field(default_factory=lambda: {"captures": 0, "replays": 0})
+
+
+def bucket_for(batch: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds `batch` rows."""
+    fits = [b for b in sorted(buckets) if b >= batch]
+    if not fits:
+        raise ValueError(f"a batch of {batch} prompts is larger than the largest batch bucket {max(buckets)}")
+    return fits[0]
+
+
+def _tokenize(tokenizer, prompts, device, model_pad: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), rows left-padded to one length as transformers' generate expects
+    (with the tokenizer's pad token, else the model's)."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("no prompts to generate from")
+    if all(isinstance(p, str) for p in prompts):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; pass token id lists without one")
+        rows = [tokenizer(p)["input_ids"] for p in prompts]
+        pad = tokenizer.pad_token_id
+    elif all(not isinstance(p, str) for p in prompts):
+        rows = [[int(t) for t in p] for p in prompts]
+        pad = tokenizer.pad_token_id if tokenizer is not None else model_pad
+    else:
+        raise ValueError("prompts must be all text or all token id lists")
+    if any(len(r) == 0 for r in rows):
+        raise ValueError("an empty prompt has no token to continue from")
+    width = max(len(r) for r in rows)
+    if pad is None and any(len(r) < width for r in rows):
+        raise ValueError("prompts of different lengths need left padding, and neither the tokenizer nor the model names a pad token")
+    pad = 0 if pad is None else pad
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
+    return ids, mask
+
+
+def _eos_ids(model) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _new_step(model, batch: int, max_len: int, device: torch.device) -> _StaticStep:
+    from transformers import StaticCache
+
+    impl = model.config._attn_implementation
+    if impl not in MASKED_ATTENTION:
+        raise ValueError(f"the static decode step builds its own attention mask, which {impl!r} attention does not take; "
+                         f"load the model with attn_implementation one of {MASKED_ATTENTION}")
+    mask_dtype = torch.bool if impl == "sdpa" else model.dtype
+    return _StaticStep(
+        cache=StaticCache(config=model.config, max_cache_len=max_len),
+        input_ids=torch.zeros(batch, 1, dtype=torch.long, device=device),
+        position_ids=torch.zeros(batch, 1, dtype=torch.long, device=device),
+        mask=torch.zeros(batch, 1, 1, max_len, dtype=mask_dtype, device=device),
+    )
+
+
+def _set_mask(s: _StaticStep, allowed: torch.Tensor, start: int) -> None:
+    """Columns start.. of the mask from `allowed` ([B, k] bool): open where true, closed elsewhere."""
+    cols = slice(start, start + allowed.shape[1])
+    if s.mask.dtype == torch.bool:
+        s.mask[:, 0, 0, cols] = allowed
+    else:
+        s.mask[:, 0, 0, cols] = torch.where(allowed, 0.0, torch.finfo(s.mask.dtype).min).to(s.mask.dtype)
+
+
+def _masks(model, s: _StaticStep):
+    """The step's attention mask as the model's forward takes it: Nemotron-H takes one per layer
+    kind (a single-token step never pads the Mamba input); other models take the 4-D mask itself."""
+    kinds = getattr(model.config, "layers_block_type", None)
+    if kinds is None:
+        return s.mask
+    return {kind: (s.mask if kind == "full_attention" else None) for kind in set(kinds)}
+
+
+def _forward(model, s: _StaticStep) -> torch.Tensor:
+    out = model(input_ids=s.input_ids, position_ids=s.position_ids, attention_mask=_masks(model, s),
+                cache=s.cache, use_cache=True, logits_to_keep=1)
+    return out.logits
+
+
+def _state_tensors(cache) -> list[torch.Tensor]:
+    """The cache tensors a decode step changes in place besides the key/value slot it writes:
+    the Mamba conv and SSM states and each attention layer's fill count."""
+    out = []
+    for layer in cache.layers:
+        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+            out.extend(t for t in (states or {}).values() if t is not None)
+        if getattr(layer, "is_initialized", False) and isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+            out.append(layer.cumulative_length)
+    return out
+
+
+def _capture(model, s: _StaticStep) -> None:
+    """Warm up, then capture one decode step; the cache is left as the prefill wrote it."""
+    saved = [(t, t.clone()) for t in _state_tensors(s.cache)]
+
+    def restore():
+        for t, copy in saved:
+            t.copy_(copy)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_STEPS):
+            _forward(model, s)
+            restore()
+    torch.cuda.current_stream().wait_stream(side)
+    s.graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(s.graph):
+        s.logits = _forward(model, s)
+    restore()
+    torch.cuda.current_stream().synchronize()
+    s.counts["captures"] += 1
+
+
+def _pick(logits: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> torch.Tensor:
+    if greedy:
+        return logits.argmax(-1)
+    return torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=generator).squeeze(-1)
+
+
+@torch.inference_mode()
+def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greedy: bool = True,
+             graph: bool | None = None, batch_buckets: Sequence[int] = DEFAULT_BUCKETS,
+             stream: Callable[[list[int | None]], None] | None = None,
+             generator: torch.Generator | None = None) -> Generation:
+    """Continue each prompt by up to `max_new_tokens` tokens; a row stops at the model's EOS.
+
+    prompts: text (with a tokenizer) or lists of token ids; rows of different lengths are
+    left-padded with the tokenizer's pad token, as transformers' generate does.
+    greedy: the most likely token (True), or a draw from the softmax of the logits.
+    graph: replay the decode step from a CUDA graph; default: on CUDA, yes. The batch is padded up
+    to the smallest of `batch_buckets` that holds it (the padding rows repeat the last prompt).
+    stream: called after every step with one entry per prompt: the new token, or None for a row
+    that has already stopped.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    device = next(model.parameters()).device
+    if graph is None:
+        graph = device.type == "cuda"
+    if graph and device.type != "cuda":
+        raise ValueError(f"graph=True captures a CUDA graph, but the model is on {device}")
+    ids, attn = _tokenize(tokenizer, prompts, device, model.generation_config.pad_token_id)
+    n, width = ids.shape
+    rows = bucket_for(n, batch_buckets) if graph else n
+    if rows > n:  # the bucket's extra rows repeat the last prompt; their tokens are dropped
+        ids = torch.cat([ids, ids[-1:].expand(rows - n, -1)])
+        attn = torch.cat([attn, attn[-1:].expand(rows - n, -1)])
+    max_len = width + max_new_tokens
+    eos = _eos_ids(model)
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else (eos[0] if eos else 0)
+
+    start = time.perf_counter()
+    s = _new_step(model, rows, max_len, device)
+    # Prefill: the model's forward over the prompts, positions counted over the real tokens.
+    positions = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, cache=s.cache,
+                   use_cache=True, logits_to_keep=1).logits
+    _set_mask(s, torch.zeros(rows, max_len, dtype=torch.bool, device=device), 0)
+    _set_mask(s, attn.bool(), 0)
+    s.position_ids.copy_(positions[:, -1:])
+
+    if graph:
+        _capture(model, s)
+
+    eos_t = torch.tensor(eos, device=device, dtype=torch.long)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    out: list[list[int]] = [[] for _ in range(n)]
+    steps = 0
+    for t in range(max_new_tokens):
+        if t > 0:
+            # The token just picked enters the cache at slot width + t - 1.
+            _set_mask(s, torch.ones(rows, 1, dtype=torch.bool, device=device), width + t - 1)
+            s.position_ids.add_(1)
+            if graph:
+                s.graph.replay()
+                s.counts["replays"] += 1
+                logits = s.logits
+            else:
+                logits = _forward(model, s)
+            steps += 1
+        token = _pick(logits[:, -1], greedy, generator)
+        token = torch.where(done, torch.full_like(token, pad), token)
+        s.input_ids.copy_(token[:, None])
+        host = token[:n].tolist()
+        finished = done[:n].tolist()
+        for i in range(n):
+            if not finished[i]:
+                out[i].append(host[i])
+        if stream is not None:
+            stream([None if finished[i] else host[i] for i in range(n)])
+        if eos:
+            done |= torch.isin(token, eos_t)
+        if bool(done[:n].all()):
+            break
+    seconds = time.perf_counter() - start
+
+    text = [tokenizer.decode(t, skip_special_tokens=True) for t in out] if tokenizer is not None else None
+    return Generation(tokens=out, text=text, steps=steps, seconds=seconds, graph=graph, captures=s.counts["captures"],
+                      replays=s.counts["replays"], batch=rows)

@@ -1,0 +1,75 @@
+"""fp4kit.generate on a CUDA GPU: the decode step captured once as a CUDA graph and replayed per
+token gives the tokens of the same step run eagerly and of transformers' model.generate, for the
+embedded tiny Nemotron-H in BF16 and loaded quantized with the Triton kernels.
+
+Run: python -m pytest -q tests/gpu   (skipped without CUDA)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from fp4kit.decode import generate  # noqa: E402
+from fp4kit.export.load import load_quantized  # noqa: E402
+from fp4kit.export.modelopt import export_checkpoint  # noqa: E402
+from fp4kit.models.tiny import corpus_path, load_tiny_model  # noqa: E402
+from fp4kit.quantize import quantize  # noqa: E402
+from fp4kit.recipe import DEFAULT_RECIPE, load_recipe  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = ["ROMEO:\nBut soft, what light", "KING HENRY:\nOnce more unto the breach, dear friends, once more"]
+NEW = 24
+
+
+def reference(model, tok, prompts):
+    enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left").to("cuda")
+    out = model.generate(**enc, max_new_tokens=NEW, do_sample=False)[:, enc.input_ids.shape[1]:]
+    eos = model.generation_config.eos_token_id
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out.tolist()]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_tiny_model(device="cuda")
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny, tmp_path_factory):
+    model, tok = tiny
+    calib = torch.tensor(tok(corpus_path("calibration").read_text()[:40000])["input_ids"][: 4 * 256]).reshape(4, 256)
+    folder = tmp_path_factory.mktemp("generate") / "nvfp4"
+    export_checkpoint(quantize(model, load_recipe(DEFAULT_RECIPE), calib.cuda(), progress=False), folder, progress=False)
+    return load_quantized(folder, device="cuda", backend="triton", act_quant=False)
+
+
+def check(model, tok, prompts):
+    graphed = generate(model, tok, prompts, NEW, graph=True)
+    eager = generate(model, tok, prompts, NEW, graph=False)
+    assert graphed.graph and graphed.captures == 1 and graphed.replays == graphed.steps > 0
+    assert not eager.graph and eager.captures == 0 and eager.replays == 0
+    assert graphed.tokens == eager.tokens
+    assert graphed.tokens == reference(model, tok, prompts)
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one", "two-left-padded"])
+def test_graph_replay_equals_eager_and_model_generate_bf16(tiny, prompts):
+    check(*tiny, prompts)
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one", "two-left-padded"])
+def test_graph_replay_equals_eager_and_model_generate_quantized_triton(quantized, tiny, prompts):
+    assert any(type(m).__name__ == "NVFP4Experts" and m.backend == "triton" for m in quantized.modules())
+    check(quantized, tiny[1], prompts)
+
+
+def test_a_batch_is_padded_up_to_its_bucket(tiny):
+    model, tok = tiny
+    three = PROMPTS + PROMPTS[:1]
+    result = generate(model, tok, three, 8, graph=True, batch_buckets=(1, 4))
+    assert result.batch == 4 and len(result.tokens) == 3
+    assert result.tokens == generate(model, tok, three, 8, graph=False).tokens

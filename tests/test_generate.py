@@ -1,0 +1,133 @@
+"""fp4kit.generate (fp4kit/decode.py) on the CPU: the static decode step, run eagerly, gives transformers'
+`model.generate(do_sample=False)` tokens, for BF16 and load_quantized models, and keeps every
+buffer it reads or writes at one address."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp4kit
+from fp4kit import decode as generate_module
+from fp4kit.export.load import load_quantized
+from fp4kit.export.modelopt import export_checkpoint
+from fp4kit.decode import generate
+from fp4kit.models.tiny import load_tiny_model
+from fp4kit.quantize import quantize
+from fp4kit.recipe import DEFAULT_RECIPE, load_recipe
+
+_spec = importlib.util.spec_from_file_location("pipeline_models", Path(__file__).parent / "pipeline" / "tiny_models.py")
+models = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(models)
+
+PROMPTS = ["ROMEO:\nBut soft, what light", "KING HENRY:\nOnce more unto the breach, dear friends, once more"]
+NEW = 6
+
+
+def reference(model, ids: torch.Tensor, mask: torch.Tensor, new: int = NEW) -> list[list[int]]:
+    """model.generate's new tokens per row, cut after the row's EOS (it pads finished rows)."""
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False)[:, ids.shape[1]:]
+    eos = model.generation_config.eos_token_id
+    rows = []
+    for row in out.tolist():
+        rows.append(row[: row.index(eos) + 1] if eos in row else row)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """A small random Nemotron-H under the default recipe, written and loaded back."""
+    calib = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
+    folder = tmp_path_factory.mktemp("generate") / "nvfp4"
+    export_checkpoint(quantize(models.build_nemotron_h(), load_recipe(DEFAULT_RECIPE), calib, progress=False), folder, progress=False)
+    return load_quantized(folder)
+
+
+# The embedded model's bf16 depthwise Mamba convolution takes seconds per call on the CPU.
+@pytest.mark.slow
+def test_greedy_tokens_equal_model_generate_on_the_embedded_model(tiny):
+    model, tok = tiny
+    enc = tok(PROMPTS[:1], return_tensors="pt")
+    result = generate(model, tok, PROMPTS[:1], NEW)
+    assert result.tokens == reference(model, enc.input_ids, enc.attention_mask)
+    assert result.text == [tok.decode(result.tokens[0], skip_special_tokens=True)]
+    assert not result.graph and result.captures == 0 and result.steps == NEW - 1
+    assert result.tokens_per_s > 0
+
+
+@pytest.mark.slow
+def test_prompts_of_different_lengths_are_left_padded_as_generate_does(tiny):
+    model, tok = tiny
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    assert (enc.attention_mask == 0).any()  # the rows really differ in length
+    seen = []
+    result = generate(model, tok, PROMPTS, NEW, stream=seen.append)
+    assert result.tokens == reference(model, enc.input_ids, enc.attention_mask)
+    # The stream saw every token of every row, one call per step.
+    assert [[s[i] for s in seen if s[i] is not None] for i in range(2)] == result.tokens
+
+
+def test_quantized_model_tokens_equal_model_generate(quantized):
+    assert any(type(m).__name__ == "NVFP4Experts" for m in quantized.modules())
+    prompts = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = [prompts[0].tolist(), prompts[1, 4:].tolist()]
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    left = prompts.clone()
+    left[1, :4] = quantized.generation_config.pad_token_id
+    left[1, 4:] = prompts[1, 4:]
+    result = generate(quantized, None, ids, NEW)
+    assert result.text is None
+    assert result.tokens == reference(quantized, left, mask)
+
+
+def test_dense_llama_tokens_equal_model_generate():
+    model = models.build_llama()
+    ids = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(2))
+    assert generate(model, None, ids.tolist(), 16).tokens == reference(model, ids, torch.ones_like(ids), 16)
+
+
+def test_the_step_reads_and_writes_buffers_at_fixed_addresses(monkeypatch):
+    model = models.build_nemotron_h()
+    seen = []
+    forward = generate_module._forward
+
+    def recording(model, s):
+        layer_tensors = [t for layer in s.cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        layer_tensors += [t for layer in s.cache.layers for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {}))
+                          for t in states.values() if t is not None]
+        seen.append([t.data_ptr() for t in [s.input_ids, s.position_ids, s.mask, *layer_tensors]])
+        return forward(model, s)
+
+    monkeypatch.setattr(generate_module, "_forward", recording)
+    model.generation_config.eos_token_id = None  # run every step
+    result = generate(model, None, [[5, 6, 7, 8]], NEW)
+    assert result.steps == NEW - 1 == len(seen)
+    assert len(seen[0]) > 3 + 2 * 2  # the keys and values of the attention layer, the Mamba states
+    assert all(ptrs == seen[0] for ptrs in seen)
+
+
+def test_refusals():
+    model = models.build_llama()
+    with pytest.raises(ValueError, match="CUDA graph"):
+        generate(model, None, [[1, 2, 3]], 2, graph=True)
+    model.generation_config.pad_token_id = None
+    with pytest.raises(ValueError, match="pad token"):
+        generate(model, None, [[1, 2, 3], [4]], 2)
+    with pytest.raises(ValueError, match="largest batch bucket"):
+        generate_module.bucket_for(3, (1, 2))
+
+
+def test_the_package_root_exports_generate():
+    # The function, also after its module has been imported (a submodule named `generate` would
+    # replace the package attribute on import).
+    assert "fp4kit.decode" in __import__("sys").modules
+    assert fp4kit.generate is generate
