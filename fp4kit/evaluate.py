@@ -5,21 +5,29 @@ per token, KL(reference || quantized) over the vocabulary (mean, median, p99), t
 and both perplexities; and, per quantized module, the weight SQNR of the dequantized checkpoint
 tensors against the reference weights and the fraction of NVFP4 blocks whose stored scale is the
 Four-Over-Six "4" candidate. Both are computed from what the loader holds (`fp4kit.modules`), so they
-describe the checkpoint as the engines read it. `compare_recipes` quantizes one model under the
-default recipe's scale-rule variants and tabulates the same figures side by side.
+describe the checkpoint as the engines read it; the FP8 KV cache is emulated with its k/v scales
+rounded to the model dtype, the values vLLM computes with (`modules.FP8KVProjection`), and the
+report's `runs_as` says so. `compare_recipes` quantizes one model under the default recipe's
+scale-rule variants and tabulates the same figures side by side. `check_inputs` checks every path
+argument of both before anything is loaded.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import platform
+import shlex
 import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .calibration import build_calibration_set, iter_documents
+from . import __version__
+from .calibration import build_calibration_set, iter_documents, parse_calib_spec
+from .export.checkpoint import CONFIG_FILE
 from .export.load import load_quantized
 from .export.modelopt import export_checkpoint
 from .formats import nvfp4
@@ -27,8 +35,8 @@ from .formats.arith import ARITH_MODES
 from .formats.metrics import sqnr_db
 from .models import adapter_for
 from .models.tiny import tiny_model_path
-from .modules import FP4KIT_MODULES, FP8Linear, NVFP4Experts, NVFP4Linear
-from .quantize import DEFAULT_CALIB, EMBEDDED_CALIB, load_model, quantize
+from .modules import FP4KIT_MODULES, FP8KVProjection, FP8Linear, NVFP4Experts, NVFP4Linear
+from .quantize import DEFAULT_CALIB, EMBEDDED_CALIB, _looks_like_path, load_model, quantize
 from .recipe import DEFAULT_RECIPE, load_recipe, recipe_from_dict
 
 DEFAULT_TOKENS = 8192
@@ -36,6 +44,74 @@ DEFAULT_SEQ_LEN = 512
 # Scale-rule variants of one base recipe: (scale_rule, importance) for its NVFP4 rules.
 RECIPE_VARIANTS = {"6": ("6", False), "4o6": ("4o6", False), "4o6-importance": ("4o6", True), "bf16": None}
 VARIANT_LABELS = {"6": "NVFP4 plain (rule 6)", "4o6": "NVFP4 4/6", "4o6-importance": "NVFP4 4/6 + importance", "bf16": "BF16"}
+# How a report names the embedded model: where it lives in the source tree, not on this machine.
+EMBEDDED_MODEL = "fp4kit/data/tiny-nemotron-h"
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+def _check_model_folder(what: str, ref, *, checkpoint: bool = False) -> None:
+    """A model given as a local path must be a folder with config.json; a hub id passes here."""
+    if isinstance(ref, nn.Module):
+        return
+    text = str(ref)
+    if not checkpoint and not _looks_like_path(text):
+        return
+    folder = Path(text).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{what} {text}: no such folder" + ("" if checkpoint else " (and not a hub id of the form org/name)"))
+    if not (folder / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{what} {text}: the folder has no {CONFIG_FILE}")
+
+
+def _check_out_folder(what: str, folder) -> None:
+    if folder is not None and Path(folder).expanduser().exists() and not Path(folder).expanduser().is_dir():
+        raise FileExistsError(f"{what} {folder} exists and is not a folder")
+
+
+def check_inputs(*, reference=None, quantized=None, model=None, data=None, dataset=None, recipe=None, calib=None,
+                 tokens: int = DEFAULT_TOKENS, seq_len: int = DEFAULT_SEQ_LEN, out=None, keep_checkpoints=None) -> None:
+    """Every argument of `evaluate` / `compare_recipes` that can be checked without loading a model.
+
+    reference / model: a local path must be a folder with config.json (anything else is taken
+    as a hub id); quantized: a checkpoint folder with config.json; data / dataset: a source that
+    `calibration.iter_documents` opens (a path must exist); recipe and calib must parse; out and
+    keep_checkpoints must not be files. Raises ValueError, FileNotFoundError or FileExistsError
+    naming the argument.
+    """
+    if reference is not None:
+        _check_model_folder("reference model", reference)
+    if quantized is not None:
+        _check_model_folder("quantized checkpoint", quantized, checkpoint=True)
+    if model is not None:
+        _check_model_folder("model", model)
+    if data is not None and not isinstance(data, torch.Tensor):
+        try:
+            iter_documents(data, split="eval")  # opens the source: a missing path raises here
+        except (OSError, ValueError) as exc:
+            raise type(exc)(f"evaluation text: {exc}") from None
+    if dataset is not None:
+        iter_documents(dataset)
+    if recipe is not None:
+        load_recipe(recipe)
+    if calib is not None:
+        parse_calib_spec(calib)
+    if not isinstance(data, torch.Tensor) and (tokens < seq_len or seq_len < 2):
+        raise ValueError(f"need seq_len >= 2 and tokens >= seq_len, got tokens={tokens}, seq_len={seq_len}")
+    _check_out_folder("output folder", out)
+    _check_out_folder("checkpoint folder", keep_checkpoints)
+
+
+def provenance(command: str, device: str) -> dict:
+    """date (UTC), command and versions, as every results file records them."""
+    import transformers
+
+    versions = {"fp4kit": __version__, "python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__}
+    versions["device"] = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), "command": command,
+            "versions": versions}
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,6 +269,10 @@ def _runs_as(model: nn.Module) -> str:
     """How the quantized layers ran: backend and W4A16 / W4A4, from the loaded modules."""
     kinds = set()
     for m in model.modules():
+        if isinstance(m, FP8KVProjection):
+            dtype = str(getattr(model, "dtype", "the model dtype")).removeprefix("torch.")
+            held = f"rounded to {dtype} as vLLM holds them" if m.model_dtype_scale else "in fp32 as SGLang holds them"
+            kinds.add(f"FP8 KV cache with k/v scales {held}")
         if isinstance(m, FP4KIT_MODULES) and hasattr(m, "backend"):
             mode = {True: "W4A4", False: "W4A16"}.get(getattr(m, "act_quant", None), "W8A8")
             kinds.add(f"{m.backend} backend" if m.backend == "triton" else "exact emulation")
@@ -243,6 +323,7 @@ def evaluate(
     kl_hist.png there; `data_label` names given token rows in the report. Returns the figures
     as a dict (per-token KL values under "kl_values").
     """
+    check_inputs(reference=reference, quantized=quantized, data=data, tokens=tokens, seq_len=seq_len, out=out)
     ref_model, ref_tok, ref_name = _load_reference(reference, device)
     if isinstance(quantized, nn.Module):
         q_model, q_name = quantized, getattr(quantized, "name_or_path", "") or "a model in memory"
@@ -426,6 +507,7 @@ def compare_recipes(
     batch_size: int = 1,
     seed: int = 0,
     out: str | Path | None = None,
+    keep_checkpoints: str | Path | None = None,
     progress: bool = False,
     log=print,
 ) -> dict:
@@ -435,13 +517,20 @@ def compare_recipes(
     RECIPE_VARIANTS ("6" plain NVFP4, "4o6", "4o6-importance", "bf16" = the reference itself)
     applied to `base_recipe` (default: fp4kit's default recipe: experts W4A16 NVFP4, Mamba FP8,
     KV FP8). calib / dataset: the calibration set as for `fp4kit quantize` (default: 32x512 from
-    the bundled corpus, 512x2048 when a dataset is given). Checkpoints go to a
-    temporary folder (to `out/<variant>/checkpoint` with the reports when `out` is given).
+    the bundled corpus, 512x2048 when a dataset is given). With `out`, writes compare.json (the
+    table with its date, command and versions) and compare.md there, nothing else. Checkpoints go
+    to a temporary folder, removed at the end, unless `keep_checkpoints` names a folder: then
+    each variant's checkpoint and its evaluate() report stay in `keep_checkpoints/<variant>/`.
     Returns {"rows": [...], "markdown": table, "results": {variant: evaluate() result}}.
     """
     for v in recipes:
         if v not in RECIPE_VARIANTS:
             raise ValueError(f"unknown recipe variant {v!r}; expected some of {list(RECIPE_VARIANTS)}")
+    check_inputs(model=model, data=data, dataset=dataset, recipe=base_recipe, calib=calib, tokens=tokens,
+                 seq_len=seq_len, out=out, keep_checkpoints=keep_checkpoints)
+    command = _compare_command(model=model, recipes=recipes, base_recipe=base_recipe, calib=calib, dataset=dataset,
+                               data=data, tokens=tokens, seq_len=seq_len, device=device, batch_size=batch_size,
+                               seed=seed, out=out, keep_checkpoints=keep_checkpoints)
     base = load_recipe(base_recipe or DEFAULT_RECIPE)
     model_ref = str(model or tiny_model_path())
     log(f"loading {model_ref}")
@@ -453,10 +542,11 @@ def compare_recipes(
     if any(v != "bf16" for v in recipes):
         samples = build_calibration_set(tokenizer, spec, dataset, seed=seed, progress=progress)
     out = None if out is None else Path(out)
+    keep = None if keep_checkpoints is None else Path(keep_checkpoints)
     results, table = {}, []
     with tempfile.TemporaryDirectory(prefix="fp4kit-compare-") as tmp:
         for variant in recipes:
-            report = None if out is None else out / variant
+            report = None if keep is None else keep / variant
             if variant == "bf16":
                 log("evaluating BF16 against itself")
                 res = evaluate(ref, ref, data=rows, data_label=described, device=device, batch_size=batch_size, out=report, progress=progress)
@@ -465,7 +555,7 @@ def compare_recipes(
                 log(f"quantizing under {recipe.name} ({spec} calibration)")
                 qm = quantize(ref, recipe, samples, batch_size=batch_size, progress=progress)
                 qm.calibration = {"spec": str(spec), "tokens": int(samples.numel()), "source": dataset or "the bundled calibration split", "seed": seed}
-                folder = (report / "checkpoint") if report is not None else Path(tmp) / variant
+                folder = (report if report is not None else Path(tmp) / variant) / "checkpoint"
                 export_checkpoint(qm, folder, tokenizer=tokenizer, source_dir=Path(model_ref) if Path(model_ref).is_dir() else None,
                                   overwrite=True, progress=progress)
                 qmodel = load_quantized(folder, device)
@@ -479,8 +569,9 @@ def compare_recipes(
                 "weight_sqnr_db_mean": res["weight_sqnr_db_mean"], "frac4": res["frac4"],
             })
     summary = {
-        "model": model_ref, "base_recipe": base.name, "calibration": str(spec) if samples is not None else None,
-        "data": described, "rows": table,
+        **provenance(command, device),
+        "model": EMBEDDED_MODEL if model is None else str(model), "base_recipe": base.name,
+        "calibration": str(spec) if samples is not None else None, "data": described, "rows": table,
     }
     summary["markdown"] = recipes_markdown(summary)
     if out is not None:
@@ -491,10 +582,30 @@ def compare_recipes(
     return summary
 
 
+def _compare_command(*, model, recipes, base_recipe, calib, dataset, data, tokens, seq_len, device, batch_size,
+                     seed, out, keep_checkpoints) -> str:
+    """The `fp4kit eval --compare-recipes` command that repeats a compare_recipes call; the call
+    itself where the command line cannot express it (a subset of variants, a seed, token rows
+    given in memory)."""
+    if tuple(recipes) != tuple(RECIPE_VARIANTS) or seed != 0 or isinstance(data, torch.Tensor):
+        given = {"model": model, "recipes": list(recipes), "base_recipe": base_recipe, "calib": calib, "dataset": dataset,
+                 "data": "<token rows>" if isinstance(data, torch.Tensor) else data, "tokens": tokens, "seq_len": seq_len,
+                 "seed": seed, "out": out}
+        return "fp4kit.evaluate.compare_recipes(" + ", ".join(f"{k}={v!r}" for k, v in given.items() if v is not None) + ")"
+    words = ["fp4kit", "eval", "--compare-recipes"]
+    for flag, value, default in (("--model", model, None), ("--recipe", base_recipe, None), ("--calib", calib, None),
+                                 ("--dataset", dataset, None), ("--data", data, None), ("--tokens", tokens, DEFAULT_TOKENS),
+                                 ("--seq-len", seq_len, DEFAULT_SEQ_LEN), ("--batch-size", batch_size, 1),
+                                 ("--device", device, "cpu"), ("--out", out, None), ("--keep-checkpoints", keep_checkpoints, None)):
+        if value is not None and value != default:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
 def recipes_markdown(summary: dict) -> str:
     lines = [
         f"Model `{summary['model']}`, base recipe `{summary['base_recipe']}`, calibration {summary['calibration'] or '-'}, "
-        f"evaluated on {summary['data']}.",
+        f"evaluated on {summary['data']}." + (f" `{summary['command']}`, {summary['date']}." if "command" in summary else ""),
         "",
         "| recipe | mean KL | p99 KL | top-1 | ppl | mean weight SQNR (dB) | blocks choosing 4 |",
         "|---|---:|---:|---:|---:|---:|---:|",

@@ -28,7 +28,8 @@ with them; `export.load.load_quantized` puts them into a transformers model.
   its output to E4M3 with the stored k_scale / v_scale (y -> e4m3(y / s) * s, saturating): the
   FP8 KV cache, emulated where the keys and values are produced. For Nemotron-H (no RoPE) that
   is exactly what the cache holds; for RoPE models the engines quantize the keys after RoPE, so
-  there this is an approximation of the cache.
+  there this is an approximation of the cache. s is the stored fp32 scale rounded to the
+  activation dtype, the value vLLM computes with (see `FP8KVProjection`).
 
 backend "torch" (the default on CPU) is the reference: exact emulation, any device. "triton"
 (the default on CUDA) is the fast path; a layer it cannot serve raises, nothing falls back.
@@ -306,24 +307,41 @@ class NVFP4Experts(nn.Module):
 
 
 class FP8KVProjection(nn.Module):
-    """An attention's k_proj or v_proj whose output is rounded to E4M3 with the KV-cache scale."""
+    """An attention's k_proj or v_proj whose output is rounded to E4M3 with the KV-cache scale.
 
-    def __init__(self, proj: nn.Module, scale: torch.Tensor, kind: str, name: str = "") -> None:
+    The buffer keeps the checkpoint's fp32 scale; the forward uses `engine_scale`, that value
+    rounded to the activation (model) dtype, because vLLM does: its `k_scale` / `v_scale`
+    parameters are created under the model's default dtype, so loading copies the fp32 scale
+    into a bf16 parameter, and `BaseKVCacheMethod.process_weights_after_loading` passes that
+    rounded value on to the fp32 `_k_scale` / `_v_scale` the attention kernels read
+    (benchmarks/results/engines.json lists the scales it rounds). SGLang creates these
+    parameters in fp32 and keeps the stored value: `model_dtype_scale=False` emulates it.
+    """
+
+    def __init__(self, proj: nn.Module, scale: torch.Tensor, kind: str, name: str = "", *,
+                 model_dtype_scale: bool = True) -> None:
         super().__init__()
         self.proj = proj
         self.register_buffer(f"{kind}_scale", scale)
         self.kind = kind
         self.name = name
+        self.model_dtype_scale = model_dtype_scale
 
     @property
     def scale(self) -> torch.Tensor:
         return getattr(self, f"{self.kind}_scale")
 
+    def engine_scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """The scale the KV cache is quantized with for activations of `dtype` (fp32)."""
+        return (self.scale.to(dtype) if self.model_dtype_scale else self.scale).float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fake_quant_fp8(self.proj(x), self.scale)
+        y = self.proj(x)
+        return fake_quant_fp8(y, self.engine_scale(y.dtype))
 
     def extra_repr(self) -> str:
-        return f"FP8 KV cache ({self.kind}_scale={self.scale.item():.6g})"
+        held = "in the model dtype, as vLLM" if self.model_dtype_scale else "fp32, as SGLang"
+        return f"FP8 KV cache ({self.kind}_scale={self.scale.item():.6g}, computed with {held})"
 
 
 FP4KIT_MODULES = (NVFP4Linear, FP8Linear, NVFP4Experts, FP8KVProjection)

@@ -5,7 +5,8 @@ top-6, Mamba 64x64 heads, 32/2 attention heads) and random weights on one GPU, t
   plain:     model(input_ids, use_cache=False, logits_to_keep=1)
   observed:  the same inside fp4kit's Observers for a recipe (statistics it needs)
 median of several repetitions, side by side in one process. Writes
-benchmarks/results/calibration-overhead-<gpu>.json and prints a table.
+benchmarks/results/calibration-overhead-<gpu>.json (with its date, command and versions) and
+prints a table.
 
     python scripts/bench_calibration.py [--pattern MEM*EME] [--samples 4] [--seq-len 4096]
 """
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from benchlib.record import run_record
 
 from fp4kit.calibrate import Observers
 from fp4kit.models import Role, adapter_for
@@ -55,7 +57,6 @@ def timed_pass(model, samples, observers=None) -> float:
 
 def main() -> None:
     from transformers import NemotronHConfig, NemotronHForCausalLM
-    import transformers
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--pattern", default="MEM*EME")
@@ -78,8 +79,7 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
 
     timed_pass(model, samples[:1])  # warm-up
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-               "pattern": args.pattern, "params": params, "tokens": samples.numel(),
+    results = {**run_record(), "pattern": args.pattern, "params": params, "tokens": samples.numel(),
                "experts_implementation": model.config._experts_implementation, "recipes": {}}
     plain_times, observed = [], {r: [] for r in args.recipes.split(",")}
     for _ in range(args.reps):  # interleaved, so drift hits both alike

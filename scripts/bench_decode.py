@@ -18,7 +18,8 @@ the agreeing prefix is reported too), and the teacher-forced agreement (both mod
 model's output and predict each next token; the fraction of equal argmaxes). With random weights
 the logits are nearly flat, so disagreements there say little about quantization quality.
 
-Writes benchmarks/results/decode-<gpu>.json and prints a table.
+Writes benchmarks/results/decode-<gpu>.json (with its date, command and versions) and prints a
+table.
 
     python scripts/bench_decode.py [--pattern MEM*EME] [--batches 1,16] [--new-tokens 128]
 
@@ -31,7 +32,6 @@ with fp4kit's exact emulation; writes to a temporary file unless --out is given:
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 import torch
+from benchlib.record import run_record
 
 from fp4kit.export.load import load_quantized
 from fp4kit.export.modelopt import export_checkpoint
@@ -140,8 +141,6 @@ def gpu_slug(name: str) -> str:
 
 
 def main() -> None:
-    import transformers
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model instead of the real-width slice")
@@ -236,19 +235,11 @@ def main() -> None:
         per_batch[str(b)] = bench_batch(models, prompts[:b], args.new_tokens, args.reps)
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
     # transformers runs the Mamba mixers with these packages when installed, else in plain torch.
     mamba_kernels = {name: importlib.util.find_spec(name) is not None for name in ("mamba_ssm", "causal_conv1d")}
     results = {
-        "gpu": gpu, "device": str(device), "quantize_backend": quantizer, "load_backend": backend,
-        "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton_version,
+        **run_record(), "device": str(device), "quantize_backend": quantizer, "load_backend": backend,
         "mamba_kernels_installed": mamba_kernels,
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         "model": {
             "source": source, "pattern": cfg.hybrid_override_pattern, "params": params, "hidden_size": cfg.hidden_size,
             "n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,

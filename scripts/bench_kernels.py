@@ -18,13 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import sys
-import time
 
 import torch
-import triton
 from triton.testing import do_bench
 
 from fp4kit.kernels import launch
@@ -33,17 +29,14 @@ NANO_STACKS = ((128, 1856, 2688), (128, 2688, 1856))
 
 
 def run_record(stem: str, out: str | None) -> tuple[str, dict]:
-    """(the JSON path: `out` or benchmarks/results/<stem>-<gpu>.json, the run's record: GPU,
-    versions, date, command). Exits unless a CUDA GPU is there."""
+    """(the JSON path: `out` or benchmarks/results/<stem>-<gpu>.json, the run's record: date,
+    command and versions, `benchlib.record`). Exits unless a CUDA GPU is there."""
+    from benchlib import record
+
     if not torch.cuda.is_available():
         raise SystemExit(f"{os.path.basename(sys.argv[0])} needs a CUDA GPU")
-    name = torch.cuda.get_device_name()
-    slug = name.lower().replace("nvidia", "").strip().replace(" ", "-")
-    return out or f"benchmarks/results/{stem}-{slug}.json", {
-        "gpu": name, "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
-        "command": "python " + shlex.join(sys.argv),
-    }
+    slug = torch.cuda.get_device_name().lower().replace("nvidia", "").strip().replace(" ", "-")
+    return out or f"benchmarks/results/{stem}-{slug}.json", record.run_record()
 
 
 def copy_ceiling_tbps(n_bytes: int = 2 << 30) -> float:

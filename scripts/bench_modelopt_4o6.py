@@ -10,7 +10,8 @@ shared expert; random N(0, 0.02) bf16 weights) on one GPU:
             (and the shared expert), each with its own global amax (median of CUDA-event timed
             calls, `triton.testing.do_bench`).
 Both produce the 4/6 NVFP4 bytes of the same weights. Writes
-benchmarks/results/modelopt-4o6-<gpu>.json and prints the ratio.
+benchmarks/results/modelopt-4o6-<gpu>.json (with its date, command and versions) and prints the
+ratio. scripts/bench_kernels.py runs the same measurement (`measure`) into its own JSON.
 
     python scripts/bench_modelopt_4o6.py
 """
@@ -49,7 +50,6 @@ def build(seed: int):
 def measure() -> dict:
     """The side-by-side measurement (see the module docstring) as a JSON-ready dict."""
     import modelopt.torch.quantization as mtq
-    import transformers
     from modelopt.recipe import load_recipe as modelopt_load_recipe
     from triton.testing import do_bench
 
@@ -87,8 +87,6 @@ def measure() -> dict:
     fp4kit_ms = sum(do_bench(lambda w=w: kquant.quantize(w, scale_rule="4o6"), warmup=10, rep=100,
                              return_mode="median") for w in weights)
     return {
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "date_utc": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
         "tensors": [list(w.shape) for w in weights], "weights": n_weights,
         "modelopt": {"recipe": LIGHTNING_RECIPE, "algorithm": cfg["algorithm"], "quantize_s": total,
                      "forward_s": forward, "calibration_s": modelopt_s},
@@ -103,7 +101,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/modelopt-4o6-<gpu>.json)")
     args = ap.parse_args()
-    result = measure()
+    from benchlib.record import run_record
+
+    result = {**run_record(), **measure()}
     print(f"{result['weights'] / 1e6:.0f} M weights: ModelOpt 4/6 calibration {result['modelopt']['calibration_s']:.2f} s, "
           f"fp4kit 4/6 quantize {result['fp4kit_quantize_4o6_ms']:.2f} ms: {result['speedup_vs_modelopt']:.0f}x")
     gpu = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")

@@ -4,7 +4,8 @@
 
 Measures, in this fresh process: importing transformers, load_tiny_model() (model + tokenizer,
 bf16), a forward over 512 tokens (the first call, then the median of --repeats), the held-out slice
-loss on CPU (compare with "heldout_slice" recorded at training time) and a greedy sample.
+loss on CPU (compare with "heldout_slice" recorded at training time) and a greedy sample. The
+"cpu" section carries its own date, command and versions.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import pathlib
 import platform
 import statistics
 import time
+
+from benchlib.record import run_record
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -52,9 +55,8 @@ def main() -> None:
     sample = tokenizer.decode(out[0], skip_special_tokens=True)
 
     cpu = {
+        **run_record(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
         "dtype": "bfloat16",
         "experts_implementation": model.config._experts_implementation,
         "import_s": round(t1 - t0, 2),

@@ -35,7 +35,8 @@ function, same thresholds, exact division); its results say so and are not a par
     python scripts/compare_modelopt_mse.py --model DIR --calib 8x256 --device cuda
     python scripts/compare_modelopt_mse.py --device cpu --out /tmp/smoke.json
 
-Writes benchmarks/results/modelopt-mse-parity-<gpu>.json (or --out) and prints a table.
+Writes benchmarks/results/modelopt-mse-parity-<gpu>.json (or --out; with its date, command and
+versions) and prints a table.
 """
 
 from __future__ import annotations
@@ -43,14 +44,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import platform
 import re
 import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -60,7 +59,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from fp4kit import __version__ as fp4kit_version  # noqa: E402
 from fp4kit.formats import e2m1, e4m3, fp8, nvfp4  # noqa: E402
 from fp4kit.export.checkpoint import CheckpointReader, read_quant_configs  # noqa: E402
 from fp4kit.formats.arith import div_by_scale  # noqa: E402
@@ -303,14 +301,15 @@ def run_modelopt(model_ref: str, samples: torch.Tensor, device: torch.device, ou
     return choices, info
 
 
-def run_fp4kit(model_ref: str, calib: str, seed: int, device: torch.device, arith: str, out_dir: Path):
+def run_fp4kit(model_ref: str, calib: str, seed: int, device: torch.device, arith: str, out_dir: Path, shown: str):
+    """fp4kit's run on `model_ref` (a folder), with its command as `shown` names the model."""
     from fp4kit.quantize import QuantizeJob, run
 
     job = QuantizeJob(model=model_ref, recipe=FP4KIT_RECIPE, calib=calib, output=str(out_dir), overwrite=True,
                       seed=seed, device=str(device), progress=False, arith=arith)
     t0 = time.perf_counter()
     qm, path = run(job, log=lambda m: print(f"fp4kit: {m}", file=sys.stderr))
-    command = f"fp4kit quantize --model {model_ref} --recipe {FP4KIT_RECIPE} --calib {calib} --seed {seed} --device {device} --arith {arith} -o <tmp>"
+    command = f"fp4kit quantize --model {shown} --recipe {FP4KIT_RECIPE} --calib {calib} --seed {seed} --device {device} --arith {arith} -o <tmp>"
     return qm, Path(path), {"command": command, "total_s": round(time.perf_counter() - t0, 2),
                             "timings_s": {k: round(v, 2) for k, v in qm.timings.items()}, "warnings": qm.warnings}
 
@@ -713,22 +712,6 @@ def gpu_slug(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
 
 
-def versions(device: torch.device) -> dict:
-    import modelopt
-    import transformers
-
-    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "transformers": transformers.__version__, "modelopt": modelopt.__version__, "fp4kit": fp4kit_version}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        out["triton"] = None
-    out["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    return out
-
-
 def print_table(result: dict) -> None:
     roles: dict[str, Counter] = defaultdict(Counter)
     for r in result["tensors"]:
@@ -778,10 +761,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
+    from benchlib.record import run_record
+
     from fp4kit.calibration import build_calibration_set, parse_calib_spec
+    from fp4kit.evaluate import EMBEDDED_MODEL
     from fp4kit.models.tiny import tiny_model_path
 
     model_ref = str(Path(args.model).expanduser().resolve()) if args.model else str(tiny_model_path())
+    shown = args.model or EMBEDDED_MODEL  # as given: no path of this machine in the results
     spec = parse_calib_spec(args.calib)
     samples = build_calibration_set(AutoTokenizer.from_pretrained(model_ref), spec, None, seed=args.seed, progress=False)
     calls = install_fake_quant(device)
@@ -794,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         print(f"fp4kit --recipe {FP4KIT_RECIPE} on {device} (arith {arith}) ...", file=sys.stderr)
-        qm, fk_path, fk_info = run_fp4kit(model_ref, str(spec), args.seed, device, arith, work / "fp4kit")
+        qm, fk_path, fk_info = run_fp4kit(model_ref, str(spec), args.seed, device, arith, work / "fp4kit", shown)
         mo, fk = read_checkpoint(work / "modelopt"), read_checkpoint(fk_path)
         configs = {"modelopt": quant_config_summary(work / "modelopt"), "fp4kit": quant_config_summary(fk_path)}
 
@@ -802,11 +789,10 @@ def main(argv: list[str] | None = None) -> int:
     analysis = analyse(qm, mo, fk, mo_choices, mo_info, arith, calls.fake_quant)
     result = {
         "what": "fp4kit --recipe modelopt-lightning vs nvidia-modelopt mtq.quantize(Lightning w4a16_nvfp4_4o6, MSE 4/6) + export_hf_checkpoint",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "versions": versions(device),
+        **run_record(),
         "device": str(device),
         "arith": arith,
-        "model": model_ref,
+        "model": shown,
         "calibration": {"spec": str(spec), "seed": args.seed, "source": "bundled corpus, calibration split",
                         "tokens": int(samples.numel()), "sha256": hashlib.sha256(samples.numpy().tobytes()).hexdigest()},
         "modelopt": mo_info,

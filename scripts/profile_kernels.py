@@ -21,7 +21,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 # name -> (what it runs, the kernel to profile, elements it processes)
 CASES = {
@@ -140,7 +139,7 @@ def merge_rows(earlier: dict, rows: list, only: str) -> list:
     came from (its date and command, where the row does not carry them), then this run's rows."""
     kept = [dict(r) for r in earlier["kernels"] if not _wanted(r["case"], only)]
     for r in kept:
-        r.setdefault("date_utc", earlier["date_utc"])
+        r.setdefault("date_utc", earlier["date"] if "date" in earlier else earlier["date_utc"])  # earlier files: date_utc
         r.setdefault("command", earlier["command"])
     return kept + rows
 
@@ -180,14 +179,16 @@ def main() -> None:
     slug = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
     out = args.out or f"benchmarks/results/kernels-pipes-{slug}.json"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    date = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
-    command = " ".join(["python", "scripts/profile_kernels.py", *sys.argv[1:]])
+    from benchlib.record import run_record
+
+    record = run_record()
+    date, command = record["date"], record["command"]
     for r in rows:
         r.update(date_utc=date, command=command)
     if args.only and os.path.exists(out):
         with open(out) as f:
             rows = merge_rows(json.load(f), rows, args.only)
-    result = {"gpu": gpu, "torch": torch.__version__, "date_utc": date, "command": command,
+    result = {**record,
               "note": "one launch per kernel under ncu (caches flushed, clocks not locked); ALU/FMA: "
                       "instructions issued to that pipe as a share of its peak; stalls: cycles per issued "
                       "instruction", "kernels": rows}

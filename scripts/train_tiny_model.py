@@ -33,6 +33,7 @@ import sys
 import time
 
 import torch
+from benchlib.record import run_record
 
 from fp4kit.models.tiny import corpus_documents, heldout_slice, token_stream
 
@@ -374,6 +375,7 @@ def main() -> None:
 
     size = sum(f.stat().st_size for f in args.out.iterdir())
     results = {
+        **run_record(),
         "model": {
             "architecture": "NemotronHForCausalLM",
             "hybrid_override_pattern": config.hybrid_override_pattern,
@@ -385,8 +387,6 @@ def main() -> None:
         "data": {split: {"plays": len(corpus_documents(split)), "tokens": s.numel()} for split, s in streams.items()},
         "training": {
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
             "precision": "fp32 master weights and AdamW state, bf16 autocast; checkpoint bf16 (router fp32)"
                          if autocast else "fp32",
             "experts_implementation": args.experts_implementation,

@@ -13,7 +13,6 @@ the tuning file, with the command and date that chose it. The library only reads
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import json
 import pkgutil
@@ -32,14 +31,6 @@ def sweeps() -> dict:
         for name, sweep in getattr(module, "SWEEPS", {}).items():
             out[f"{info.name}.{name}"] = sweep
     return out
-
-
-def versions() -> dict:
-    import torch
-    import triton
-
-    return {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
 def write_pick(gpu: str, kernel: str, table: str, value, chosen_by: dict) -> Path:
@@ -70,8 +61,10 @@ def main(argv=None) -> int:
     if unknown:
         print(f"error: unknown sweep(s) {', '.join(unknown)}; --list shows them", file=sys.stderr)
         return 2
-    command = "python scripts/tune_kernels.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+    from benchlib.record import run_record
+
+    record = run_record(None if argv is None else [str(ROOT / "scripts" / "tune_kernels.py"), *argv])
+    command, date = record["command"], record["date"]
     for name in args.names:
         sweep = known[name]
         rows = sweep.run()
@@ -80,8 +73,7 @@ def main(argv=None) -> int:
         if args.dry_run:
             continue
         result = ROOT / "benchmarks" / "results" / f"kernels-sweeps-{name.replace('.', '-')}-{args.gpu}.json"
-        result.write_text(json.dumps({"date": date, "command": command, "versions": versions(), "sweep": name,
-                                      "pick": pick, "rows": rows}, indent=1) + "\n")
+        result.write_text(json.dumps({**record, "sweep": name, "pick": pick, "rows": rows}, indent=1) + "\n")
         write_pick(args.gpu, sweep.kernel, sweep.table, pick,
                    {"command": command, "date": date, "results": str(result.relative_to(ROOT))})
     return 0

@@ -6,13 +6,16 @@ import importlib.util
 import json
 import math
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from fp4kit.cli import main as cli_main
 from fp4kit.evaluate import (
+    EMBEDDED_MODEL,
     compare_recipes,
     evaluate,
     stored_scale_rule,
@@ -25,6 +28,7 @@ from fp4kit.export.load import load_quantized
 from fp4kit.export.modelopt import export_checkpoint
 from fp4kit.formats import nvfp4
 from fp4kit.models.tiny import tiny_model_path
+from fp4kit.modules import FP8KVProjection, fake_quant_fp8
 from fp4kit.quantize import quantize
 from fp4kit.recipe import load_recipe
 
@@ -91,6 +95,21 @@ def test_a_checkpoint_against_its_reference(pair, tmp_path):
         assert (tmp_path / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = quality_markdown(res)
     assert f"{res['top1_agreement']:.2%}" in md and "KL p99" in md
+    assert "FP8 KV cache with k/v scales rounded to bfloat16 as vLLM holds them" in md  # the report names the KV scale
+
+
+def test_fp8_kv_cache_uses_the_scale_vllm_computes_with():
+    stored = torch.tensor(0.00906808115541935)  # a k_scale of the embedded model's checkpoint (engines.json)
+    held = stored.to(torch.bfloat16).float()  # vLLM's bf16 k_scale parameter: 0.00909423828125
+    assert held.item() != stored.item()
+    x = (torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 2).to(torch.bfloat16)
+    kv = FP8KVProjection(nn.Identity(), stored.clone(), "k")
+    got = kv(x)
+    assert torch.equal(got, fake_quant_fp8(x, held)) and not torch.equal(got, fake_quant_fp8(x, stored))
+    assert kv.k_scale.item() == stored.item()  # the buffer keeps the checkpoint's value
+    assert torch.equal(kv(x.float()), fake_quant_fp8(x.float(), stored))  # a float32 model's parameter is exact
+    sglang = FP8KVProjection(nn.Identity(), stored.clone(), "k", model_dtype_scale=False)
+    assert torch.equal(sglang(x), fake_quant_fp8(x, stored))
 
 
 def test_four_over_six_fraction_is_read_from_the_stored_scales():
@@ -141,7 +160,8 @@ def test_token_rows_put_eos_between_documents(tmp_path):
 
 def test_compare_recipes_tabulates_every_variant(pair, tmp_path):
     bf16_dir = pair[0]
-    summary = compare_recipes(str(bf16_dir), calib="4x64", tokens=256, seq_len=128, out=tmp_path / "cmp", log=lambda m: None)
+    summary = compare_recipes(str(bf16_dir), calib="4x64", tokens=256, seq_len=128, out=tmp_path / "cmp",
+                              keep_checkpoints=tmp_path / "keep", log=lambda m: None)
     rows = {r["variant"]: r for r in summary["rows"]}
     assert list(rows) == ["6", "4o6", "4o6-importance", "bf16"]
     assert rows["bf16"]["kl_mean"] == 0 and rows["bf16"]["top1_agreement"] == 1
@@ -149,7 +169,35 @@ def test_compare_recipes_tabulates_every_variant(pair, tmp_path):
     assert all(rows[v]["kl_mean"] > 0 for v in ("6", "4o6", "4o6-importance"))
     assert rows["4o6"]["weight_sqnr_db_mean"] > rows["6"]["weight_sqnr_db_mean"]  # 4/6 lowers the weight error
     assert "| NVFP4 4/6 |" in summary["markdown"]
-    assert (tmp_path / "cmp" / "compare.md").is_file() and (tmp_path / "cmp" / "4o6" / "checkpoint" / "config.json").is_file()
+    # The tables alone go to --out; checkpoints and per-variant reports only where asked.
+    assert sorted(p.name for p in (tmp_path / "cmp").iterdir()) == ["compare.json", "compare.md"]
+    assert (tmp_path / "keep" / "4o6" / "checkpoint" / "config.json").is_file()
+    assert (tmp_path / "keep" / "4o6" / "eval.json").is_file()
+    saved = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert saved["command"] == (f"fp4kit eval --compare-recipes --model {bf16_dir} --calib 4x64 --tokens 256 --seq-len 128 "
+                                f"--out {tmp_path / 'cmp'} --keep-checkpoints {tmp_path / 'keep'}")
+    assert {"python", "torch", "transformers", "fp4kit"} <= set(saved["versions"]) and saved["date"]
+
+
+def test_compare_recipes_writes_no_checkpoint_unless_asked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    made = []
+    real = tempfile.TemporaryDirectory
+
+    def recorded(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", recorded)
+    summary = compare_recipes(recipes=("6",), calib="2x64", tokens=128, seq_len=64, out="cmp", log=lambda m: None)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["cmp", "cmp/compare.json", "cmp/compare.md"]
+    assert made and not Path(made[0].name).exists()  # the checkpoint's temporary folder is gone
+    text = (tmp_path / "cmp" / "compare.json").read_text() + (tmp_path / "cmp" / "compare.md").read_text()
+    assert str(tiny_model_path()) not in text and EMBEDDED_MODEL in text  # no path of this machine
+    saved = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert saved["model"] == EMBEDDED_MODEL and saved["rows"][0]["variant"] == "6"
+    assert saved["command"].startswith("fp4kit.evaluate.compare_recipes(recipes=['6']")
+    assert summary["rows"][0]["kl_mean"] > 0
 
 
 def _cli(argv):
@@ -165,6 +213,38 @@ def test_eval_command(pair, tmp_path, capsys):
     assert (tmp_path / "o" / "eval.json").is_file()
     assert _cli(["eval", "--compare-recipes", "--reference", str(bf16_dir)]) == 2
     assert _cli(["eval", "--reference", str(bf16_dir)]) == 2
+
+
+def _bad_eval_inputs(bf16_dir: Path, ckpt: Path, tmp: Path) -> dict:
+    a_file = tmp / "a-file"
+    a_file.write_text("x")
+    return {
+        "quantized missing": (["--reference", str(bf16_dir), "--quantized", str(tmp / "missing")], "quantized checkpoint"),
+        "quantized not a checkpoint": (["--reference", str(bf16_dir), "--quantized", str(tmp)], "config.json"),
+        "reference missing": (["--reference", str(tmp / "missing"), "--quantized", str(ckpt)], "reference model"),
+        "data missing": (["--reference", str(bf16_dir), "--quantized", str(ckpt), "--data", str(tmp / "no.txt")], "no.txt"),
+        "out is a file": (["--reference", str(bf16_dir), "--quantized", str(ckpt), "--out", str(a_file)], "not a folder"),
+        "tokens below a row": (["--reference", str(bf16_dir), "--quantized", str(ckpt), "--tokens", "8"], "tokens"),
+        "model missing": (["--compare-recipes", "--model", str(tmp / "missing")], "model"),
+        "dataset missing": (["--compare-recipes", "--dataset", str(tmp / "no.txt")], "no.txt"),
+        "recipe unknown": (["--compare-recipes", "--recipe", "no-such-recipe"], "no-such-recipe"),
+        "calib malformed": (["--compare-recipes", "--calib", "12"], "12"),
+        "keep is a file": (["--compare-recipes", "--keep-checkpoints", str(a_file)], "not a folder"),
+    }
+
+
+def test_eval_checks_every_path_before_loading(pair, tmp_path, capsys, monkeypatch):
+    import fp4kit.evaluate as ev
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(ev, "load_model", no_load)
+    monkeypatch.setattr(ev, "load_quantized", no_load)
+    for case, (argv, named) in _bad_eval_inputs(pair[0], pair[2], tmp_path).items():
+        assert _cli(["eval", *argv, "--no-progress"]) == 2, case
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and named in err[0], (case, err)
 
 
 def test_quality_section_is_written_and_replaced(tmp_path):

@@ -137,11 +137,11 @@ def _write_tensors(qm: QuantizedModel, writer: ShardWriter, progress_cb=None, so
                 writer.add(name, part)
         else:
             ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else None
-            if ptr is not None and ptr in seen_storage and getattr(qm.model.config, "tie_word_embeddings", False):
-                continue  # a tied weight is stored once
+            tied = ptr is not None and ptr in seen_storage and getattr(qm.model.config, "tie_word_embeddings", False)
             if ptr is not None:
                 seen_storage.add(ptr)
-            writer.add(qm.adapter.disk_name(key), tensor)
+            if not tied:  # a tied weight is stored once
+                writer.add(qm.adapter.disk_name(key), tensor)
         if progress_cb:
             progress_cb()
     for attn, (k_scale, v_scale) in qm.kv_scales.items():

@@ -1,0 +1,50 @@
+"""The record every results file under benchmarks/results/ starts with: `date` (UTC), the
+`command` that wrote it (the script's path from the repository root and its arguments) and the
+`versions` of what it ran on (python, the installed torch, triton, transformers, nvidia-modelopt
+and fp4kit, CUDA, the GPU's name). tests/test_results_provenance.py checks every committed file
+for these three fields.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("torch", "triton", "transformers", "nvidia-modelopt", "fp4kit")
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """`python <script> <args>` for this process, the script's path relative to the repository."""
+    argv = list(sys.argv if argv is None else argv)
+    script = Path(argv[0]).resolve()
+    if script.is_relative_to(ROOT):
+        argv[0] = script.relative_to(ROOT).as_posix()
+    return "python " + shlex.join(argv)
+
+
+def versions() -> dict:
+    """Python, each installed package of PACKAGES (None where it is not installed), CUDA, GPU."""
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    if out["torch"] is not None:
+        import torch
+
+        out["cuda"] = torch.version.cuda
+        out["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return out
+
+
+def run_record(argv: list[str] | None = None) -> dict:
+    """{"date", "command", "versions"} of this run, to start a results file with."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+            "command": command_line(argv), "versions": versions()}
+

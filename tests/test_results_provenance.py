@@ -1,0 +1,356 @@
+"""Every committed results file says when, by which command and on what it was made, and every
+figure the READMEs quote from one is that file's value.
+
+FIGURES lists each quoted figure: the README text that quotes it, the results file and the path
+of the value in it, and how the README rounds it. A figure drifts when either side changes alone:
+the README's text is no longer found, or the file's value no longer rounds to what the text says.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+README = "README.md"
+BENCH = "benchmarks/README.md"
+
+
+def _load(name: str):
+    return json.loads((RESULTS / name).read_text())
+
+
+def _at(doc, path: tuple):
+    """The value at `path`: keys for dicts; for lists an index or {field: value} naming the one item."""
+    for step in path:
+        if isinstance(step, dict):
+            matches = [item for item in doc if all(item.get(k) == v for k, v in step.items())]
+            assert len(matches) == 1, (step, len(matches))
+            doc = matches[0]
+        else:
+            doc = doc[step]
+    return doc
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+# --------------------------------------------------------------------------------------------
+# Every file: date, command, versions
+# --------------------------------------------------------------------------------------------
+JSONS = sorted(p.relative_to(RESULTS).as_posix() for p in RESULTS.rglob("*.json"))
+
+
+# Sections that record a run of their own (bench_tiny_model_cpu.py's, beside the training's).
+SECTION_RUNS = {"tiny-model.json": ("cpu",)}
+
+
+def _runs(name: str, doc: dict) -> list[dict]:
+    """The run records of a file: the file itself, or each section of a file of runs (one section
+    per run, as dry_run.py and bench_vs_modelopt.py write them), and its SECTION_RUNS."""
+    runs = [doc] if "command" in doc else [v for v in doc.values() if isinstance(v, dict)]
+    return runs + [doc[key] for key in SECTION_RUNS.get(name, ())]
+
+
+def _has_versions(run: dict) -> bool:
+    if isinstance(run.get("versions"), dict) and run["versions"]:
+        return True
+    # check_engines.py: one environment per engine, each with its versions
+    engines = run.get("engines")
+    return isinstance(engines, dict) and bool(engines) and all(isinstance(e.get("versions"), dict) for e in engines.values())
+
+
+@pytest.mark.parametrize("name", JSONS)
+def test_results_file_records_date_command_versions(name):
+    runs = _runs(name, _load(name))
+    assert runs, f"{name}: no run record"
+    for run in runs:
+        assert isinstance(run.get("date"), str) and re.match(r"\d{4}-\d\d-\d\d", run["date"]), f"{name}: date"
+        assert isinstance(run.get("command"), str) and run["command"], f"{name}: command"
+        assert _has_versions(run), f"{name}: versions"
+
+
+def _commands(command: str) -> list[list[str]]:
+    """The words of each command in a command line (split at unquoted `;` and `&&`), without the
+    note in parentheses that some records add after it."""
+    command = re.split(r"\s\((?=[a-z])", command, maxsplit=1)[0]
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=";&")
+    lexer.whitespace_split = True
+    out = [[]]
+    for word in lexer:
+        if word in (";", "&&"):
+            out.append([])
+        else:
+            out[-1].append(word)
+    return [words for words in out if words]
+
+
+def _programs(command: str) -> list[str]:
+    """What each part of a command runs, as a repository path or an `fp4kit <subcommand>`."""
+    out = []
+    for words in _commands(command):
+        while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # PYTHONPATH=. and the like
+            words.pop(0)
+        if not words or words[0] == "cd":
+            continue
+        if words[0] == "fp4kit":
+            out.append(f"fp4kit {words[1]}")
+        elif words[0] in ("python", "python3") and words[1] == "-m":
+            out.append(words[2].replace(".", "/") + ".py")
+        elif words[0] in ("python", "python3") and words[1] == "-c":
+            out += [m.replace(".", "/") for m in re.findall(r"(?:from|import)\s+(fp4kit[\w.]*)", words[2])]
+        elif words[0] in ("python", "python3"):
+            out.append(words[1])
+        else:
+            out.append(words[0])
+    return out
+
+
+@pytest.mark.parametrize("name", JSONS)
+def test_results_command_runs_a_committed_script(name):
+    from fp4kit.cli import COMMANDS
+
+    for run in _runs(name, _load(name)):
+        programs = _programs(run["command"])
+        assert programs, f"{name}: {run['command']!r} runs nothing"
+        for program in programs:
+            if program.startswith("fp4kit "):
+                assert program.split()[1] in COMMANDS, f"{name}: {program}"
+            else:
+                path = ROOT / program
+                assert path.is_file() or path.with_suffix(".py").is_file() or path.is_dir(), f"{name}: {program} is not in the repository"
+
+
+def test_command_parsing_finds_each_program():
+    assert _programs("PYTHONPATH=.:scripts python scripts/bench_kernels.py --out x.json") == ["scripts/bench_kernels.py"]
+    assert _programs("python a.py X; python b.py merge Y") == ["a.py", "b.py"]
+    assert _programs("fp4kit eval --compare-recipes --tokens 65536") == ["fp4kit eval"]
+    assert _programs("python -c 'from fp4kit.kernels import quantize as q; q.f()'") == ["fp4kit/kernels"]
+    assert _programs("cd <checkout> && python -m fp4kit.cli verify CKPT") == ["fp4kit/cli.py"]
+    assert _programs("python scripts/x.py --sweep (the whole run; its pick's table)") == ["scripts/x.py"]
+
+
+RESULT_FILES = sorted(p.relative_to(RESULTS).as_posix() for p in RESULTS.rglob("*") if p.is_file())
+# The absolute path of a checkout's own files (e.g. /home/me/fp4kit/fp4kit/data/tiny-nemotron-h).
+CHECKOUT_PATH = re.compile(r"(?<![\w.-])/(?:[\w.-]+/)+fp4kit/(?:data|configs|kernels)/")
+
+
+@pytest.mark.parametrize("name", RESULT_FILES)
+def test_results_hold_no_path_of_the_machine_that_wrote_them(name):
+    text = (RESULTS / name).read_text()
+    assert str(ROOT) not in text
+    assert CHECKOUT_PATH.search(text) is None, CHECKOUT_PATH.search(text).group(0)
+
+
+def test_recipe_comparison_markdown_is_its_json():
+    from fp4kit.evaluate import recipes_markdown
+
+    folder = RESULTS / "recipe-comparison"
+    summary = json.loads((folder / "compare.json").read_text())
+    assert (folder / "compare.md").read_text() == recipes_markdown(summary) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Figures quoted in the READMEs
+# --------------------------------------------------------------------------------------------
+def _f(digits: int, scale: float = 1.0):
+    return lambda v: f"{v * scale:.{digits}f}"
+
+
+KERNELS = "kernels-h200.json"
+RECIPE_ROWS = (
+    "| NVFP4 plain (rule 6) | 0.004571 | 0.04735 | 95.08% | 64.747 | 22.23 | - |",
+    "| NVFP4 4/6 | 0.004356 | 0.0462 | 95.29% | 64.739 | 22.88 | 45.1% |",
+    "| NVFP4 4/6 + importance | 0.004368 | 0.04682 | 95.29% | 64.765 | 22.69 | 44.5% |",
+    "| BF16 | 0 | 0 | 100.00% | 64.618 | - | - |",
+)
+NANO = ({"N": 3712, "K": 2688}, {"N": 2688, "K": 3712})
+# (document, quoted text, results file, path of the value, how the text rounds it)
+FIGURES = [
+    # README: calibration, ModelOpt parity, verify
+    (README, "the calibration pass costs **1.014x** a plain forward", "calibration-overhead-h200.json",
+     ("recipes", "nemotron-h-w4a16-4o6", "ratio"), _f(3)),
+    (README, "and 1.021x for W4A4 on an H200", "calibration-overhead-h200.json", ("recipes", "nemotron-h-nvfp4-w4a4", "ratio"), _f(3)),
+    (README, "| tensors (names, dtypes, shapes, bytes) | 809 / 875 |", "modelopt-mse-parity-h200.json", ("totals", "tensors_identical"), str),
+    (README, "| tensors (names, dtypes, shapes, bytes) | 809 / 875 |", "modelopt-mse-parity-h200.json", ("totals", "tensors"), str),
+    (README, "| NVFP4 4/6 blocks with the same choice | 622,405 / 622,592 (187 differ, 3.0e-4) |", "modelopt-mse-parity-h200.json",
+     ("totals", "blocks_choice_differs"), str),
+    (README, "| NVFP4 4/6 blocks with the same choice | 622,405 / 622,592 (187 differ, 3.0e-4) |", "modelopt-mse-parity-h200.json",
+     ("totals", "fraction_blocks_differ"), lambda v: f"{v:.1e}".replace("e-04", "e-4")),
+    (README, "In 164 blocks that kernel rounds", "modelopt-mse-parity-h200.json", ("classes", "fake_quant_scale_code_differs"), str),
+    (README, "in 23 its step is off in the last bits", "modelopt-mse-parity-h200.json", ("classes", "fake_quant_step_last_bits"), str),
+    (README, "the closer one in 174 of the 187 blocks and an exact tie in 13", "modelopt-mse-parity-h200.json",
+     ("totals", "closer_in_fp64", "fp4kit_closer"), str),
+    (README, "the closer one in 174 of the 187 blocks and an exact tie in 13", "modelopt-mse-parity-h200.json",
+     ("totals", "closer_in_fp64", "exact_tie"), str),
+    (README, "882/882 checks hold", "verify-tiny-nemotron-h-gpu.json", ("checks",), lambda v: f"{sum(c['ok'] for c in v)}/{len(v)}"),
+    # README: engines
+    (README, "| Nemotron-H `nemotron-h-nvfp4-w4a4` | 1137, 0, 0 | 1137, 0, 0 | PASS |", "engines.json",
+     ("results", "sglang", "ckpts-now/nh-nemotron-h-nvfp4-w4a4", "written"), str),
+    (README, "vLLM keeps `k_scale` / `v_scale` as bf16 (0.0090681 becomes 0.0090942)", "engines.json",
+     ("results", "vllm", "ckpts-now/nh-modelopt-lightning", "rounded", "backbone.layers.3.mixer.k_proj.k_scale", 0, "disk"), _f(7)),
+    (README, "vLLM keeps `k_scale` / `v_scale` as bf16 (0.0090681 becomes 0.0090942)", "engines.json",
+     ("results", "vllm", "ckpts-now/nh-modelopt-lightning", "rounded", "backbone.layers.3.mixer.k_proj.k_scale", 0, "stored"), _f(7)),
+    # README: decode
+    (README, "| 1 | 141.4 | 105.6 | 0.75 |", "decode-h200.json", ("batches", "1", "tokens_per_s_bf16"), _f(1)),
+    (README, "| 1 | 141.4 | 105.6 | 0.75 |", "decode-h200.json", ("batches", "1", "tokens_per_s_fp4kit"), _f(1)),
+    (README, "| 1 | 141.4 | 105.6 | 0.75 |", "decode-h200.json", ("batches", "1", "speedup"), _f(2)),
+    (README, "| 16 | 1386.1 | 1109.2 | 0.80 |", "decode-h200.json", ("batches", "16", "tokens_per_s_bf16"), _f(1)),
+    (README, "| 16 | 1386.1 | 1109.2 | 0.80 |", "decode-h200.json", ("batches", "16", "tokens_per_s_fp4kit"), _f(1)),
+    (README, "| 16 | 1386.1 | 1109.2 | 0.80 |", "decode-h200.json", ("batches", "16", "speedup"), _f(2)),
+    (README, "The checkpoint is 3.76 GB against 9.47 GB of BF16 weights", "decode-h200.json", ("checkpoint_bytes",), _f(2, 1e-9)),
+    (README, "The checkpoint is 3.76 GB against 9.47 GB of BF16 weights", "decode-h200.json", ("bf16_weight_bytes",), _f(2, 1e-9)),
+    (README, "Triton launches at 48-145 us of host time against 16-31 us", "kernels-sweeps-mma-h200.json",
+     ("host_overhead", "w4a16_host_us_per_call"), _f(0)),
+    (README, "Triton launches at 48-145 us of host time against 16-31 us", "kernels-sweeps-matrix-unit-h200.json",
+     ("host_overhead", "w4a16_host_us_per_call"), _f(0)),
+    (README, "Triton launches at 48-145 us of host time against 16-31 us", "kernels-sweeps-mma-h200.json",
+     ("host_overhead", "bf16_host_us_per_call"), _f(0)),
+    (README, "Triton launches at 48-145 us of host time against 16-31 us", "kernels-sweeps-matrix-unit-h200.json",
+     ("host_overhead", "bf16_host_us_per_call"), _f(0)),
+    (README, "96.6 against 27.4 us in kernels-h200.json", KERNELS, ("host_overhead", "w4a16_host_us_per_call"), _f(1)),
+    (README, "96.6 against 27.4 us in kernels-h200.json", KERNELS, ("host_overhead", "bf16_host_us_per_call"), _f(1)),
+    (README, "the kernels are 1.6-2.5x faster than BF16 at one row", KERNELS, ("gemm", {**NANO[1], "M": 1}, "speedup_vs_bf16"), _f(1)),
+    (README, "the kernels are 1.6-2.5x faster than BF16 at one row", KERNELS, ("gemm", {"N": 8192, "K": 8192, "M": 1}, "speedup_vs_bf16"), _f(1)),
+    (README, "2.7-4.7x for the experts up to 8 tokens", KERNELS, ("moe", {"tokens": 8}, "speedup_vs_bf16"), _f(1)),
+    (README, "2.7-4.7x for the experts up to 8 tokens", KERNELS, ("moe", {"tokens": 1}, "speedup_vs_bf16"), _f(1)),
+    # README: recipe comparison (the table's cells as compare.md writes them)
+    *[(README, row, "recipe-comparison/compare.json", ("rows", i, key), fmt)
+      for i, row in enumerate(RECIPE_ROWS)
+      for key, fmt in (("kl_mean", lambda v: f"| {v:.4g} |"), ("kl_p99", lambda v: f"| {v:.4g} |"),
+                       ("top1_agreement", lambda v: f"| {v:.2%} |"), ("ppl", lambda v: f"| {v:.3f} |"))],
+    (README, "Four-Over-Six lowers the mean KL by 4.7 % against the plain rule", "recipe-comparison/compare.json", ("rows",),
+     lambda rows: f"{1 - rows[1]['kl_mean'] / rows[0]['kl_mean']:.1%}".replace("%", " %")),
+    # README: the kernel table
+    (README, "one-launch stack kernel 2.30 TB/s plain, 1.51 TB/s 4/6", KERNELS, ("quantize", "expert_stack_tbps_kernels_plain"), _f(2)),
+    (README, "one-launch stack kernel 2.30 TB/s plain, 1.51 TB/s 4/6", KERNELS, ("quantize", "expert_stack_tbps_kernels_4o6"), _f(2)),
+    (README, "the whole eager call 1.74 plain, 1.12 4/6", KERNELS, ("quantize", "expert_stack_tbps_plain"), _f(2)),
+    (README, "the whole eager call 1.74 plain, 1.12 4/6", KERNELS, ("quantize", "expert_stack_tbps"), _f(2)),
+    (README, "1.53x on the kernels, 1.56x on the eager call", KERNELS, ("quantize", "ratio_4o6_to_plain_kernels"), _f(2)),
+    (README, "1.53x on the kernels, 1.56x on the eager call", KERNELS, ("quantize", "ratio_4o6_to_plain"), _f(2)),
+    (README, "| 302x on one Nano MoE layer |", KERNELS, ("quantize", "speedup_vs_modelopt"), _f(0)),
+    (README, "2.51x bf16 on 8192x8192, 2.48x on 28672x8192", KERNELS, ("gemm", {"N": 8192, "K": 8192, "M": 1}, "speedup_vs_bf16_best"), _f(2)),
+    (README, "2.51x bf16 on 8192x8192, 2.48x on 28672x8192", KERNELS, ("gemm", {"N": 28672, "K": 8192, "M": 1}, "speedup_vs_bf16_best"), _f(2)),
+    (README, "0.69x (3712x2688), 0.84x (2688x3712)", KERNELS, ("gemm", {**NANO[0], "M": 64}, "speedup_vs_bf16_best"), _f(2)),
+    (README, "0.69x (3712x2688), 0.84x (2688x3712)", KERNELS, ("gemm", {**NANO[1], "M": 64}, "speedup_vs_bf16_best"), _f(2)),
+    (README, "4.67x at 1 token, 2.70x at 8, 2.85x at 64", KERNELS, ("moe", {"tokens": 1}, "speedup_vs_bf16"), _f(2)),
+    (README, "4.67x at 1 token, 2.70x at 8, 2.85x at 64", KERNELS, ("moe", {"tokens": 8}, "speedup_vs_bf16"), _f(2)),
+    (README, "4.67x at 1 token, 2.70x at 8, 2.85x at 64", KERNELS, ("moe", {"tokens": 64}, "speedup_vs_bf16"), _f(2)),
+    (README, "measured (kernels-h200.json, 2026-12-03)", KERNELS, ("date",), lambda v: v[:10]),
+    (README, "(host time per W4A16 call 96.6 against 82.7 us)", KERNELS, ("host_overhead", "w4a16_host_us_per_call"), _f(1)),
+    # README: the embedded model
+    (README, "held-out perplexity **64.9** on four unseen plays", "tiny-model.json", ("heldout", "perplexity"), _f(1)),
+    (README, "against 580.5 for an add-one unigram model", "tiny-model.json", ("heldout", "unigram_perplexity"), _f(1)),
+    (README, "Trained in 219 s", "tiny-model.json", ("training", "train_seconds"), _f(0)),
+    (README, "relu^2, 13.2 M parameters", "tiny-model.json", ("model", "parameters"), _f(1, 1e-6)),
+    (README, "Loads in 2.2 s on a 2-core CPU; a 512-token forward takes 0.08 s", "tiny-model.json", ("cpu", "load_s"), _f(1)),
+    (README, "Loads in 2.2 s on a 2-core CPU; a 512-token forward takes 0.08 s", "tiny-model.json", ("cpu", "forward_s_median"), _f(2)),
+    (README, "ROMEO.\nI am not in the world.\n\n[Exit.]\n\n[Enter SILVIA, and SILVIA, and SPEED.]\n", "tiny-model.json",
+     ("cpu", "sample", "text"), lambda v: _flat("\n".join(v.splitlines()[:6]))),
+    # README: the headline job
+    (README, "| plain BF16 forward (the floor) | 1.350 s per 32K sample | 22.5 min |", "dry-run-h200.json",
+     ("library", "plain_forward_per_sample_s"), _f(3)),
+    (README, "| plain BF16 forward (the floor) | 1.350 s per 32K sample | 22.5 min |", "dry-run-h200.json",
+     ("library", "projected_1000x32k", "plain_forward_s"), _f(1, 1 / 60)),
+    (README, "| quantize (61.4 GB of BF16 weights) | 0.19 s (0.33 TB/s);", "dry-run-h200.json", ("library", "quantize_s"), _f(2)),
+    (README, "| quantize (61.4 GB of BF16 weights) | 0.19 s (0.33 TB/s);", "dry-run-h200.json", ("library", "quantize_tb_per_s"), _f(2)),
+    (README, "| export (19.4 GB) | 9.0 s (2.2 GB/s) | 9.0 s |", "dry-run-h200.json", ("library", "export_s"), _f(1)),
+    (README, "| export (19.4 GB) | 9.0 s (2.2 GB/s) | 9.0 s |", "dry-run-h200.json", ("library", "export_gb_per_s"), _f(1)),
+    (README, "| end to end | | **23.3 min, 1.037x the plain forward** |", "dry-run-h200.json",
+     ("library", "projected_1000x32k", "end_to_end_s"), _f(1, 1 / 60)),
+    (README, "| end to end | | **23.3 min, 1.037x the plain forward** |", "dry-run-h200.json",
+     ("library", "projected_1000x32k", "ratio_to_plain"), _f(3)),
+    (README, "Peak GPU memory 76.1 GiB", "dry-run-h200.json", ("library", "peak_gpu_gib"), _f(1)),
+    (README, "takes 38.0 s as a whole process", "dry-run-h200.json", ("cli", "wall_s"), _f(1)),
+    (README, "takes 155.0 s against fp4kit's 33.8 s, 4.6x longer", "vs-modelopt-h200.json", ("half@8x32k", "modelopt", "wall_s"), _f(1)),
+    (README, "takes 155.0 s against fp4kit's 33.8 s, 4.6x longer", "vs-modelopt-h200.json", ("half@8x32k", "fp4kit", "wall_s"), _f(1)),
+    (README, "takes 155.0 s against fp4kit's 33.8 s, 4.6x longer", "vs-modelopt-h200.json", ("half@8x32k", "speedup_whole_process"), _f(1)),
+    # benchmarks/README: quantize
+    (BENCH, "| one launch, `_stack_kernel` (the default for these stacks) | 2.30 TB/s, 0.70-0.72 ms | 1.51 TB/s, 1.09 ms |",
+     KERNELS, ("quantize", "rows", 0, "ms_kernels_6"), _f(2, 1)),
+    (BENCH, "| one launch, `_stack_kernel` (the default for these stacks) | 2.30 TB/s, 0.70-0.72 ms | 1.51 TB/s, 1.09 ms |",
+     KERNELS, ("quantize", "rows", 1, "ms_kernels_6"), _f(2, 1)),
+    (BENCH, "| one launch, `_stack_kernel` (the default for these stacks) | 2.30 TB/s, 0.70-0.72 ms | 1.51 TB/s, 1.09 ms |",
+     KERNELS, ("quantize", "rows", 0, "ms_kernels_4o6"), _f(2)),
+    (BENCH, "| two launches: max pass, then `_quantize_kernel` | 1.79 TB/s, 0.91-0.92 ms | 1.18 TB/s, 1.38 ms |",
+     KERNELS, ("quantize", "expert_stack_tbps_two_launches_plain"), _f(2)),
+    (BENCH, "| two launches: max pass, then `_quantize_kernel` | 1.79 TB/s, 0.91-0.92 ms | 1.18 TB/s, 1.38 ms |",
+     KERNELS, ("quantize", "expert_stack_tbps_two_launches_4o6"), _f(2)),
+    (BENCH, "| two launches: max pass, then `_quantize_kernel` | 1.79 TB/s, 0.91-0.92 ms | 1.18 TB/s, 1.38 ms |",
+     KERNELS, ("quantize", "rows", 0, "ms_two_launches_4o6"), _f(2)),
+    (BENCH, "| one `_quantize_kernel` launch with a given global amax | 2.25 TB/s | 1.34 TB/s |",
+     KERNELS, ("quantize", "expert_stack_tbps_given_amax_plain"), _f(2)),
+    (BENCH, "| one `_quantize_kernel` launch with a given global amax | 2.25 TB/s | 1.34 TB/s |",
+     KERNELS, ("quantize", "expert_stack_tbps_given_amax_4o6"), _f(2)),
+    (BENCH, "the device-to-device copy ceiling is 4.27 TB/s", KERNELS, ("copy_ceiling_tbps",), _f(2)),
+    (BENCH, "0.98 s for ModelOpt against 3.2 ms for fp4kit's 4/6 quantize, 302x", KERNELS,
+     ("quantize", "modelopt", "modelopt", "calibration_s"), _f(2)),
+    (BENCH, "0.98 s for ModelOpt against 3.2 ms for fp4kit's 4/6 quantize, 302x", KERNELS,
+     ("quantize", "modelopt", "fp4kit_quantize_4o6_ms"), _f(1)),
+    (BENCH, "alone: 138x in `results/modelopt-4o6-h200.json`", "modelopt-4o6-h200.json", ("speedup_vs_modelopt",), _f(0)),
+    (BENCH, "the quantize kernel of then: 4.4 ms against 0.61 s", "modelopt-4o6-h200.json", ("fp4kit_quantize_4o6_ms",), _f(1)),
+    (BENCH, "the quantize kernel of then: 4.4 ms against 0.61 s", "modelopt-4o6-h200.json", ("modelopt", "calibration_s"), _f(2)),
+    # benchmarks/README: W4A16 GEMM
+    (BENCH, "M = 1: 2.51x on 8192 x 8192 (GEMV, 13.5 us), 2.48x on 28672 x 8192 (GEMV, 43.7 us;", KERNELS,
+     ("gemm", {"N": 8192, "K": 8192, "M": 1}, "ms_w4a16"), _f(1, 1e3)),
+    (BENCH, "M = 1: 2.51x on 8192 x 8192 (GEMV, 13.5 us), 2.48x on 28672 x 8192 (GEMV, 43.7 us;", KERNELS,
+     ("gemm", {"N": 28672, "K": 8192, "M": 1}, "ms_w4a16"), _f(1, 1e3)),
+    (BENCH, "1.87x and 1.65x on the Nano shapes (GEMV), 2.21x on 131072 x 2688", KERNELS,
+     ("gemm", {**NANO[0], "M": 1}, "speedup_vs_bf16"), _f(2)),
+    (BENCH, "1.87x and 1.65x on the Nano shapes (GEMV), 2.21x on 131072 x 2688", KERNELS,
+     ("gemm", {**NANO[1], "M": 1}, "speedup_vs_bf16"), _f(2)),
+    (BENCH, "1.87x and 1.65x on the Nano shapes (GEMV), 2.21x on 131072 x 2688", KERNELS,
+     ("gemm", {"N": 131072, "K": 2688, "M": 1}, "speedup_vs_bf16"), _f(2)),
+    *[(BENCH, "M = 4 (mma kernel): 1.99x, 1.97x, 1.35x, 1.31x and 2.15x on the five bench shapes", KERNELS,
+       ("gemm", {"N": n, "K": k, "M": 4}, "speedup_vs_bf16"), _f(2))
+      for n, k in ((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688))],
+    (BENCH, "0.88x and 0.94x on the Nano shapes (wgmma)", KERNELS, ("gemm", {**NANO[0], "M": 16}, "speedup_vs_bf16"), _f(2)),
+    (BENCH, "0.88x and 0.94x on the Nano shapes (wgmma)", KERNELS, ("gemm", {**NANO[1], "M": 16}, "speedup_vs_bf16"), _f(2)),
+    (BENCH, "takes 7.1 and 13.1 us on 8192 x 8192 against 13.1", KERNELS, ("gemv_limits", 0, "ms_loads_only"), _f(1, 1e3)),
+    (BENCH, "takes 7.1 and 13.1 us on 8192 x 8192 against 13.1", KERNELS, ("gemv_limits", 0, "ms_arithmetic_only"), _f(1, 1e3)),
+    (BENCH, "takes 7.1 and 13.1 us on 8192 x 8192 against 13.1", KERNELS, ("gemv_limits", 0, "ms_loop"), _f(1, 1e3)),
+    (BENCH, "(36.9 and 39.3 against 43.8 on 28672 x 8192)", KERNELS, ("gemv_limits", 1, "ms_loads_only"), _f(1, 1e3)),
+    (BENCH, "(36.9 and 39.3 against 43.8 on 28672 x 8192)", KERNELS, ("gemv_limits", 1, "ms_arithmetic_only"), _f(1, 1e3)),
+    (BENCH, "(36.9 and 39.3 against 43.8 on 28672 x 8192)", KERNELS, ("gemv_limits", 1, "ms_loop"), _f(1, 1e3)),
+    (BENCH, "while 2.5x bf16 (33.7 us in that table) needs 13.5 in all", KERNELS, ("gemv_limits", 0, "ms_bf16"), _f(1, 1e3)),
+    (BENCH, "against 43.4 for 2.5x of that table's bf16 (108.4)", KERNELS, ("gemv_limits", 1, "ms_bf16"), _f(1, 1e3)),
+    # benchmarks/README: pre-packed GEMM
+    (BENCH, "16 rows: 1.96x on 8192 x 8192 (17.1 us; 1.54x)", "packed-gemm-h200.json",
+     ("gemm", {"N": 8192, "K": 8192, "M": 16}, "speedup_vs_bf16_packed"), _f(2)),
+    (BENCH, "16 rows: 1.96x on 8192 x 8192 (17.1 us; 1.54x)", "packed-gemm-h200.json",
+     ("gemm", {"N": 8192, "K": 8192, "M": 16}, "speedup_vs_bf16"), _f(2)),
+    (BENCH, "1.22x and 0.69x bf16 in `results/kernels-h200.json`", KERNELS, ("gemm", {**NANO[0], "M": 16}, "speedup_vs_bf16_packed"), _f(2)),
+    (BENCH, "1.22x and 0.69x bf16 in `results/kernels-h200.json`", KERNELS, ("gemm", {**NANO[0], "M": 64}, "speedup_vs_bf16_packed"), _f(2)),
+    # benchmarks/README: grouped MoE
+    (BENCH, "4.67x at 1 token (23.6 us on the CUDA cores; the sorted path on the register-fed matrix units took 63.0)",
+     KERNELS, ("moe", {"tokens": 1}, "ms_w4a16"), _f(1, 1e3)),
+    (BENCH, "4.67x at 1 token (23.6 us on the CUDA cores; the sorted path on the register-fed matrix units took 63.0)",
+     KERNELS, ("moe", {"tokens": 1}, "ms_w4a16_sorted_mma_graph"), _f(1, 1e3)),
+    (BENCH, "2.70x at 8 (122.0 us, register-fed units; 187.9 on wgmma)", KERNELS, ("moe", {"tokens": 8}, "ms_w4a16"), _f(1, 1e3)),
+    (BENCH, "2.70x at 8 (122.0 us, register-fed units; 187.9 on wgmma)", KERNELS, ("moe", {"tokens": 8}, "ms_w4a16_sorted_graph"), _f(1, 1e3)),
+    (BENCH, "2.85x at 64 (330.0 us, register-fed units; 533.4 on wgmma)", KERNELS, ("moe", {"tokens": 64}, "ms_w4a16"), _f(1, 1e3)),
+    (BENCH, "1.53x at 256 (wgmma), 0.53x at 2048", KERNELS, ("moe", {"tokens": 2048}, "speedup_vs_bf16"), _f(2)),
+    # benchmarks/README: pipeline
+    (BENCH, "Calibration: 1.372 s per sample after the first against 1.350 s for a plain forward", "dry-run-h200.json",
+     ("library", "calibrate_steady_per_sample_s"), _f(3)),
+    (BENCH, "Quantize: 0.19 s for 61.4 GB of BF16 weights (0.33 TB/s). The NVFP4 kernels alone", "dry-run-h200.json",
+     ("library", "quantize_tb_per_s"), _f(2)),
+    (BENCH, "take 0.054 s, and 0.094 s with the pass", "dry-run-h200.json", ("library", "bare_quantize_kernels_s"), _f(3)),
+    (BENCH, "take 0.054 s, and 0.094 s with the pass", "dry-run-h200.json", ("library", "bare_quantize_and_error_kernels_s"), _f(3)),
+    (BENCH, "Export: 9.0 s for 19.4 GB (2.2 GB/s).", "dry-run-h200.json", ("library", "export_gb_per_s"), _f(1)),
+    (BENCH, "exported the same 19.4 GB in 3.6 s", "dry-run-h200.json", ("library_earlier", "export_s"), _f(1)),
+    (BENCH, "each a separate process: fp4kit 33.8 s, ModelOpt 155.0 s", "vs-modelopt-h200.json", ("half@8x32k", "fp4kit", "wall_s"), _f(1)),
+]
+
+
+@pytest.mark.parametrize("doc,quoted,name,path,fmt", FIGURES, ids=[f"{d}:{n}:{'/'.join(map(str, p))}" for d, _, n, p, _ in FIGURES])
+def test_quoted_figure_is_its_results_value(doc, quoted, name, path, fmt):
+    assert _flat(quoted) in _flat((ROOT / doc).read_text()), f"{doc} no longer says {quoted!r}"
+    shown = fmt(_at(_load(name), path))
+    assert shown in _flat(quoted), f"{name} {path} is {shown}; {doc} says {quoted!r}"
