@@ -320,7 +320,7 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="evaluation text: file, folder or hub dataset id (default: the bundled eval split)")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"evaluation tokens (default {DEFAULT_TOKENS})")
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per row (default {DEFAULT_SEQ_LEN})")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1, help="evaluation rows per forward pass (default 1)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--backend", choices=BACKENDS, help="how quantized layers run (default: triton on CUDA, torch on CPU)")
     p.add_argument("--no-act-quant", action="store_true", help="run W4A4 NVFP4 layers weight-only, as the engines do on Hopper")

@@ -453,8 +453,8 @@ def test_kernel_fallback_warnings_become_one_note_a_user_can_act_on():
                                 "(transformers ran its reference PyTorch code instead)")
 
 
-@pytest.mark.parametrize("command", ["quantize", "verify", "push", "error"])
-def test_every_argument_of_quantize_verify_push_error_has_help(command):
+@pytest.mark.parametrize("command", ["quantize", "verify", "push", "error", "eval", "generate"])
+def test_every_argument_has_help(command):
     parser = cli.build_parser(command)
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]
     missing = [a.dest for a in sub._actions if a.dest != "help" and not a.help]
