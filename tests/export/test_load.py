@@ -133,7 +133,8 @@ def reference(original: Path, folder: Path, *, act_quant: bool) -> nn.Module:
             for kv in adapter.attention_kv(model):
                 for kind, proj in (("k", kv.k_proj), ("v", kv.v_proj)):
                     s = t[f"{kv.disk_name}.{kind}_proj.{kind}_scale"]
-                    proj.register_forward_hook(lambda mod, args, out, s=s: _fp8_round(out, s).to(out.dtype))
+                    # the scale as vLLM computes with it: the stored fp32 value rounded to the model dtype
+                    proj.register_forward_hook(lambda mod, args, out, s=s: _fp8_round(out, s.to(out.dtype).float()).to(out.dtype))
     return model
 
 
