@@ -16,7 +16,7 @@ meant; tests/formats/test_mutation_scales.py's CUDA test kills them on a GPU); a
     score = (killed + timeout) / (total - equivalent - cuda_only)
 
 A survivor neither names is listed as unexplained, and the command exits 1.
-docs/mutation.md explains every entry.
+The EQUIVALENT and CUDA_ONLY tables below give the reason for each entry.
 """
 
 from __future__ import annotations

@@ -158,10 +158,21 @@ def test_token_rows_put_eos_between_documents(tmp_path):
         token_rows(tok, str(src), tokens=4096, seq_len=4096)
 
 
-def test_compare_recipes_tabulates_every_variant(pair, tmp_path):
+def _recorded_temp_folders(monkeypatch) -> list:
+    made, real = [], tempfile.TemporaryDirectory
+
+    def recorded(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", recorded)
+    return made
+
+
+def test_compare_recipes_tabulates_every_variant(pair, tmp_path, monkeypatch):
     bf16_dir = pair[0]
-    summary = compare_recipes(str(bf16_dir), calib="4x64", tokens=256, seq_len=128, out=tmp_path / "cmp",
-                              keep_checkpoints=tmp_path / "keep", log=lambda m: None)
+    made = _recorded_temp_folders(monkeypatch)
+    summary = compare_recipes(str(bf16_dir), calib="4x64", tokens=256, seq_len=128, out=tmp_path / "cmp", log=lambda m: None)
     rows = {r["variant"]: r for r in summary["rows"]}
     assert list(rows) == ["6", "4o6", "4o6-importance", "bf16"]
     assert rows["bf16"]["kl_mean"] == 0 and rows["bf16"]["top1_agreement"] == 1
@@ -169,35 +180,28 @@ def test_compare_recipes_tabulates_every_variant(pair, tmp_path):
     assert all(rows[v]["kl_mean"] > 0 for v in ("6", "4o6", "4o6-importance"))
     assert rows["4o6"]["weight_sqnr_db_mean"] > rows["6"]["weight_sqnr_db_mean"]  # 4/6 lowers the weight error
     assert "| NVFP4 4/6 |" in summary["markdown"]
-    # The tables alone go to --out; checkpoints and per-variant reports only where asked.
-    assert sorted(p.name for p in (tmp_path / "cmp").iterdir()) == ["compare.json", "compare.md"]
-    assert (tmp_path / "keep" / "4o6" / "checkpoint" / "config.json").is_file()
-    assert (tmp_path / "keep" / "4o6" / "eval.json").is_file()
+    # --out gets the tables alone; the checkpoints went to a temporary folder, now removed.
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["cmp", "cmp/compare.json", "cmp/compare.md"]
+    assert any(Path(t.name).name.startswith("fp4kit-compare-") for t in made)
+    assert not any(Path(t.name).exists() for t in made)
     saved = json.loads((tmp_path / "cmp" / "compare.json").read_text())
-    assert saved["command"] == (f"fp4kit eval --compare-recipes --model {bf16_dir} --calib 4x64 --tokens 256 --seq-len 128 "
-                                f"--out {tmp_path / 'cmp'} --keep-checkpoints {tmp_path / 'keep'}")
+    assert saved["command"] == f"fp4kit eval --compare-recipes --model {bf16_dir} --calib 4x64 --tokens 256 --seq-len 128 --out {tmp_path / 'cmp'}"
     assert {"python", "torch", "transformers", "fp4kit"} <= set(saved["versions"]) and saved["date"]
 
 
-def test_compare_recipes_writes_no_checkpoint_unless_asked(tmp_path, monkeypatch):
+def test_compare_recipes_keeps_checkpoints_only_where_asked(pair, tmp_path, monkeypatch):
+    import fp4kit.evaluate as ev
+
+    monkeypatch.setattr(ev, "tiny_model_path", lambda: pair[0])  # stands in for the embedded model
     monkeypatch.chdir(tmp_path)
-    made = []
-    real = tempfile.TemporaryDirectory
-
-    def recorded(*args, **kwargs):
-        made.append(real(*args, **kwargs))
-        return made[-1]
-
-    monkeypatch.setattr(tempfile, "TemporaryDirectory", recorded)
-    summary = compare_recipes(recipes=("6",), calib="2x64", tokens=128, seq_len=64, out="cmp", log=lambda m: None)
-    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["cmp", "cmp/compare.json", "cmp/compare.md"]
-    assert made and not Path(made[0].name).exists()  # the checkpoint's temporary folder is gone
+    compare_recipes(recipes=("6",), calib="2x64", tokens=128, seq_len=64, out="cmp", keep_checkpoints="keep", log=lambda m: None)
+    assert sorted(p.name for p in (tmp_path / "cmp").iterdir()) == ["compare.json", "compare.md"]
+    assert (tmp_path / "keep" / "6" / "checkpoint" / "config.json").is_file() and (tmp_path / "keep" / "6" / "eval.json").is_file()
     text = (tmp_path / "cmp" / "compare.json").read_text() + (tmp_path / "cmp" / "compare.md").read_text()
-    assert str(tiny_model_path()) not in text and EMBEDDED_MODEL in text  # no path of this machine
+    assert str(pair[0]) not in text  # the embedded model by its place in the source tree, not this machine's path
     saved = json.loads((tmp_path / "cmp" / "compare.json").read_text())
-    assert saved["model"] == EMBEDDED_MODEL and saved["rows"][0]["variant"] == "6"
+    assert saved["model"] == EMBEDDED_MODEL and [r["variant"] for r in saved["rows"]] == ["6"]
     assert saved["command"].startswith("fp4kit.evaluate.compare_recipes(recipes=['6']")
-    assert summary["rows"][0]["kl_mean"] > 0
 
 
 def _cli(argv):

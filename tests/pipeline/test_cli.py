@@ -39,7 +39,7 @@ def fp4kit(*args, **kw):
         (["--calib", "1000x32q"], "1000x32q"),
         (["--recipe", "no-such-recipe"], "unknown recipe 'no-such-recipe'"),
         (["--model", "./no/such/folder"], "no such folder"),
-        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--batch-size", "0"], "--batch-size must be a whole number >= 1 or 'auto', got 0"),
     ],
 )
 def test_bad_input_fails_fast_with_a_clear_message(args, message, tmp_path):
