@@ -227,6 +227,22 @@ class FP8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, FP8 W8A8, backend={self.backend}"
 
 
+def hf_experts_accumulate_in_routing_dtype() -> bool:
+    """Whether the installed transformers' eager NemotronHExperts adds the experts' outputs into a
+    buffer of the routing weights' dtype (fp32; transformers <= 5.24) rather than of the hidden
+    states' (5.25: `torch.zeros_like(hidden_states)`). The loop below follows it, so that a loaded
+    checkpoint computes what transformers computes with the dequantized weights."""
+    import inspect
+
+    try:
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+        source = inspect.getsource(inspect.unwrap(NemotronHExperts.forward))
+    except (ImportError, OSError, TypeError):
+        return False
+    return "zeros_like(hidden_states, dtype=top_k_weights.dtype)" in source
+
+
 class NVFP4Experts(nn.Module):
     """Nemotron-H routed experts (not gated: up, relu^2, down) with NVFP4 [E, N, K] stacks.
 
@@ -260,6 +276,7 @@ class NVFP4Experts(nn.Module):
         self.backend = backend
         self.name = name
         self.algo = algo
+        self.accumulate_in_routing_dtype = hf_experts_accumulate_in_routing_dtype()
 
     def stack(self, proj: str) -> nvfp4.NVFP4Tensor:
         return nvfp4.NVFP4Tensor(getattr(self, f"{proj}_weight"), getattr(self, f"{proj}_weight_scale"),
@@ -285,7 +302,8 @@ class NVFP4Experts(nn.Module):
                 return F.linear(x, w)
             return F.linear(fake_quant_nvfp4(x, scale), w).to(x.dtype)
 
-        final_hidden_states = torch.zeros_like(hidden_states, dtype=top_k_weights.dtype)
+        acc = top_k_weights.dtype if self.accumulate_in_routing_dtype else hidden_states.dtype
+        final_hidden_states = torch.zeros_like(hidden_states, dtype=acc)
         with torch.no_grad():
             expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero().squeeze(-1)

@@ -21,6 +21,7 @@ from .formats.arith import DEFAULT_ARITH, check_mode, div_const
 from .formats.constants import FP8_MAX, NVFP4_GLOBAL_DENOM
 from .formats.metrics import sqnr_db_of, sqnr_terms
 from .kernels.backend import BACKENDS
+from .kernels.deferred import failed as failed_checks
 from .models import Role, adapter_for
 from .plan import Planned, QuantizedModel, QuantizedTarget, fused_group_amax, plan_targets
 from .recipe import DEFAULT_RECIPE, QUANT_ALGO, Recipe, Rule
@@ -222,14 +223,63 @@ def _nvfp4_error(w: torch.Tensor, qt: nvfp4.NVFP4Tensor, backend: str) -> tuple[
     return signal, noise
 
 
+def _terms(entry: tuple) -> tuple:
+    """(signal, noise, 4/6 fraction or 0.0 in its place)."""
+    signal, noise, frac4 = entry
+    return signal, noise, 0.0 if frac4 is None else frac4
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """1-d tensors copied to the host, one transfer per device (a model spread over the GPU and
+    the CPU by `--device auto` has both)."""
+    out: list = [None] * len(tensors)
+    by_device: dict = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        parts = torch.cat([tensors[i] for i in idx]).cpu().split([tensors[i].numel() for i in idx])
+        for i, part in zip(idx, parts):
+            out[i] = part
+    return out
+
+
+def _read_back(values: list) -> list[float]:
+    """0-d tensors (and numbers) as floats, with one transfer per device."""
+    out: list[float | None] = [None] * len(values)
+    by_device: dict = {}
+    for i, v in enumerate(values):
+        by_device.setdefault(v.device if isinstance(v, torch.Tensor) else None, []).append(i)
+    for device, idx in by_device.items():
+        if device is None:
+            for i in idx:
+                out[i] = float(values[i])
+            continue
+        host = torch.stack([values[i].double().reshape(()) for i in idx]).cpu().tolist()
+        for i, x in zip(idx, host):
+            out[i] = x
+    return out
+
+
 def quantize_weights(
     plan: list[Planned], stats: Statistics, *, backend: str, progress: bool, warnings: list[str],
     arith: str = DEFAULT_ARITH,
 ) -> dict[str, QuantizedTarget]:
     """Every planned weight in its format. The quantized tensors stay on the weight's device, and
-    nothing here waits for the GPU per NVFP4 weight: the data checks, the SQNR terms and the 4/6
-    fractions are read back together at the end (a weight that cannot be quantized raises then,
-    named as it would be at once)."""
+    nothing waits for the GPU per weight (`queue_weights`): the input amaxes, the data checks,
+    and the SQNR terms and 4/6 fractions are each read back once at the end (a weight that cannot
+    be quantized raises then, named as it would be at once)."""
+    out, pending, checks, input_scales = queue_weights(plan, stats, backend=backend, progress=progress,
+                                                       warnings=warnings, arith=arith)
+    return _read_back_results(out, pending, checks, input_scales, warnings, arith)
+
+
+def queue_weights(
+    plan: list[Planned], stats: Statistics, *, backend: str, progress: bool, warnings: list[str],
+    arith: str = DEFAULT_ARITH,
+) -> tuple[dict, dict, list, list]:
+    """Queue every planned weight's quantization, error terms and data checks; on the GPU this
+    never waits for the device (tests/gpu checks it in torch's sync-debug mode). Returns what
+    `quantize_weights` reads back."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     group_amax = fused_group_amax(plan)
@@ -282,20 +332,31 @@ def quantize_weights(
             target=t, rule=rule, algo=algo, tensors=tensors, sqnr_db=float("nan"), frac4=None,
             bytes_before=w.numel() * w.element_size(), bytes_after=after,
         )
+    return out, pending, checks, input_scales
+
+
+def _read_back_results(out: dict, pending: dict, checks: list, input_scales: list, warnings: list[str],
+                       arith: str) -> dict[str, QuantizedTarget]:
     # Every layer's input amax read back at once, then its static input_scale(s).
-    amaxes = [a.detach().float().reshape(-1) for _, a, _, _, _ in input_scales if a is not None]
-    host = iter(torch.cat(amaxes).cpu().split([a.numel() for a in amaxes]) if amaxes else [])
+    host = iter(_to_host([a.detach().float().reshape(-1) for _, a, _, _, _ in input_scales if a is not None]))
     for slot, amax, denom, n, what in input_scales:
         slot.extend(_input_scale(None if amax is None else next(host), denom, n, what, warnings, arith))
-    for p, deferred in checks:
+    # The data checks of every weight: one read-back, then the first failure's error, named.
+    flat = [(p, c) for p, deferred in checks for c in deferred]
+    bad = failed_checks([c for _, c in flat])
+    if bad:
+        p, c = flat[bad[0]]
         try:
-            for check in deferred:
-                check()
+            c.fail()
         except ValueError as exc:
             raise _named(p.target, p.target.weight.detach(), exc) from None
-    for key, (signal, noise, frac4) in pending.items():
-        out[key].sqnr_db = sqnr_db_of(float(signal), float(noise))
-        out[key].frac4 = None if frac4 is None else float(frac4)
+    # The error terms and 4/6 fractions of every weight: one read-back.
+    keys = list(pending)
+    host = _read_back([v for key in keys for v in _terms(pending[key])])
+    for i, key in enumerate(keys):
+        signal, noise, frac4 = host[3 * i: 3 * i + 3]
+        out[key].sqnr_db = sqnr_db_of(signal, noise)
+        out[key].frac4 = None if pending[key][2] is None else frac4
     return out
 
 
@@ -755,7 +816,9 @@ class _KernelFallbacks:
     def filter(self, record) -> bool:
         import re
 
-        found = re.search(r"falling back to its reference .* because `([\w.-]+)` is not installed", record.getMessage())
+        # transformers <= 5.24: "... because `x` is not installed"; 5.25: "... is either not installed or
+        # doesn't support the device of the inputs"
+        found = re.search(r"falling back to its reference .* because `([\w.-]+)` is (?:either )?not installed", record.getMessage())
         if found is None:
             return True
         if found[1] not in self.missing:

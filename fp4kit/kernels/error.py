@@ -55,21 +55,22 @@ def _error_kernel(w_ptr, packed_ptr, scale_ptr, gs_ptr, part_ptr, n_blocks, bloc
                   OFFSET_DTYPE: tl.constexpr, BLOCKS: tl.constexpr, TILES: tl.constexpr):
     pid = tl.program_id(0)
     j = tl.arange(0, 8)[None, :]
-    signal = tl.zeros((BLOCKS, 8), dtype=tl.float32)
-    noise = tl.zeros((BLOCKS, 8), dtype=tl.float32)
+    e = tl.arange(0, 16)[None, :]
+    signal = tl.zeros((BLOCKS, 16), dtype=tl.float32)
+    noise = tl.zeros((BLOCKS, 16), dtype=tl.float32)
     for t in range(TILES):
         blk = ((pid * TILES + t) * BLOCKS + tl.arange(0, BLOCKS)[:, None]).to(OFFSET_DTYPE)  # [BLOCKS, 1]
         ok = blk < n_blocks
         byte = tl.load(packed_ptr + blk * 8 + j, mask=ok, other=0).to(tl.int32)  # elements 2j, 2j+1
-        x_even = tl.load(w_ptr + blk * 16 + 2 * j, mask=ok, other=0.0).to(tl.float32)
-        x_odd = tl.load(w_ptr + blk * 16 + 2 * j + 1, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(w_ptr + blk * 16 + e, mask=ok, other=0.0).to(tl.float32)  # one contiguous row per block
         s = tl.load(scale_ptr + blk, mask=ok, other=0).to(tl.int32)
         g = tl.load(gs_ptr + blk // blocks_per_member, mask=ok, other=0.0)
         step = _e4m3_value(s) * g
-        d_even = x_even - _e2m1_value(byte & 15) * step
-        d_odd = x_odd - _e2m1_value(byte >> 4) * step
-        signal += x_even * x_even + x_odd * x_odd
-        noise += d_even * d_even + d_odd * d_odd
+        # code values in element order: join puts element 2j + i at [j, i]
+        v = tl.reshape(tl.join(_e2m1_value(byte & 15), _e2m1_value(byte >> 4)), (BLOCKS, 16))
+        d = x - v * step
+        signal += x * x
+        noise += d * d
     out = part_ptr + pid * 2
     tl.store(out, tl.sum(tl.sum(signal, axis=1), axis=0))
     tl.store(out + 1, tl.sum(tl.sum(noise, axis=1), axis=0))

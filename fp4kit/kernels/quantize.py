@@ -45,6 +45,7 @@ from fp4kit.formats.arith import DEFAULT_ARITH, check_mode, fp32_reciprocal
 from fp4kit.formats.errors import FormatError, check_finite, check_float_tensor
 
 from .backend import cdiv, check_backend, interpreted, launch_options, sm_count
+from .deferred import DeferredCheck
 from .launch import table as launch_table
 
 _WHAT = "kernels.quantize"
@@ -911,6 +912,17 @@ def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = 
     return qt, (choice if return_choice else None), own.reshape(batch)
 
 
+def _importance_rows(importance, w: torch.Tensor, eager: bool) -> torch.Tensor:
+    """importance as fp32 [1 or batch members, K] rows. The reference's shape checks run here;
+    its value checks (finite, >= 0) too when `eager`, else with the caller's deferred checks."""
+    imp = torch.as_tensor(importance, device=w.device).float()
+    k = w.shape[-1]
+    shape_ok = imp.dim() >= 1 and imp.shape[-1] == k and (imp.dim() == 1 or tuple(imp.shape[:-1]) == tuple(w.shape[:-2]))
+    if eager or not shape_ok:
+        nvfp4._importance_weights(importance, w, _WHAT)  # raises the reference's errors
+    return imp.reshape(-1, k).contiguous()
+
+
 # The signature is an intended mirror of fp4kit.formats.nvfp4.quantize's (the contract), plus
 # `backend` and `tables`.
 def quantize(
@@ -933,8 +945,9 @@ def quantize(
     "torch" (the reference itself). tables: the launch table (default: the device's).
     The checks that need the data (finite weights, a given global amax covering max|w|) run
     after both kernels are queued, so the GPU never waits on the host between them; with a
-    `deferred` list they are appended to it as a callable instead (which raises the same error),
-    so that a caller quantizing many tensors waits on the GPU once.
+    `deferred` list they are appended to it as a `DeferredCheck` instead (a flag on the device and
+    the function that raises the same error; `deferred.run_all` reads many back at once), so that
+    a caller quantizing many tensors waits on the GPU once.
     """
     check_backend(backend, _quantize_kernel, w, what=_WHAT)
     if backend == "torch":
@@ -956,11 +969,12 @@ def quantize(
     g = None if global_amax is None else _broadcast_global_amax(global_amax, batch, w.device)
     imp = None
     if importance is not None:
-        imp = nvfp4._importance_weights(importance, w, _WHAT)  # the reference's validation
-        imp = imp.reshape(-1, w.shape[-1]).contiguous()
+        imp = _importance_rows(importance, w, eager=deferred is None)
     qt, choice, own = launch(w, scale_rule, g, imp, return_choice, arith, tables=tables)
 
     def check() -> None:
+        if importance is not None and deferred is not None:
+            nvfp4._importance_weights(importance, w, _WHAT)  # the reference's value checks
         if not bool(torch.isfinite(own).all()):
             check_finite(w, _WHAT)  # raises, naming the count and first position
         if g is not None:
@@ -969,7 +983,12 @@ def quantize(
     if deferred is None:
         check()
     else:
-        deferred.append(check)
+        bad = ~torch.isfinite(own).all()
+        if imp is not None:
+            bad = bad | ~(torch.isfinite(imp).all() & (imp >= 0).all())
+        if g is not None:
+            bad = bad | ~torch.isfinite(g).all() | (g < own).any()
+        deferred.append(DeferredCheck(bad, check))
     return (qt, choice.bool()) if return_choice else qt
 
 

@@ -198,15 +198,17 @@ def test_w4a4_expert_loop_against_a_per_token_restatement():
     w = torch.rand(t, k, generator=g)
     got = experts(x, idx, w)
     u, d = up.dequantize(), down.dequantize()
-    want = torch.zeros(t, h)
+    # The loop adds each token's slots in expert order into a buffer of the dtype transformers'
+    # own loop uses (fp32 up to transformers 5.24, the hidden states' bf16 from 5.25).
+    acc = torch.float32 if experts.accumulate_in_routing_dtype else torch.bfloat16
+    want = torch.zeros(t, h, dtype=acc)
     for tok in range(t):
-        for slot in range(k):
+        for slot in sorted(range(k), key=lambda s: int(idx[tok, s])):
             ex = int(idx[tok, slot])
             a = (fake_quant_nvfp4(x[tok : tok + 1], up_s.max()) @ u[ex].T).to(torch.bfloat16)
             a = torch.relu(a).square()
             y = (fake_quant_nvfp4(a, down_s.max()) @ d[ex].T).to(torch.bfloat16)
-            want[tok] += y[0].float() * w[tok, slot]
-    # The loop adds the k slots in expert order, this in slot order: fp32 sums, one bf16 rounding.
+            want[tok] += (y[0].float() * w[tok, slot]).to(acc)
     assert torch.allclose(got.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-6)
     assert not torch.equal(got, NVFP4Experts(up, down, lambda x: torch.relu(x).square(), up_input_scale=None,
                                              down_input_scale=None, act_quant=False, backend="torch")(x, idx, w))
@@ -419,3 +421,33 @@ def test_packed_layout_refuses_what_it_does_not_run(embedded, ckpts):
         load_quantized(ckpts["llama_w4a4"][1], layout="packed", act_quant=True)
     with pytest.raises(ValueError, match="layout must be one of"):
         load_quantized(embedded, layout="transposed")
+
+
+def test_the_expert_loop_accumulates_as_the_installed_transformers_does():
+    """One token routed to four experts of output 1, 2^-9, 2^-9, 2^-9: a bf16 buffer keeps 1.0,
+    an fp32 one sums 1 + 3 * 2^-9 and rounds it to 1.0078125. transformers' own loop and the
+    fp4kit loop must land on the same value."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    model = models.build_nemotron_h()
+    model.config._experts_implementation = "eager"  # the loop NVFP4Experts emulates
+    hf = next(m for m in model.modules() if isinstance(m, NemotronHExperts))
+    e, i, h = hf.up_proj.shape
+    with torch.no_grad():
+        up = torch.zeros(e, i, h)
+        up[:, 0, 0] = 1.0
+        down = torch.zeros(e, h, i)
+        down[:, 0, 0] = 1.0
+        hf.up_proj.copy_(up)
+        hf.down_proj.copy_(down)
+        hf.to(torch.bfloat16)
+        x = torch.zeros(1, h, dtype=torch.bfloat16)
+        x[0, 0] = 1.0
+        idx = torch.tensor([[0, 1, 2, 3]])
+        w = torch.tensor([[1.0, 2.0**-9, 2.0**-9, 2.0**-9]])
+        theirs = hf(x, idx, w)[0, 0].item()
+        q_up, q_down = nvfp4.quantize(up.to(torch.bfloat16)), nvfp4.quantize(down.to(torch.bfloat16))
+        ours = NVFP4Experts(q_up, q_down, hf.act_fn, up_input_scale=None, down_input_scale=None, act_quant=False,
+                            backend="torch")(x, idx, w)[0, 0].item()
+    assert theirs in (1.0, 1.0078125)
+    assert ours == theirs

@@ -6,6 +6,8 @@ Run: python -m pytest -q tests/gpu   (skipped without CUDA)
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -104,3 +106,48 @@ def test_batch_size_auto_measures_one_sample_then_fills_the_device():
         hook.remove()
     # the tiny model's sample is a few MiB on a GPU of tens of GiB: the rest goes in one batch
     assert used == 8 and seen == [1, 8]
+
+
+@pytest.mark.parametrize("recipe", ["nemotron-h-w4a16-4o6", "modelopt-lightning", "nvfp4-w4a4", "fp8"])
+def test_queueing_the_weights_never_waits_for_the_gpu(monkeypatch, recipe):
+    """Every weight's quantization, error terms and data checks are queued without one host
+    synchronisation (torch raises on any in its sync-debug mode); the results are read back
+    once afterwards."""
+    import fp4kit.quantize as q
+
+    real = q.queue_weights
+
+    def strict(*args, **kwargs):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(q, "queue_weights", strict)
+    model, _ = load_tiny_model(device="cuda")
+    samples = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    qm = q.quantize(model, load_recipe(recipe), samples, progress=False)
+    assert qm.quantized and all(t.sqnr_db == t.sqnr_db for t in qm.quantized.values())
+
+
+@pytest.mark.parametrize("recipe", ["nemotron-h-w4a16-4o6", "fp8"])
+def test_a_nan_weight_is_named_after_the_single_read_back(recipe):
+    """The deferred data checks still name the checkpoint tensor, the expert and the position."""
+    from fp4kit.formats import FormatError
+    from fp4kit.models import adapter_for
+    from fp4kit.plan import plan_targets
+
+    model, _ = load_tiny_model(device="cuda")
+    plan, _ = plan_targets(model, load_recipe(recipe), adapter_for(model))
+    target = next(p.target for p in plan if p.rule is not None and (p.target.is_stack or recipe == "fp8"))
+    with torch.no_grad():
+        w = target.weight
+        where = (1, 2, 3) if target.is_stack else (2, 3)
+        w[where] = float("nan")
+    samples = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    name = target.disk_names[1] if target.is_stack else target.disk_names[0]
+    expected = re.escape(f"{name}.weight (") + r".*" + re.escape(f"): 1 NaN and 0 Inf values (first at {where[-2:]})")
+    with pytest.raises(FormatError, match=expected):
+        quantize(model, load_recipe(recipe), samples, progress=False)

@@ -84,3 +84,38 @@ def test_bad_input_is_refused_like_the_reference():
             fp8.quantize_per_tensor(bad)
         with pytest.raises(FormatError):
             kfp8.quantize_per_tensor(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mults", [(1.0, 1.5), (0.5, 0.75, 1.0, 1.25), (1.5, 1.0)])
+def test_search_amax_equals_the_references_range(dtype, mults):
+    w = _weight((64, 128), dtype, seed=5)
+    assert torch.equal(kfp8.search_amax(w, mults), fp8.search_amax(w, mults)[0])
+
+
+def test_search_amax_keeps_the_first_of_equal_errors():
+    # Powers of two: 448 / 1 and 448 / 2 both map every value onto the E4M3 grid, so candidates
+    # 1 and 2 both quantize without error; the first wins, as in the reference.
+    w = torch.tensor([[1.0, -0.5, 0.25, 2.0**-6]] * 8)
+    ref, best, errors = fp8.search_amax(w, (1.0, 2.0))
+    assert errors == [0.0, 0.0] and best == 0
+    assert torch.equal(kfp8.search_amax(w, (1.0, 2.0)), ref) and float(ref) == 1.0
+    assert float(kfp8.search_amax(w, (2.0, 1.0))) == 2.0
+
+
+def test_search_amax_of_a_zero_weight_and_bad_multipliers():
+    assert float(kfp8.search_amax(torch.zeros(4, 16), (1.0, 1.5))) == 0.0
+    for bad in [(), (0.0,), (1.0, float("nan")), (-1.0,)]:
+        with pytest.raises(FormatError, match="multipliers must be positive finite"):
+            kfp8.search_amax(torch.ones(4, 16), bad)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_searched_range_of_a_non_finite_weight_fails_its_deferred_check(bad):
+    w = torch.randn(8, 32)
+    w[2, 7] = bad
+    assert not torch.isfinite(kfp8.search_amax(w, (1.0, 1.5)))
+    deferred: list = []
+    kfp8.quantize_per_tensor(w, amax_multipliers=(1.0, 1.5), deferred=deferred)
+    with pytest.raises(FormatError, match=r"first at index \(2, 7\)"):
+        deferred[0]()

@@ -445,6 +445,9 @@ def test_kernel_fallback_warnings_become_one_note_a_user_can_act_on():
             for package in ("causal_conv1d", "mamba_ssm", "causal_conv1d"):
                 logger.warning(f"`fn` is falling back to its reference PyTorch implementation because `{package}` is not installed. "
                                f"This is correct but much slower; install `{package}` for the optimized kernel.")
+            # the wording of transformers 5.25
+            logger.warning("`fn` is falling back to its reference PyTorch implementation because `mamba_ssm` is either not "
+                           "installed or doesn't support the device of the inputs. This is correct but much slower.")
             logger.warning("an unrelated warning")
         finally:
             logger.removeFilter(keep)
