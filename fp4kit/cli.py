@@ -329,12 +329,77 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
                    help="with --compare-recipes: keep each variant's checkpoint and report in DIR/<variant>/ "
                         "(default: a temporary folder, removed at the end)")
     p.add_argument("--update-card", action="store_true", help="write the measured quality into the checkpoint's README.md")
+    p.add_argument("--ssm-state", metavar="FORMATS",
+                   help="compare SSM-state cache formats against fp32: a comma-separated list of fp16 (round to nearest) "
+                        "and fp16-sr (stochastic rounding), on --quantized, --model or the embedded tiny Nemotron-H")
+    p.add_argument("--philox-rounds", default="5,10", help="with --ssm-state fp16-sr: Philox rounds, comma-separated (default 5,10)")
+    p.add_argument("--generate", type=int, default=2048,
+                   help="with --ssm-state: greedy tokens generated after a 32-token prompt (default 2048; 0 skips it)")
+    p.add_argument("--state-error", action="store_true", help="with --ssm-state: also the state's relative error against fp32")
+    p.add_argument("--seed", type=int, default=0, help="with --ssm-state: seed of the stochastic rounding's per-step seeds")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _cmd_eval_ssm_state(args: argparse.Namespace) -> int:
+    from . import ssm_eval
+    from .evaluate import EMBEDDED_MODEL, check_inputs, provenance, token_rows
+
+    if args.compare_recipes or args.reference or args.update_card or args.keep_checkpoints:
+        return _err("--ssm-state runs one model (--quantized, --model, or the embedded one); it takes no "
+                    "--compare-recipes/--reference/--update-card/--keep-checkpoints", 2)
+    if args.quantized and args.model:
+        return _err("give --quantized or --model, not both", 2)
+    try:
+        variants = ssm_eval.parse_variants(args.ssm_state, args.philox_rounds)
+        if args.generate < 0 or args.tokens < 2:
+            raise ValueError("--generate must be >= 0 and --tokens >= 2")
+        check_inputs(quantized=args.quantized, model=args.model, data=args.data, tokens=args.tokens,
+                     seq_len=args.tokens, out=args.out)
+    except (ValueError, OSError) as exc:
+        return _err(str(exc), 2)
+    import sys as _sys
+
+    import torch
+    from transformers import AutoTokenizer
+
+    device = args.device
+    backend = args.backend or ("triton" if device.startswith("cuda") else "torch")
+    if args.quantized:
+        from .export.load import load_quantized
+
+        model = load_quantized(args.quantized, device, backend=backend, act_quant=not args.no_act_quant)
+        tokenizer = AutoTokenizer.from_pretrained(args.quantized)
+        where = args.quantized
+    else:
+        from .quantize import load_model
+
+        where = args.model or EMBEDDED_MODEL
+        if args.model:
+            model, tokenizer = load_model(args.model, device=device, progress=not args.no_progress)
+        else:
+            from .models.tiny import load_tiny_model
+
+            model, tokenizer = load_tiny_model(device=device)
+    try:
+        rows, _ = token_rows(tokenizer, args.data, tokens=args.tokens, seq_len=args.tokens)
+    except ValueError as exc:
+        return _err(str(exc), 2)
+    command = "fp4kit " + " ".join(_sys.argv[1:]) if _sys.argv and _sys.argv[0].endswith("fp4kit") else "fp4kit eval"
+    result = ssm_eval.run(model, rows[0], variants, generate=args.generate, seed=args.seed,
+                          backend="triton" if backend == "triton" and torch.cuda.is_available() else "torch",
+                          state_error=args.state_error, out=args.out, provenance={**provenance(command, device), "model": where},
+                          progress=not args.no_progress, log=lambda m: print(m, file=_sys.stderr))
+    print(result["markdown"])
+    if args.out:
+        print(f"wrote {', '.join(result['files'])} to {args.out}")
+    return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate import check_inputs, compare_recipes, evaluate, layers_markdown, quality_markdown
 
+    if args.ssm_state:
+        return _cmd_eval_ssm_state(args)
     if args.compare_recipes:
         if args.reference or args.quantized:
             return _err("--compare-recipes quantizes --model itself; it takes no --reference/--quantized", 2)

@@ -77,3 +77,18 @@ def test_kernels_fp8_on_cuda_writes_the_references_bytes(dtype, mode):
     q, s = kfp8.quantize_per_tensor(w.cuda(), arith=mode)
     assert torch.equal(q.view(torch.uint8).cpu(), q_ref.view(torch.uint8))
     assert torch.equal(s.cpu(), s_ref)
+
+
+@pytest.mark.parametrize("rounds", [5, 10])
+def test_ssm_state_kernel_equals_the_emulator_on_cuda(rounds):
+    """The compiled stochastic-rounding kernel (Triton's Philox on the GPU) against the CPU
+    emulator, bit for bit, on a state of the Nano's Mamba shape (64 heads x 64 x 128) x 3 slots."""
+    from fp4kit.formats import fp16sr
+    from fp4kit.kernels import ssm_state
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 64, 64, 128, generator=g) * torch.exp2(torch.randint(-30, 17, (3, 64, 64, 128), generator=g).float())
+    for seed, offset in ((0, 0), (123456789, 5), (2**40 + 3, 2**33 + 1)):
+        want = fp16sr.round_state(x, seed, rounds, offset)
+        got = ssm_state.round_state(x.cuda(), seed, rounds, offset).cpu()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
