@@ -3,20 +3,29 @@
     pip install -e '.[mutation]'
     python scripts/mutation_score.py                              # a full run from scratch
     python scripts/mutation_score.py fp4kit/formats/e4m3.py ...   # rerun the mutants of some files
+    python scripts/mutation_score.py --resume                     # finish an interrupted run
+    python scripts/mutation_score.py --survivors fp4kit/verify.py # retest only the survivors of some files
     python scripts/mutation_score.py --report-only                # only read mutants/ and write the JSON
 
 mutmut reads [tool.mutmut] in pyproject.toml (files, tests, time limits), copies the package into
 mutants/ and runs, for every mutant, the tests that reached its function. A full run deletes
-mutants/ first; a run over files keeps it and retests every mutant of those files. Then this writes
-benchmarks/results/mutation.json: per file the mutants killed, timed out, survived and without a
-test; the survivors no test can tell from the code (EQUIVALENT below, with the reason) and those
+mutants/ first; a run over files keeps it and retests every mutant of those files (or, with
+--survivors, only those that survived). Then this writes benchmarks/results/mutation.json: per
+file the mutants killed, timed out, survived and without a test; the survivors no test can tell from the code (EQUIVALENT below, with the reason) and those
 only a CUDA device can tell (CUDA_ONLY: a tensor made on the CPU where the input's device was
 meant; tests/formats/test_mutation_scales.py's CUDA test kills them on a GPU); and the score
 
     score = (killed + timeout) / (total - equivalent - cuda_only)
 
+(and score_checked, the same over the mutants tested so far, for a run not yet finished)
+
 A survivor neither names is listed as unexplained, and the command exits 1.
-The EQUIVALENT and CUDA_ONLY tables below give the reason for each entry.
+docs/mutation.md explains every entry; its score and survivor tables are written by this script
+(between the `<!-- mutation:... -->` markers).
+
+mutmut forgets every result when [tool.mutmut]'s test selection changes. A file whose mutants
+mutants/ holds no result for, and which the previous mutation.json measured in full, keeps that
+file's entry and survivors (re-judged against the tables below), with the date it was measured.
 """
 
 from __future__ import annotations
@@ -41,6 +50,15 @@ from benchlib.record import run_record  # noqa: E402
 # A function is named as in mutmut's mutant names, without the `x_` prefix and the mutant number.
 CPU_SCALAR = "a 0-d CPU tensor enters an op on any device as a scalar: the same value, the same bytes"
 FP32_DEFAULT = "torch's default dtype makes the same fp32 tensor of a Python float"
+# ModelOpt 0.47's NVFP4QTensor.get_weights_scaling_factor_from_quantizer, static path (a quantizer with global_amax)
+AMAX_VIEW = "ModelOpt views the per-block amax as [..., K/16] whatever its shape: only the number of values counts"
+UNREAD_BLOCK_SIZES = "ModelOpt reads only block_sizes[-1] and block_sizes['four_over_six'] of a static quantizer"
+SCALE2_DEFAULT = ("without weights_scaling_factor_2 ModelOpt computes it from the same quantizer, by the call the line "
+                  "before makes: the same global scale")
+NO_TOKENIZER = "load_model loads a tokenizer only for a true `tokenizer`: None and False both load none"
+NO_BIAS = "ModelOpt calibrates the weight quantizer from the weight alone (no forward pass): a bias is never read"
+ONLY_WEIGHT_QUANTIZER = ("the weight scale comes from the weight quantizer alone, which the next entry configures; "
+                         "the input and output quantizers, enabled or not, see no data without a forward pass")
 EQUIVALENT = {
     # e4m3.encode
     ("fp4kit.formats.e4m3.encode", "normal = r > E4M3_MIN_NORMAL"):
@@ -91,10 +109,51 @@ EQUIVALENT = {
         "global_scale_of treats every rule but \"6\" as \"4o6\"",
     ("fp4kit.formats.nvfp4._quantize", 'global_scale = global_scale_of(g_safe, "4O6", arith)'):
         "global_scale_of treats every rule but \"6\" as \"4o6\"",
+    # export/modelopt.py
+    ("fp4kit.export.modelopt._excluded_module_names",
+     "names.append(qm.adapter.disk_name(p.target.name) if (p.target.is_stack) or True else p.target.disk_names[0])"):
+        "redundant test: a target that is not a stack has disk_names == [adapter.disk_name(name)]",
+    ("fp4kit.export.modelopt._write_tensors",
+     'tied = ptr is not None and ptr in seen_storage and getattr(qm.model.config, "tie_word_embeddings", None)'):
+        "None and False are both false",
+    # verify.py: ModelOpt's own FP8 calibration of a Linear holding w (weight quantizer only, no forward pass)
+    ("fp4kit.verify._modelopt_fp8", "linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=True, device=w.device, dtype=w.dtype)"): NO_BIAS,
+    ("fp4kit.verify._modelopt_fp8", "linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=None, device=w.device, dtype=w.dtype)"): NO_BIAS,
+    ("fp4kit.verify._modelopt_fp8", "linear = torch.nn.Linear(w.shape[1], w.shape[0], device=w.device, dtype=w.dtype)"): NO_BIAS,
+    ("fp4kit.verify._modelopt_fp8", '{"quantizer_name": "XX*XX", "enable": False},'): ONLY_WEIGHT_QUANTIZER,
+    ("fp4kit.verify._modelopt_fp8", '{"quantizer_name": "*", "enable": True},'): ONLY_WEIGHT_QUANTIZER,
+    ("fp4kit.verify._modelopt_fp8", "with contextlib.redirect_stdout(None), contextlib.redirect_stderr(io.StringIO()):"):
+        "print() to a None sys.stdout writes nothing, as to the discarded StringIO: only ModelOpt's log lines change place",
+    ("fp4kit.verify._modelopt_fp8", "mtq.quantize(linear, cfg, )"): "forward_loop=None is mtq.quantize's default",
+    ("fp4kit.verify._modelopt_fp8", "scale = get_weight_scaling_factor(linear, ).float().reshape(())  # stored 0-d, as ModelOpt's export writes it"):
+        'weight_name="weight" is get_weight_scaling_factor\'s default',
+    ("fp4kit.verify.against_modelopt", "model, _ = load_model(source, device=device, tokenizer=None)"): NO_TOKENIZER,
+    ("fp4kit.verify.rederive", "model, _ = load_model(source, device=device, tokenizer=None)"): NO_TOKENIZER,
+    ("fp4kit.verify.against_modelopt", 'quantizer = SimpleNamespace(global_amax=w.abs().amax().float(), _amax=(blocks * mult).reshape(-1, ),'): AMAX_VIEW,
+    ("fp4kit.verify.against_modelopt", 'quantizer = SimpleNamespace(global_amax=w.abs().amax().float(), _amax=(blocks * mult).reshape(-1, 2),'): AMAX_VIEW,
+    ("fp4kit.verify.against_modelopt", 'block_sizes={-1: 16, "XXtypeXX": "static", "scale_bits": (4, 3), "four_over_six": True})'): UNREAD_BLOCK_SIZES,
+    ("fp4kit.verify.against_modelopt", 'block_sizes={-1: 16, "TYPE": "static", "scale_bits": (4, 3), "four_over_six": True})'): UNREAD_BLOCK_SIZES,
+    ("fp4kit.verify.against_modelopt", 'block_sizes={-1: 16, "type": "XXstaticXX", "scale_bits": (4, 3), "four_over_six": True})'): UNREAD_BLOCK_SIZES,
+    ("fp4kit.verify.against_modelopt", 'block_sizes={-1: 16, "type": "STATIC", "scale_bits": (4, 3), "four_over_six": True})'): UNREAD_BLOCK_SIZES,
+    ("fp4kit.verify.against_modelopt", 'block_sizes={-1: 16, "type": "static", "XXscale_bitsXX": (4, 3), "four_over_six": True})'): UNREAD_BLOCK_SIZES,
+    ("fp4kit.verify.against_modelopt", 'block_sizes={-1: 16, "type": "static", "SCALE_BITS": (4, 3), "four_over_six": True})'): UNREAD_BLOCK_SIZES,
+    ("fp4kit.verify.against_modelopt", 'block_sizes={-1: 16, "type": "static", "scale_bits": (5, 3), "four_over_six": True})'): UNREAD_BLOCK_SIZES,
+    ("fp4kit.verify.against_modelopt", 'block_sizes={-1: 16, "type": "static", "scale_bits": (4, 4), "four_over_six": True})'): UNREAD_BLOCK_SIZES,
+    ("fp4kit.verify.against_modelopt", 'scale, _ = NVFP4QTensor.get_weights_scaling_factor_from_quantizer(quantizer, w, None)'): SCALE2_DEFAULT,
+    ("fp4kit.verify.against_modelopt", 'scale, _ = NVFP4QTensor.get_weights_scaling_factor_from_quantizer(quantizer, w, )'): SCALE2_DEFAULT,
+    # verify.modelopt_mse_algorithm (reached only with two or more multipliers)
+    ("fp4kit.verify.modelopt_mse_algorithm", "steps = math.ceil((stop - start) / step) + 1 if step > 0 else 1"):
+        "with step <= 0 both 0 and 1 are fewer than the two or more multipliers: the grid is [] either way and the list is refused",
+    ("fp4kit.verify.modelopt_mse_algorithm", "grid = torch.linspace(start, stop, steps=max(steps, 1)).tolist() if (steps == len(amax_search)) or True else []"):
+        "where steps != len(amax_search) the grid has max(steps, 1) values, not len(amax_search): it differs from the list as [] does",
+    ("fp4kit.verify.modelopt_mse_algorithm", "grid = torch.linspace(start, stop, steps=max(steps, 2)).tolist() if steps == len(amax_search) else []"):
+        "max(steps, 2) differs from max(steps, 1) only for steps <= 1, and then steps != len(amax_search) (two or more)",
 }
 # (function, mutated line) of the survivors that put a tensor on the CPU where the input's device
 # was meant: on the CPU nothing changes, on CUDA the op mixes devices or divides by a CPU scalar.
 CUDA_ONLY = {
+    ("fp4kit.formats.e2m1.encode", "bounds = torch.tensor(E2M1_MIDPOINTS, dtype=x.dtype, device=None)"),
+    ("fp4kit.formats.e2m1.encode", "bounds = torch.tensor(E2M1_MIDPOINTS, dtype=x.dtype, )"),
     ("fp4kit.formats.e2m1.decode", "return _value_table(None)[codes.long()]"),
     ("fp4kit.formats.arith.div_const", "return x / torch.full((), c, dtype=torch.float32, device=None)"),
     ("fp4kit.formats.arith.div_const", "return x / torch.full((), c, dtype=torch.float32, )"),
@@ -104,6 +163,15 @@ CUDA_ONLY = {
     ("fp4kit.formats.nvfp4._importance_weights", "imp = torch.as_tensor(importance, ).float()"),
     ("fp4kit.formats.nvfp4.quantize_static", "g = torch.as_tensor(global_amax, dtype=torch.float32, device=None)"),
     ("fp4kit.formats.nvfp4.quantize_static", "g = torch.as_tensor(global_amax, dtype=torch.float32, )"),
+    # the model, a weight or a stored scale left on the CPU where `device` (the source model's) or
+    # ModelOpt's device (CUDA for a checkpoint in CUDA's arithmetic) was asked for
+    ("fp4kit.verify.against_modelopt", "model, _ = load_model(source, device=None, tokenizer=False)"),
+    ("fp4kit.verify.against_modelopt", "w = (t.weight.detach()[0] if t.is_stack else t.weight.detach()).to(None)"),
+    ("fp4kit.verify.against_modelopt", 'chose4 = four_over_six_from_weight(w, rule, reader.get(f"{disk}.weight_scale").to(None), arith)'),
+    ("fp4kit.verify.rederive", "model, _ = load_model(source, device=None, tokenizer=False)"),
+    # ModelOpt's FP8 calibration on a Linear made on the CPU for a CUDA weight
+    ("fp4kit.verify._modelopt_fp8", "linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=None, dtype=w.dtype)"),
+    ("fp4kit.verify._modelopt_fp8", "linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)"),
 }
 
 
@@ -114,10 +182,44 @@ def mutated_files() -> list[Path]:
     return sorted(walk_mutatable_files())
 
 
-def run_mutmut(globs: list[str], max_children: int) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a forked torch must not wait on a parent's thread pool
+def survivors_of(paths: list[str]) -> list[str]:
+    """The mutants of these files that survived their last test run."""
+    from mutmut.mutation.data import SourceFileMutationData
+    from mutmut.stats import status_by_exit_code
+
+    names = []
+    for path in paths:
+        data = SourceFileMutationData(path=Path(path))
+        data.load()
+        names += sorted(m for m, code in data.exit_code_by_key.items() if status_by_exit_code[code] == "survived")
+    return names
+
+
+def forget_plain_copies() -> None:
+    """mutmut copies a file it does not mutate into mutants/ with a newer mtime, and later takes
+    that copy for an up-to-date mutated file: a file added to only_mutate would never be
+    mutated. Remove the copy of every file to mutate that has no mutation data yet."""
+    for path in mutated_files():
+        copy = REPO / "mutants" / path
+        if copy.is_file() and not (REPO / "mutants" / f"{path}.meta").is_file():
+            copy.unlink()
+
+
+def run_mutmut(globs: list[str], max_children: int, restarts: int = 3) -> int:
+    """Run mutmut; where a signal ends it, run it again (it keeps every result it has, and a
+    plain `mutmut run` tests only the mutants left unchecked). Returns the restarts made."""
+    forget_plain_copies()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread per mutant process
     cmd = [str(Path(sys.executable).with_name("mutmut")), "run", "--max-children", str(max_children), *globs]
-    subprocess.run(cmd, cwd=REPO, env=env, check=True)
+    for attempt in range(restarts + 1):
+        code = subprocess.run(cmd, cwd=REPO, env=env).returncode
+        if code == 0:
+            return attempt
+        if code > 0 or attempt == restarts:
+            raise SystemExit(f"mutmut run ended with {code}")
+        print(f"mutmut run was ended by signal {-code}; running it again for the unchecked mutants", flush=True)
+        cmd = cmd[: cmd.index("--max-children") + 2]
+    return restarts
 
 
 def mutated_line(diff: str) -> str:
@@ -132,7 +234,43 @@ def function_of(mutant: str) -> str:
     return f"{module}.{name}"
 
 
-def report() -> tuple[dict, list[dict]]:
+def judge(mutant: str, status: str, line: str) -> dict:
+    """A survivor's (or other undetected mutant's) entry: equivalent, CUDA-only or unexplained."""
+    key = (function_of(mutant), line)
+    entry = {"mutant": mutant, "status": status, "mutated_line": line}
+    if status == "survived" and key in EQUIVALENT:
+        entry["equivalent"] = EQUIVALENT[key]
+    elif status == "survived" and key in CUDA_ONLY:
+        entry["cuda_only"] = True
+    else:
+        entry["unexplained"] = True
+    return entry
+
+
+def file_row(counts: Counter, entries: list[dict], measured: str) -> dict:
+    total = sum(counts.values())
+    detected = counts["killed"] + counts["timeout"]
+    equivalent = sum("equivalent" in e for e in entries)
+    cuda_only = sum("cuda_only" in e for e in entries)
+    undecidable = equivalent + cuda_only
+    return {
+        "total": total, "killed": counts["killed"], "timeout": counts["timeout"],
+        "survived": counts["survived"], "no_tests": counts["no tests"],
+        "not_checked": counts["not checked"], "other": total - sum(counts[s] for s in (
+            "killed", "timeout", "survived", "no tests", "not checked")),
+        "equivalent": equivalent, "cuda_only": cuda_only,
+        "score": round(detected / (total - undecidable), 4) if total > undecidable else None,
+        # over the mutants tested so far (equal to score once none is left unchecked)
+        "score_checked": (round(detected / (total - counts["not checked"] - undecidable), 4)
+                          if total - counts["not checked"] > undecidable else None),
+        "measured": measured,
+    }
+
+
+def report(previous: dict, date: str, ran: set[str] | None) -> tuple[dict, list[dict]]:
+    """Per file the counts and survivors in mutants/ (or, where mutants/ holds none, the previous
+    JSON's). `ran`: the files this invocation tested (None: all of them); a file it did not test
+    keeps the date of its previous entry while its counts are unchanged."""
     from mutmut.mutation.data import SourceFileMutationData
     from mutmut.mutation.diff_apply import get_diff_for_mutant
     from mutmut.stats import status_by_exit_code
@@ -142,40 +280,37 @@ def report() -> tuple[dict, list[dict]]:
         data = SourceFileMutationData(path=path)
         data.load()
         counts = Counter(status_by_exit_code[code] for code in data.exit_code_by_key.values())
-        equivalent = cuda_only = 0
+        old = previous.get("files", {}).get(str(path))
+        if counts and counts["not checked"] == sum(counts.values()) and old and not old["not_checked"]:
+            # no result in mutants/ (mutmut reset them): keep the last full measurement of the file
+            entries = [judge(e["mutant"], e["status"], e["mutated_line"]) for e in previous.get("survivors", [])
+                       if e["mutant"].startswith(path.with_suffix("").as_posix().replace("/", ".") + ".")]
+            old_counts = Counter({"killed": old["killed"], "timeout": old["timeout"], "survived": old["survived"],
+                                  "no tests": old["no_tests"]})
+            old_counts["other"] = old["other"]
+            files[str(path)] = file_row(old_counts, entries, old.get("measured", previous.get("date")))
+            survivors += entries
+            continue
+        entries = []
         for mutant, code in sorted(data.exit_code_by_key.items()):
             status = status_by_exit_code[code]
             if status in ("killed", "timeout", "not checked"):
                 continue
-            line = mutated_line(get_diff_for_mutant(mutant, path=path))
-            key = (function_of(mutant), line)
-            entry = {"mutant": mutant, "status": status, "mutated_line": line}
-            if status == "survived" and key in EQUIVALENT:
-                equivalent += 1
-                entry["equivalent"] = EQUIVALENT[key]
-            elif status == "survived" and key in CUDA_ONLY:
-                cuda_only += 1
-                entry["cuda_only"] = True
-            else:
-                entry["unexplained"] = True
-            survivors.append(entry)
-        total = sum(counts.values())
-        detected = counts["killed"] + counts["timeout"]
-        undecidable = equivalent + cuda_only
-        files[str(path)] = {
-            "total": total, "killed": counts["killed"], "timeout": counts["timeout"],
-            "survived": counts["survived"], "no_tests": counts["no tests"],
-            "not_checked": counts["not checked"], "other": total - sum(counts[s] for s in (
-                "killed", "timeout", "survived", "no tests", "not checked")),
-            "equivalent": equivalent, "cuda_only": cuda_only,
-            "score": round(detected / (total - undecidable), 4) if total > undecidable else None,
-        }
+            entries.append(judge(mutant, status, mutated_line(get_diff_for_mutant(mutant, path=path))))
+        row = file_row(counts, entries, date)
+        same = old and all(old[k] == row[k] for k in ("total", "killed", "timeout", "survived", "no_tests", "not_checked"))
+        if same and ran is not None and str(path) not in ran:
+            row["measured"] = old.get("measured", previous.get("date"))
+        files[str(path)] = row
+        survivors += entries
     return files, survivors
 
 
 def group_scores(files: dict) -> dict:
     groups = {"fp4kit/formats/": lambda p: p.startswith("fp4kit/formats/"),
               "fp4kit/export/modelopt.py": lambda p: p == "fp4kit/export/modelopt.py",
+              "fp4kit/export/conformance.py": lambda p: p == "fp4kit/export/conformance.py",
+              "fp4kit/verify.py": lambda p: p == "fp4kit/verify.py",
               "all": lambda p: True}
     out = {}
     for name, member in groups.items():
@@ -185,50 +320,121 @@ def group_scores(files: dict) -> dict:
         equivalent = sum(r["equivalent"] for r in rows)
         cuda_only = sum(r["cuda_only"] for r in rows)
         left = total - equivalent - cuda_only
+        unchecked = sum(r["not_checked"] for r in rows)
         out[name] = {"total": total, "detected": detected, "equivalent": equivalent, "cuda_only": cuda_only,
+                     "not_checked": unchecked,
                      "score": round(detected / left, 4) if left else None,
+                     "score_checked": round(detected / (left - unchecked), 4) if left > unchecked else None,
                      "raw_score": round(detected / total, 4) if total else None}
     return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def markdown_tables(out: dict) -> dict[str, str]:
+    """The score, equivalent and CUDA-only tables of docs/mutation.md, from mutation.json."""
+    score = ["| file | mutants | killed | timeout | survived | equivalent | CUDA-only | not checked "
+             "| score | of those checked | raw score | measured |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for path, r in out["files"].items():
+        if not r["total"]:
+            continue
+        raw = (r["killed"] + r["timeout"]) / r["total"]
+        score.append(f"| `{path}` | {r['total']} | {r['killed']} | {r['timeout']} | {r['survived']} | {r['equivalent']} "
+                     f"| {r['cuda_only']} | {r['not_checked']} | {_pct(r['score'])} | {_pct(r['score_checked'])} | {_pct(raw)} "
+                     f"| {r['measured']} |")
+    score += ["", "| group | mutants | detected | equivalent | CUDA-only | not checked | score | of those checked "
+              "| raw score |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, g in out["groups"].items():
+        label = "all four" if name == "all" else f"`{name}`"
+        score.append(f"| {label} | {g['total']} | {g['detected']} | {g['equivalent']} | {g['cuda_only']} "
+                     f"| {g['not_checked']} | **{_pct(g['score'])}** | {_pct(g['score_checked'])} | {_pct(g['raw_score'])} |")
+
+    def where(mutant: str) -> str:
+        return f"`{function_of(mutant).removeprefix('fp4kit.')}`"
+
+    def code(line: str) -> str:
+        return "`" + line.replace("|", "\\|").replace("`", "'") + "`"
+
+    equivalent = ["| where | mutated line | why it is equivalent |", "|---|---|---|"]
+    equivalent += [f"| {where(s['mutant'])} | {code(s['mutated_line'])} | {s['equivalent']} |"
+                   for s in out["survivors"] if "equivalent" in s]
+    cuda = ["| where | mutated line |", "|---|---|"]
+    cuda += [f"| {where(s['mutant'])} | {code(s['mutated_line'])} |" for s in out["survivors"] if "cuda_only" in s]
+    return {"score": "\n".join(score), "equivalent": "\n".join(equivalent), "cuda": "\n".join(cuda)}
+
+
+def write_docs(out: dict, doc: Path) -> None:
+    """Replace the text between `<!-- mutation:NAME -->` and `<!-- /mutation:NAME -->` in `doc`."""
+    text = doc.read_text()
+    for name, table in markdown_tables(out).items():
+        begin, end = f"<!-- mutation:{name} -->", f"<!-- /mutation:{name} -->"
+        if begin not in text or end not in text:
+            raise SystemExit(f"{doc} lacks the markers {begin} ... {end}")
+        head, rest = text.split(begin, 1)
+        text = head + begin + "\n" + table + "\n" + end + rest.split(end, 1)[1]
+    doc.write_text(text)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="*", help="files whose mutants to retest (default: a full run from scratch)")
     p.add_argument("--report-only", action="store_true", help="run nothing; read mutants/")
+    p.add_argument("--resume", action="store_true", help="test the mutants an interrupted run left unchecked")
+    p.add_argument("--survivors", action="store_true",
+                   help="retest only the surviving mutants of the files given (of every file if none)")
+    p.add_argument("--docs", type=Path, default=REPO / "docs" / "mutation.md",
+                   help="the document whose score and survivor tables to rewrite")
     p.add_argument("--max-children", type=int, default=2)
     p.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results" / "mutation.json")
     args = p.parse_args()
     os.chdir(REPO)
 
-    wall = None
+    wall = restarts = None
     if not args.report_only:
-        if args.paths:
+        if args.survivors:
+            globs = survivors_of(args.paths or [str(p) for p in mutated_files()])
+            if not globs:
+                raise SystemExit("no surviving mutants to retest")
+        elif args.paths:
             globs = [Path(x).with_suffix("").as_posix().replace("/", ".") + ".*" for x in args.paths]
+        elif args.resume:
+            globs = []
         else:
             shutil.rmtree(REPO / "mutants", ignore_errors=True)
             globs = []
         t0 = time.perf_counter()
-        run_mutmut(globs, args.max_children)
+        restarts = run_mutmut(globs, args.max_children)
         wall = round(time.perf_counter() - t0, 1)
 
-    files, survivors = report()
+    previous = json.loads(args.results.read_text()) if args.results.is_file() else {}
     record = run_record()
+    ran = None if args.report_only or not (args.paths or args.survivors) else (
+        {str(p) for p in mutated_files()} if not args.paths else {Path(x).as_posix() for x in args.paths})
+    if args.report_only:
+        ran = set()
+    files, survivors = report(previous, record["date"], ran)
     record["versions"]["mutmut"] = importlib.metadata.version("mutmut")
     out = {
         **record,
         "mutmut_config": "pyproject.toml [tool.mutmut]",
         "machine": f"{os.cpu_count()} CPU cores, --max-children {args.max_children}",
         "wall_s": wall,
-        "score": "(killed + timeout) / (total - equivalent - cuda_only); raw_score: (killed + timeout) / total",
+        "restarts": restarts,
+        "score": ("(killed + timeout) / (total - equivalent - cuda_only); score_checked: the same without the "
+                  "mutants not checked yet; raw_score: (killed + timeout) / total"),
         "groups": group_scores(files),
         "files": files,
         "survivors": survivors,
     }
     args.results.write_text(json.dumps(out, indent=2, ensure_ascii=False) + "\n")
+    write_docs(out, args.docs)
     unexplained = [s["mutant"] for s in survivors if s.get("unexplained")]
     for name, g in out["groups"].items():
         print(f"{name}: {g['detected']} of {g['total']} detected, {g['equivalent']} equivalent, "
-              f"{g['cuda_only']} CUDA-only: score {g['score']}, raw {g['raw_score']}")
+              f"{g['cuda_only']} CUDA-only, {g['not_checked']} not checked: score {g['score']}, "
+              f"of those checked {g['score_checked']}, raw {g['raw_score']}")
     if unexplained:
         print(f"{len(unexplained)} surviving mutants are not named in EQUIVALENT:")
         print("\n".join(f"  {m}" for m in unexplained))

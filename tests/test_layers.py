@@ -13,7 +13,8 @@ Layers, lowest first (a module may import its own layer and the ones below it):
                               package root (__version__, lazy re-exports of load_quantized
                               and generate); decoding from static buffers (decode)
     4 quantize                the pipeline: load -> calibrate -> quantize -> export
-    5 verify, evaluate        judging a checkpoint: re-derived bytes, quality
+    5 verify, evaluate,       judging a checkpoint: re-derived bytes, quality; what the
+      ssm_eval                fp16 SSM-state cache costs in accuracy
     6 cli                     the command line
 
 Every import counts: module level and inside functions, `import x` and `from . import x`.
@@ -34,7 +35,7 @@ LAYERS = (
     ("models", "recipe", "calibrate", "calibration", "modules", "plan", "export.checkpoint"),
     ("export", "", "decode"),
     ("quantize",),
-    ("verify", "evaluate"),
+    ("verify", "evaluate", "ssm_eval"),
     ("cli",),
 )
 

@@ -285,7 +285,10 @@ def test_ctrl_c_mid_calibration_names_the_snapshot_and_the_resume_command(model_
     args = ["quantize", "--model", str(model_dir), "-o", str(tmp_path / "out"), "--calib", "64x128", "--checkpoint-every", "2",
             "--no-progress"]
     state = q.calib_state_dir(tmp_path / "out") / "state.json"
-    proc = subprocess.Popen([sys.executable, "-m", "fp4kit.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell's background job starts with SIGINT ignored, and Python then installs no handler of
+    # its own: the child gets the default disposition, as a command typed at a terminal has.
+    proc = subprocess.Popen([sys.executable, "-m", "fp4kit.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not state.exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.01)
