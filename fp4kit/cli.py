@@ -340,6 +340,22 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _quiet_kernel_fallbacks(cmd):
+    """Runs a command that executes a model with transformers' "`x` is falling back to its reference
+    PyTorch implementation" warnings kept out of its output: they name CUDA packages (mamba-ssm,
+    causal-conv1d) that change nothing about the results."""
+
+    def run(args: argparse.Namespace) -> int:
+        from .quantize import _KernelFallbacks
+
+        with _KernelFallbacks():
+            return cmd(args)
+
+    run.__name__ = cmd.__name__
+    run.__doc__ = cmd.__doc__
+    return run
+
+
 def _cmd_eval_ssm_state(args: argparse.Namespace) -> int:
     from . import ssm_eval
     from .evaluate import EMBEDDED_MODEL, check_inputs, provenance, token_rows
@@ -395,6 +411,7 @@ def _cmd_eval_ssm_state(args: argparse.Namespace) -> int:
     return 0
 
 
+@_quiet_kernel_fallbacks
 def _cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate import check_inputs, compare_recipes, evaluate, layers_markdown, quality_markdown
 
@@ -471,6 +488,7 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+@_quiet_kernel_fallbacks
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .export.checkpoint import read_quant_configs
     from .quantize import check_model_folder
