@@ -21,10 +21,62 @@ from torch import nn
 from .models.roles import AttentionKV, Target
 
 
+# -- exact sums ----------------------------------------------------------------------------------
+# A sum of fp32 values held exactly, as an integer count of 2^-149 (the smallest fp32 subnormal)
+# split over LIMBS int64 words of 32 bits each plus carry room: integer addition is associative,
+# so the sum does not depend on the order of the values or on how they were split between
+# processes, and ranks reduce it with a plain integer all_reduce.
+LIMB_BITS = 32
+LIMBS = 9  # 2^-149 .. 2^128: 277 bits, one limb above for the carry of the top value
+_LIMB_MASK = (1 << LIMB_BITS) - 1
+# The top limb of a sum that met an Inf or NaN; real values add less than 2^23 to it per call.
+_POISON = 1 << 56
+
+
+def exact_zeros(shape, device=None) -> torch.Tensor:
+    return torch.zeros(*shape, LIMBS, dtype=torch.int64, device=device)
+
+
+def exact_add(limbs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """limbs [..., LIMBS] += the fp32 `value` [...] exactly (in place; returns limbs). Each call
+    adds less than 2^32 to a limb, so 2^31 calls never overflow one. An Inf or NaN makes its sum
+    NaN."""
+    bits = value.detach().float().contiguous().view(torch.int32).to(torch.int64)
+    exp = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    m = torch.where(exp > 0, mant | 0x800000, mant)
+    pos = (exp - 1).clamp(min=0)  # value = m * 2^(pos - 149)
+    m = torch.where(bits < 0, -m, m)
+    idx = (pos // LIMB_BITS).unsqueeze(-1)
+    wide = m << (pos % LIMB_BITS)  # |wide| < 2^55
+    limbs.scatter_add_(-1, idx, (wide & _LIMB_MASK).unsqueeze(-1))
+    limbs.scatter_add_(-1, idx + 1, (wide >> LIMB_BITS).unsqueeze(-1))
+    # Inf or NaN: the sum becomes NaN (checked where it is read, not here: no host sync)
+    limbs[..., LIMBS - 1].masked_fill_(exp == 0xFF, _POISON)
+    return limbs
+
+
+def exact_value(limbs: torch.Tensor) -> torch.Tensor:
+    """The exact sum held in limbs [..., LIMBS] as float32: summed in float64 from the top limb
+    down, then rounded to float32 (within one float32 rounding of the exact sum). The limbs are
+    first brought to their one normal form, so the result is a function of the sum alone, whatever
+    the order and the processes it was added in."""
+    carry = torch.zeros_like(limbs[..., 0])
+    words = []
+    for j in range(LIMBS):  # normalise: every limb but the top one in [0, 2^32)
+        w = limbs[..., j] + carry
+        carry = w >> LIMB_BITS
+        words.append(w & _LIMB_MASK if j < LIMBS - 1 else w)
+    total = torch.zeros(limbs.shape[:-1], dtype=torch.float64, device=limbs.device)
+    for j in reversed(range(LIMBS)):
+        total = total + torch.ldexp(words[j].double(), torch.tensor(LIMB_BITS * j - 149, dtype=torch.float64, device=limbs.device))
+    return torch.where(words[LIMBS - 1].abs() >= _POISON // 2, torch.nan, total).float()
+
+
 @dataclass
 class Statistics:
     input_amax: dict[str, torch.Tensor] = field(default_factory=dict)
-    sq_sum: dict[str, torch.Tensor] = field(default_factory=dict)
+    sq_sum: dict[str, torch.Tensor] = field(default_factory=dict)  # exact sums: [..., LIMBS] int64 (exact_add)
     sq_count: dict[str, torch.Tensor] = field(default_factory=dict)
     kv_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     expert_tokens: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -35,7 +87,11 @@ class Statistics:
         if key not in self.sq_sum:
             return None
         count = self.sq_count[key].clamp(min=1).unsqueeze(-1)
-        return self.sq_sum[key] / count
+        return self.square_sum(key) / count
+
+    def square_sum(self, key: str) -> torch.Tensor:
+        """The per-channel sum of x^2 of `key` as float32."""
+        return exact_value(self.sq_sum[key])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat tensor dict (safetensors-friendly) for checkpointing a calibration run."""
@@ -63,7 +119,8 @@ class Statistics:
             if kind == "input_amax":
                 s.input_amax[key] = v
             elif kind == "sq_sum":
-                s.sq_sum[key] = v
+                # a snapshot of an earlier release holds the float32 sum itself
+                s.sq_sum[key] = v if v.dtype == torch.int64 else exact_add(exact_zeros(v.shape, v.device), v)
             elif kind == "sq_count":
                 s.sq_count[key] = v
             elif kind in ("kv_k", "kv_v"):
@@ -85,6 +142,12 @@ def _amax_update(store: dict, key: str, value: torch.Tensor) -> None:
 
 def _add(store: dict, key: str, value: torch.Tensor) -> None:
     store[key] = value if key not in store else store[key] + value
+
+
+def _add_exact(store: dict, key: str, value: torch.Tensor) -> None:
+    if key not in store:
+        store[key] = exact_zeros(value.shape, value.device)
+    exact_add(store[key], value)
 
 
 @dataclass
@@ -132,7 +195,7 @@ class Observers:
                 _amax_update(stats.input_amax, key, x.abs().amax())
             if want_sq:
                 flat = x.reshape(-1, x.shape[-1]).float()
-                _add(stats.sq_sum, key, (flat * flat).sum(0))
+                _add_exact(stats.sq_sum, key, (flat * flat).sum(0))
                 _add(stats.sq_count, key, torch.tensor(flat.shape[0], dtype=torch.float64, device=flat.device))
 
         return hook
@@ -162,7 +225,7 @@ class Observers:
                 routing = torch.zeros(num_experts, x.shape[0], device=x.device)
                 routing.index_put_((ids, token), torch.ones_like(ids, dtype=routing.dtype), accumulate=True)
                 xf = x.float()
-                _add(stats.sq_sum, watch.key_up, routing @ (xf * xf))
+                _add_exact(stats.sq_sum, watch.key_up, routing @ (xf * xf))
                 _add(stats.sq_count, watch.key_up, routing.sum(-1).double())
 
         return hook
@@ -191,7 +254,7 @@ class Observers:
             if watch.down_sq:
                 yf = y.float()
                 sq = torch.zeros(num_experts, y.shape[1], device=y.device).index_add_(0, eid, yf * yf)
-                _add(stats.sq_sum, watch.key_down, sq)
+                _add_exact(stats.sq_sum, watch.key_down, sq)
                 _add(stats.sq_count, watch.key_down, torch.bincount(eid, minlength=num_experts).double())
 
         return hook

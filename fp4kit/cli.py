@@ -145,7 +145,44 @@ def _add_quantize(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue a killed run's calibration from its last snapshot")
     p.add_argument("--checkpoint-every", type=int, default=job.checkpoint_every, metavar="N",
                    help="snapshot calibration statistics every N batches (for --resume)")
+    p.add_argument("--gpus", type=int, metavar="N",
+                   help="calibrate data-parallel on N GPUs of this machine (runs the same command under torchrun "
+                        "with N ranks; the checkpoint is byte-identical to one GPU's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _without_gpus(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--gpus":
+            skip = True
+        elif not a.startswith("--gpus="):
+            out.append(a)
+    return out
+
+
+def _launch_ranks(args: argparse.Namespace, job) -> int:
+    """`--gpus N`: the same command under torchrun, one rank per GPU."""
+    import subprocess
+
+    if os.environ.get("WORLD_SIZE"):
+        return _err("--gpus starts torchrun itself; under torchrun, leave it out (the ranks come from torchrun)", 2)
+    if args.gpus < 1:
+        return _err(f"--gpus must be at least 1, got {args.gpus}", 2)
+    if args.gpus == 1:
+        return -1  # one GPU: run here
+    if job.device != "cuda":
+        return _err(f"--gpus {args.gpus} runs one rank per GPU with --device cuda, got --device {job.device}", 2)
+    import torch
+
+    have = torch.cuda.device_count()
+    if have < args.gpus:
+        return _err(f"--gpus {args.gpus}: this machine has {have} CUDA device(s)", 2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
+           "-m", "fp4kit.cli", *_without_gpus(args.argv)]
+    return subprocess.call(cmd)
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
@@ -159,15 +196,26 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         progress=not args.no_progress, resume=args.resume, checkpoint_every=args.checkpoint_every,
         arith=args.arith,
     )
+    launch = args.gpus is not None and not os.environ.get("WORLD_SIZE")
     try:
-        checked = validate_job(job)
+        checked = validate_job(job, ranks=args.gpus if launch and args.gpus > 1 else None)
     except (ValueError, OSError, NetworkError) as exc:  # refused before loading: an unreachable hub too
         return _err(str(exc), 2)
+    if args.gpus is not None:
+        code = _launch_ranks(args, job)
+        if code >= 0:
+            return code
     args.job, args.checked = job, checked  # what main's Ctrl-C message reports on
+    from . import parallel
+
     try:
         qm, path = run(job, log=lambda m: print(m, file=sys.stderr), checked=checked)
     except (ValueError, FileNotFoundError, FileExistsError) as exc:
         return _err(str(exc), 1)
+    finally:
+        parallel.finish()
+    if qm is None:  # a rank other than 0: rank 0 reports
+        return 0
     print(summary_table(role_rows(qm)))
     print("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in qm.timings.items()))
     for w in qm.warnings:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import parallel
 from .calibrate import Observers, Statistics, fitting_batch, measured_forward
 from .formats import FormatError, fp8, nvfp4
 from .formats.arith import DEFAULT_ARITH, check_mode, div_const
@@ -32,8 +33,9 @@ class CalibState:
 
     The snapshot holds the statistics after the first `done` samples and a fingerprint of
     everything that decides them (model, recipe, calibration spec, source, seed, batch size); a
-    resumed run with a different fingerprint is refused. Statistics are maxima, counts and fp32
-    sums accumulated in sample order, so resuming gives the same bytes as an uninterrupted run.
+    resumed run with a different fingerprint is refused. Statistics are maxima, counts and exact
+    sums, so resuming gives the same bytes as an uninterrupted run. A data-parallel run keeps one
+    snapshot per rank (`for_rank`).
     """
 
     def __init__(self, folder: Path, fingerprint: dict, every: int = 8) -> None:
@@ -76,7 +78,28 @@ class CalibState:
             return None
         return Statistics.from_state_dict(load_file(str(self.folder / "stats.safetensors"))), done
 
-    def save(self, stats: Statistics, done: int) -> None:
+    def for_rank(self, rank: int, world: int) -> "CalibState":
+        """The snapshot of one rank of a data-parallel run: a folder of its own, and the number of
+        ranks in the fingerprint (a resumed run must have as many)."""
+        return CalibState(self.folder / f"rank-{rank}-of-{world}", {**self.fingerprint, "ranks": world}, self.every)
+
+    def rank_counts(self) -> set[int]:
+        """The numbers of ranks of the data-parallel runs whose snapshots the folder holds."""
+        import re
+
+        found = set()
+        for sub in self.folder.glob("rank-*-of-*"):
+            m = re.fullmatch(r"rank-(\d+)-of-(\d+)", sub.name)
+            if m and (sub / "state.json").is_file():
+                found.add(int(m[2]))
+        return found
+
+    def batch_size(self) -> int | None:
+        """The batch size the snapshot's run calibrated with (data-parallel runs record it)."""
+        saved = self.read(self.folder)
+        return None if saved is None or saved.get("batch_size") is None else int(saved["batch_size"])
+
+    def save(self, stats: Statistics, done: int, batch_size: int | None = None) -> None:
         import json
         import os
 
@@ -87,13 +110,64 @@ class CalibState:
         save_file(stats.state_dict(), str(tmp))
         os.replace(tmp, self.folder / "stats.safetensors")
         meta_tmp = self.folder / "state.json.tmp"
-        meta_tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "done": done}))
+        meta = {"fingerprint": self.fingerprint, "done": done}
+        if batch_size is not None:
+            meta["batch_size"] = batch_size
+        meta_tmp.write_text(json.dumps(meta))
         os.replace(meta_tmp, self.folder / "state.json")
 
     def clear(self) -> None:
         import shutil
 
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _forward_shard(model: nn.Module, samples: torch.Tensor, batch_size: int | str, progress: bool, stats: Statistics,
+                   start: int, state: CalibState | None, rank: int, world: int) -> int:
+    """This rank's share of the calibration forward (`parallel`): the batches one process would run,
+    batch k on rank k mod world; `start` is how many samples of its share this rank has done (a
+    resumed run). Returns the batch size."""
+    device = next(model.parameters()).device
+    n, seq = samples.shape
+    auto = batch_size == AUTO_BATCH
+    first_alone = auto and device.type == "cuda"
+    saved = state.batch_size() if state is not None and start else None
+    measured = False
+    if first_alone:  # rank 0 measures on sample 0, as one process does, and tells the others
+        size = saved or 0
+        if rank == 0 and not start:
+            batch = samples[0:1].to(device)
+            with torch.inference_mode():
+                added, free = measured_forward(model, batch)
+            size, measured = fitting_batch(added, free, n - 1), True
+            if progress:
+                tqdm.write(f"batch size auto: {size} (one sample adds {added / 2**30:.2f} GiB at its peak; {free / 2**30:.1f} GiB free)")
+        size = parallel.broadcast_int(size, device)
+        if saved is not None and saved != size:
+            raise ValueError(f"--resume: rank {rank}'s calibration snapshot was made with batch size {saved}, this run's is {size}; "
+                             "remove the snapshot or give --batch-size")
+    else:
+        size = 1 if auto else batch_size
+    mine = parallel.shard(parallel.batch_layout(n, size, first_alone), rank, world)
+    total = sum(b - a for a, b in mine)
+    bar = tqdm(total=total * seq, initial=start * seq, desc=f"calibrate ({n} x {seq}, rank {rank} of {world})",
+               unit="tok", unit_scale=True, disable=not progress)
+    done = batches = 0
+    with torch.inference_mode():
+        for a, b in mine:
+            if done + (b - a) <= start:  # in the snapshot this run resumed from
+                done += b - a
+                batches += 1
+                continue
+            if not (measured and (a, b) == (0, 1)):  # else the measuring forward was this batch
+                model(input_ids=samples[a:b].to(device), use_cache=False, logits_to_keep=1)
+            done += b - a
+            batches += 1
+            bar.update((b - a) * seq)
+            if state is not None and (batches % state.every == 0 or done == total):
+                state.save(stats, done, batch_size=size)
+    bar.close()
+    return size
 
 
 def _forward_samples(model: nn.Module, samples: torch.Tensor, batch_size: int | str, progress: bool, stats: Statistics,
@@ -408,9 +482,14 @@ def quantize(
     progress: bool = True,
     state: CalibState | None = None,
     arith: str = DEFAULT_ARITH,
-) -> QuantizedModel:
-    """Calibrate `model` on `samples` ([N, L] token ids) and quantize it under `recipe`."""
+) -> QuantizedModel | None:
+    """Calibrate `model` on `samples` ([N, L] token ids) and quantize it under `recipe`.
+
+    In a torch.distributed process group (`parallel`) every rank runs its share of the calibration
+    batches and receives the reduced statistics; rank 0 quantizes and returns the model, the other
+    ranks return None."""
     adapter = adapter_for(model)
+    rank, world = parallel.rank_world()
     device = next(model.parameters()).device
     if backend is None:
         backend = "triton" if device.type == "cuda" else "torch"
@@ -423,12 +502,14 @@ def quantize(
     moe = {p.target.name: p.target.module for p in plan if p.target.role == Role.ROUTED_EXPERTS}
     timings: dict[str, float] = {}
     nvfp4_plan = [p for p in plan if p.rule is not None and p.rule.format.startswith("nvfp4")]
-    warm_up = _KernelWarmUp(nvfp4_plan, arith) if backend == "triton" and nvfp4_plan else None
+    warm_up = _KernelWarmUp(nvfp4_plan, arith) if backend == "triton" and nvfp4_plan and rank == 0 else None
     if warm_up is not None:
         warm_up.start()
 
     t0 = time.perf_counter()
     stats, start = Statistics(), 0
+    if state is not None and world > 1:
+        state = state.for_rank(rank, world)
     if state is not None:
         resumed = state.load()
         if resumed is not None:
@@ -437,11 +518,18 @@ def quantize(
     needs_data = bool(need_amax or need_sq or kv_layers)
     if samples is not None and samples.numel():
         with Observers(model, amax_targets=need_amax, importance_targets=need_sq, kv_layers=kv_layers, moe_experts=moe, stats=stats):
-            _forward_samples(model, samples, batch_size, progress, stats, start, state)
+            if world > 1:
+                _forward_shard(model, samples, batch_size, progress and rank == 0, stats, start, state, rank, world)
+            else:
+                _forward_samples(model, samples, batch_size, progress, stats, start, state)
+        if world > 1:
+            stats = parallel.reduce_statistics(stats, device)
         stats.expert_tokens = {k: v.cpu() for k, v in stats.expert_tokens.items()}
     elif needs_data:
         raise ValueError(f"recipe {recipe.name!r} needs calibration statistics, but no calibration samples were given")
     timings["calibrate"] = time.perf_counter() - t0
+    if rank != 0:
+        return None
 
     if warm_up is not None:
         t0 = time.perf_counter()
@@ -507,7 +595,7 @@ class NetworkError(RuntimeError):
     """The hub could not be reached to look up a model id."""
 
 
-def validate_job(job: QuantizeJob):
+def validate_job(job: QuantizeJob, ranks: int | None = None):
     """Every input checked before any weight is read, cheapest first: recipe, calibration spec,
     options, device, model folder (config, architecture, weight files and their headers), output
     (a folder or absent, writable, free disk), a snapshot for --resume, calibration source (there,
@@ -552,8 +640,24 @@ def validate_job(job: QuantizeJob):
         output = Path(job.output).expanduser()
     check_output(output, job.overwrite, model_dir)
     if job.resume:
-        done = CalibState(calib_state_dir(output), job_fingerprint(job, recipe, spec, model_ref)).saved_samples()
-        if done is None:
+        state = CalibState(calib_state_dir(output), job_fingerprint(job, recipe, spec, model_ref))
+        rank, world, _ = parallel.env_world()
+        if ranks is not None:  # `--gpus N` checks before it starts the ranks
+            rank, world = 0, ranks
+        worlds = state.rank_counts()
+        held = " and ".join(f"{w}-rank" for w in sorted(worlds))
+        if world > 1:
+            if world not in worlds:
+                raise FileNotFoundError(
+                    f"--resume: no calibration snapshot of a {world}-rank run in {state.folder}"
+                    + (f" (it holds {held} snapshots); resume with as many ranks as the killed run had" if held else "")
+                    + ", or run without --resume"
+                )
+            state.for_rank(rank, world).saved_samples()  # its settings; a rank that saved nothing yet starts afresh
+        elif state.saved_samples() is None:
+            if held:
+                raise FileNotFoundError(f"--resume: {state.folder} holds {held} snapshots; resume under torchrun with as "
+                                        "many ranks as the killed run had, or run without --resume")
             raise FileNotFoundError(
                 f"--resume: there is no calibration snapshot for {output} ({calib_state_dir(output)} does not exist); "
                 "check -o, or run without --resume to start afresh"
@@ -867,15 +971,23 @@ def load_model(model_ref: str, *, device: str, trust_remote_code: bool = False, 
     return model.eval(), tok
 
 
-def run(job: QuantizeJob, log=print, checked: tuple | None = None) -> tuple[QuantizedModel, Path]:
-    """validate_job (or its result, `checked`), then load -> calibrate -> quantize -> export."""
+def run(job: QuantizeJob, log=print, checked: tuple | None = None) -> tuple[QuantizedModel | None, Path]:
+    """validate_job (or its result, `checked`), then load -> calibrate -> quantize -> export.
+    Under torchrun with 2+ ranks: data-parallel calibration (`parallel`); rank 0 exports and
+    returns the model, the other ranks (None, output)."""
     from .calibration import build_calibration_set
     from .export.modelopt import export_checkpoint
 
     recipe, spec, model_ref, output = checked if checked is not None else validate_job(job)
+    device = parallel.init(job.device)  # under torchrun: this rank's device, in the process group
+    rank, world = parallel.rank_world()
+    progress = job.progress and rank == 0
+    if rank != 0:
+        log = lambda message: None  # noqa: E731  (rank 0 speaks for the run)
     state = CalibState(calib_state_dir(output), job_fingerprint(job, recipe, spec, model_ref), job.checkpoint_every)
-    if not job.resume:
+    if not job.resume and rank == 0:
         state.clear()  # a snapshot left by an earlier run is not this run's to continue
+    parallel.barrier()
     timings = {}
     t0 = time.perf_counter()
     import transformers  # noqa: F401  (its import is a stage of its own, not part of loading the weights)
@@ -884,19 +996,21 @@ def run(job: QuantizeJob, log=print, checked: tuple | None = None) -> tuple[Quan
     timings["import"] = time.perf_counter() - t0
     with _KernelFallbacks() as fallbacks:
         t0 = time.perf_counter()
-        log(f"loading {model_ref} on {job.device}")
-        model, tokenizer = load_model(model_ref, device=job.device, trust_remote_code=job.trust_remote_code,
-                                      allow_pickle=job.allow_pickle, progress=job.progress)
+        log(f"loading {model_ref} on {job.device}" + (f" in each of {world} ranks" if world > 1 else ""))
+        model, tokenizer = load_model(model_ref, device=device, trust_remote_code=job.trust_remote_code,
+                                      allow_pickle=job.allow_pickle, progress=progress)
         timings["load"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         samples = build_calibration_set(
-            tokenizer, spec, job.dataset, seed=job.seed, allow_repeat=job.allow_repeat, progress=job.progress
+            tokenizer, spec, job.dataset, seed=job.seed, allow_repeat=job.allow_repeat, progress=progress
         )
         timings["calibration set"] = time.perf_counter() - t0
 
-        qm = quantize(model, recipe, samples, backend=job.backend, batch_size=job.batch_size, progress=job.progress, state=state,
+        qm = quantize(model, recipe, samples, backend=job.backend, batch_size=job.batch_size, progress=progress, state=state,
                       arith=job.arith)
+    if qm is None:  # another rank of a data-parallel run: rank 0 quantizes and exports
+        return None, output
     # The fallbacks cost time on a GPU only; on the CPU there is nothing faster to install.
     if job.progress and next(model.parameters()).device.type == "cuda" and fallbacks.note():
         log(fallbacks.note())

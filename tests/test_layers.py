@@ -5,9 +5,10 @@ Layers, lowest first (a module may import its own layer and the ones below it):
     0 formats                 the number formats, bit for bit: the contract
     1 kernels                 Triton kernels checked against formats
     2 models, recipe,         what a model is made of, what a recipe asks for, calibration
-      calibrate, calibration, statistics and text, the runtime nn.Modules, the plan (which
-      modules, plan,          module gets which rule), and the checkpoint's vocabulary and
-      export.checkpoint       reader (which the modules' errors and names come from)
+      calibrate, calibration, statistics and text (and their reduction over data-parallel
+      parallel, modules,      ranks), the runtime nn.Modules, the plan (which module gets
+      plan, export.checkpoint which rule), and the checkpoint's vocabulary and reader (which
+                              the modules' errors and names come from)
     3 export.*, fp4kit,       writing a checkpoint (writer, card, modelopt), loading it
       decode                  (load), checking it (conformance), uploading it (push); the
                               package root (__version__, lazy re-exports of load_quantized
@@ -32,7 +33,7 @@ PACKAGES = (("fp4kit", ROOT / "fp4kit"), ("fp4kit.calibration", ROOT / "calibrat
 LAYERS = (
     ("formats",),
     ("kernels",),
-    ("models", "recipe", "calibrate", "calibration", "modules", "plan", "export.checkpoint"),
+    ("models", "recipe", "calibrate", "calibration", "parallel", "modules", "plan", "export.checkpoint"),
     ("export", "", "decode"),
     ("quantize",),
     ("verify", "evaluate", "ssm_eval"),
