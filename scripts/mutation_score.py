@@ -59,7 +59,59 @@ NO_TOKENIZER = "load_model loads a tokenizer only for a true `tokenizer`: None a
 NO_BIAS = "ModelOpt calibrates the weight quantizer from the weight alone (no forward pass): a bias is never read"
 ONLY_WEIGHT_QUANTIZER = ("the weight scale comes from the weight quantizer alone, which the next entry configures; "
                          "the input and output quantizers, enabled or not, see no data without a forward pass")
+SUB_ONLY = "the clamp only keeps the shift of lanes that do not use `sub` (e >= 113 or e < 90) in range"
+E_113 = ("at e = 113 both formulas give 2^23 | mantissa: (mag & 0x7FFFFF | 2^23) >> 0 equals mag - (112 << 23)")
+ARANGE_INT64 = "torch.arange of Python integers is int64"
+ONE_D = "the tensor has one dimension before it (two for `words`): dimension +1 is dimension -1"
+PHILOX_MOVES_KEY = "philox4x32 moves the key to the counter's device"
+BITS_MOVED = "round_stochastic moves the random bits to x's device: the same bits, drawn on the CPU"
+KEEPS_DEVICE = "torch.as_tensor(t, device=None) keeps a tensor where it is, and a list has no device to keep"
 EQUIVALENT = {
+    # fp16sr.round_stochastic: `sub` is used only for 90 <= e <= 112, where 113 - e is 1..23
+    ("fp4kit.formats.fp16sr.round_stochastic", "shift = (113 - e).clamp(min=None, max=31)"): SUB_ONLY,
+    ("fp4kit.formats.fp16sr.round_stochastic", "shift = (113 - e).clamp(min=0, max=None)"): SUB_ONLY,
+    ("fp4kit.formats.fp16sr.round_stochastic", "shift = (113 - e).clamp(max=31)"): SUB_ONLY,
+    ("fp4kit.formats.fp16sr.round_stochastic", "shift = (113 - e).clamp(min=0, )"): SUB_ONLY,
+    ("fp4kit.formats.fp16sr.round_stochastic", "shift = (113 - e).clamp(min=1, max=31)"): SUB_ONLY,
+    ("fp4kit.formats.fp16sr.round_stochastic", "shift = (113 - e).clamp(min=0, max=32)"): SUB_ONLY,
+    ("fp4kit.formats.fp16sr.round_stochastic", "sub = ((mag & 0x7FFFFF) | 8388609) >> shift"):
+        "the extra bit 0 is shifted out: `sub` is used only with a shift of 1..23",
+    ("fp4kit.formats.fp16sr.round_stochastic", "s = torch.where(e > 113, normal, torch.where(e >= 90, sub, torch.zeros_like(mag)))"):
+        E_113,
+    ("fp4kit.formats.fp16sr.round_stochastic", "s = torch.where(e >= 114, normal, torch.where(e >= 90, sub, torch.zeros_like(mag)))"):
+        E_113,
+    ("fp4kit.formats.fp16sr.round_stochastic", "a = x.view(torch.int32).to(None) & MASK32"):
+        "kept as int32, a negative x's bits stay negative: the sign shifts in as -1 << 15 and the int16 view "
+        "of sign | h is the same 16 bits",
+    ("fp4kit.formats.fp16sr.round_stochastic", "r = torch.as_tensor(rand, device=x.device).to(None) & ((1 << RANDOM_BITS) - 1)"):
+        "an integer tensor's low 13 bits are the same in its own dtype, and s + r promotes to int64",
+    # fp16sr.random_bits
+    ("fp4kit.formats.fp16sr.random_bits", "o = torch.arange(offset, offset + n, dtype=None, device=device)"): ARANGE_INT64,
+    ("fp4kit.formats.fp16sr.random_bits", "o = torch.arange(offset, offset + n, device=device)"): ARANGE_INT64,
+    ("fp4kit.formats.fp16sr.random_bits", "counter = torch.stack([base & MASK32, base >> 32, torch.zeros_like(base), torch.zeros_like(base)], dim=+1)"):
+        ONE_D,
+    ("fp4kit.formats.fp16sr.random_bits", "key = torch.tensor([seed & MASK32, seed >> 32], dtype=None, device=device)"):
+        "torch.tensor of Python integers is int64",
+    ("fp4kit.formats.fp16sr.random_bits", "key = torch.tensor([seed & MASK32, seed >> 32], device=device)"):
+        "torch.tensor of Python integers is int64",
+    ("fp4kit.formats.fp16sr.random_bits", "key = torch.tensor([seed & MASK32, seed >> 32], dtype=torch.int64, device=None)"):
+        PHILOX_MOVES_KEY,
+    ("fp4kit.formats.fp16sr.random_bits", "key = torch.tensor([seed & MASK32, seed >> 32], dtype=torch.int64, )"): PHILOX_MOVES_KEY,
+    ("fp4kit.formats.fp16sr.random_bits", "return words.gather(+1, (o % 4).unsqueeze(-1)).squeeze(-1).reshape(tuple(shape)) & ((1 << RANDOM_BITS) - 1)"):
+        ONE_D,
+    ("fp4kit.formats.fp16sr.random_bits", "return words.gather(-1, (o % 4).unsqueeze(+1)).squeeze(-1).reshape(tuple(shape)) & ((1 << RANDOM_BITS) - 1)"):
+        ONE_D,
+    ("fp4kit.formats.fp16sr.random_bits", "return words.gather(-1, (o % 4).unsqueeze(-1)).squeeze(+1).reshape(tuple(shape)) & ((1 << RANDOM_BITS) - 1)"):
+        ONE_D,
+    ("fp4kit.formats.fp16sr.random_bits", "return words.gather(-1, (o % 4).unsqueeze(-1)).squeeze(-2).reshape(tuple(shape)) & ((1 << RANDOM_BITS) - 1)"):
+        "squeeze(-2) of [n, 1] drops a dimension only for n = 1, and the reshape to `shape` follows either way",
+    # fp16sr.round_state
+    ("fp4kit.formats.fp16sr.round_state", "return round_stochastic(x, random_bits(x.shape, seed, rounds, offset, device=None))"): BITS_MOVED,
+    ("fp4kit.formats.fp16sr.round_state", "return round_stochastic(x, random_bits(x.shape, seed, rounds, offset, ))"): BITS_MOVED,
+    # philox
+    ("fp4kit.formats.philox.philox4x32", "device = None"): KEEPS_DEVICE,
+    ("fp4kit.formats.philox.philox4x32", "device = counter.device if (isinstance(counter, torch.Tensor)) and False else None"): KEEPS_DEVICE,
+    ("fp4kit.formats.philox.philox4x32", 'c = _word(counter, "counter", None)'): KEEPS_DEVICE,
     # e4m3.encode
     ("fp4kit.formats.e4m3.encode", "normal = r > E4M3_MIN_NORMAL"):
         "at r = 2^-6 the subnormal formula r / 2^-9 gives 8 = 0x08, the code of 2^-6 itself",
@@ -172,6 +224,16 @@ CUDA_ONLY = {
     # ModelOpt's FP8 calibration on a Linear made on the CPU for a CUDA weight
     ("fp4kit.verify._modelopt_fp8", "linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=None, dtype=w.dtype)"),
     ("fp4kit.verify._modelopt_fp8", "linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)"),
+    # philox: a batched key on the CPU for counters on CUDA (a single key unbinds into 0-d scalars,
+    # which any device takes)
+    ("fp4kit.formats.philox._word", "t = torch.as_tensor(x, device=None)"),
+    ("fp4kit.formats.philox._word", "t = torch.as_tensor(x, )"),
+    ("fp4kit.formats.philox.philox4x32", 'k = _word(key, "key", None)'),
+    # fp16sr: random bits on the CPU for a state on CUDA
+    ("fp4kit.formats.fp16sr.round_stochastic", "r = torch.as_tensor(rand, device=None).to(torch.int64) & ((1 << RANDOM_BITS) - 1)"),
+    ("fp4kit.formats.fp16sr.round_stochastic", "r = torch.as_tensor(rand, ).to(torch.int64) & ((1 << RANDOM_BITS) - 1)"),
+    ("fp4kit.formats.fp16sr.random_bits", "o = torch.arange(offset, offset + n, dtype=torch.int64, device=None)"),
+    ("fp4kit.formats.fp16sr.random_bits", "o = torch.arange(offset, offset + n, dtype=torch.int64, )"),
 }
 
 

@@ -167,3 +167,103 @@ def test_round_state_is_reproducible_and_seed_dependent():
         round_state(x.transpose(0, 2), 1, 5)
     with pytest.raises(FormatError, match="float32"):
         round_stochastic(x.half(), torch.zeros(1))
+
+
+def _philox_reference(counter: list[int], key: list[int], rounds: int) -> list[int]:
+    """Philox-4x32-R on Python integers, straight from the round function."""
+    m = 0xFFFFFFFF
+    c, (k0, k1) = list(counter), key
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + 0x9E3779B9) & m, (k1 + 0xBB67AE85) & m
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & m, (p0 >> 32) ^ c[3] ^ k1, p0 & m]
+    return c
+
+
+def test_philox_defaults_to_the_published_ten_rounds():
+    counter, key, want = KAT_10[2]
+    assert philox4x32(torch.tensor(counter), torch.tensor(key)).tolist() == want
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 7])
+def test_philox_any_number_of_rounds(rounds):
+    counter, key = [0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0xA4093822, 0x299F31D0]
+    assert philox4x32(torch.tensor(counter), torch.tensor(key), rounds).tolist() == _philox_reference(counter, key, rounds)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_philox_takes_narrower_integer_words_and_python_lists(dtype):
+    counter, key = [7, 100, 3, 120], [5, 9]
+    want = _philox_reference(counter, key, 10)
+    assert philox4x32(torch.tensor(counter, dtype=dtype), torch.tensor(key, dtype=dtype)).tolist() == want
+    assert philox4x32(counter, key).tolist() == want
+
+
+def test_philox_broadcasts_a_key_per_counter():
+    counters = torch.tensor([[0, 0, 0, 0], [1, 2, 3, 4]])
+    keys = torch.tensor([[42, 0], [0xA4093822, 0x299F31D0]])
+    got = philox4x32(counters, keys, 5)
+    assert got.tolist() == [_philox_reference(c, k, 5) for c, k in zip(counters.tolist(), keys.tolist())]
+
+
+@pytest.mark.parametrize("rounds", [0, -1, True, 2.0])
+def test_philox_refuses_rounds_that_are_not_a_positive_integer(rounds):
+    with pytest.raises(FormatError, match=rf"^philox: rounds must be a positive integer, got {rounds!r}$"):
+        philox4x32([0, 0, 0, 0], [0, 0], rounds)
+
+
+@pytest.mark.parametrize("what,counter,key", [
+    ("counter", [0, -1, 0, 0], [0, 0]), ("counter", [0, 0, 2**32, 0], [0, 0]),
+    ("key", [0, 0, 0, 0], [-1, 0]), ("key", [0, 0, 0, 0], [0, 2**32]),
+])
+def test_philox_names_the_word_out_of_range(what, counter, key):
+    with pytest.raises(FormatError, match=rf"^philox: {what} words must lie in \[0, 2\^32\)$"):
+        philox4x32(torch.tensor(counter), torch.tensor(key))
+
+
+def test_philox_names_the_part_that_is_not_integer():
+    with pytest.raises(FormatError, match=r"^philox: key must be integer words, got torch.float32$"):
+        philox4x32([0, 0, 0, 0], torch.zeros(2))
+    with pytest.raises(FormatError, match=r"^philox: counter must be integer words, got torch.float64$"):
+        philox4x32(torch.zeros(4, dtype=torch.float64), [0, 0])
+    with pytest.raises(FormatError, match=r"^philox: counter must end in 4 words and key in 2, got \(4,\) and \(3,\)$"):
+        philox4x32([0, 0, 0, 0], [0, 0, 0])
+
+
+def test_random_bits_start_at_offset_zero_and_take_every_seed_below_2_64():
+    assert torch.equal(random_bits((2, 4), 11, 5), random_bits((2, 4), 11, 5, offset=0))
+    for seed in (0, 2**64 - 1):
+        word = philox4x32(torch.tensor([0, 0, 0, 0]), torch.tensor([seed & 0xFFFFFFFF, seed >> 32]), 5)[1]
+        assert random_bits((2,), seed, 5)[1] == word & 0x1FFF
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, "7"])
+def test_random_bits_refuse_a_seed_outside_64_bits(seed):
+    with pytest.raises(FormatError, match=rf"^fp16sr.random_bits: seed must be an integer in \[0, 2\^64\), got {seed!r}$"):
+        random_bits((4,), seed, 5)
+
+
+@pytest.mark.parametrize("offset", [-1, 1.0])
+def test_random_bits_refuse_a_negative_or_fractional_offset(offset):
+    with pytest.raises(FormatError, match=rf"^fp16sr.random_bits: offset must be a non-negative integer, got {offset!r}$"):
+        random_bits((4,), 1, 5, offset=offset)
+
+
+def test_round_state_takes_its_random_bits_from_its_offset():
+    x = torch.rand(3, 8) * 1e-3 + 1.0  # far from fp16 values, so the random bits decide
+    for offset in (0, 4, 6):
+        want = round_stochastic(x, random_bits(x.shape, 5, 5, offset=offset))
+        assert torch.equal(round_state(x, 5, 5, offset=offset).view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(round_state(x, 5, 5, offset=8).view(torch.int16), round_state(x, 5, 5).view(torch.int16))
+    assert torch.equal(round_state(x, 5, 5).view(torch.int16), round_state(x, 5, 5, offset=0).view(torch.int16))
+
+
+def test_round_stochastic_and_round_state_name_what_they_refuse():
+    with pytest.raises(FormatError, match=r"^fp16sr.round_stochastic: expected a float32 tensor, got torch.float16$"):
+        round_stochastic(torch.zeros(2, dtype=torch.float16), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(FormatError, match=r"^fp16sr.round_stochastic: expected a float32 tensor, got <class 'list'>$"):
+        round_stochastic([0.0], torch.zeros(1, dtype=torch.long))
+    with pytest.raises(FormatError, match=r"^fp16sr.round_state: the state must be contiguous \(its random bits follow flat offsets\)$"):
+        round_state(torch.zeros(4, 4).t(), 1, 5)
+

@@ -92,3 +92,22 @@ def test_ssm_state_kernel_equals_the_emulator_on_cuda(rounds):
         want = fp16sr.round_state(x, seed, rounds, offset)
         got = ssm_state.round_state(x.cuda(), seed, rounds, offset).cpu()
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_philox_and_stochastic_rounding_stay_on_cuda_with_the_cpus_bits():
+    from fp4kit.formats import fp16sr
+    from fp4kit.formats.philox import philox4x32
+
+    counters = torch.arange(64, dtype=torch.int64).reshape(16, 4)
+    keys = torch.stack([torch.arange(16, dtype=torch.int64) * 7919, torch.full((16,), 3, dtype=torch.int64)], dim=-1)
+    want = philox4x32(counters, keys, 5)
+    got = philox4x32(counters.cuda(), keys, 5)  # a batched key on the CPU goes to the counters' device
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
+
+    bits = fp16sr.random_bits((8, 8), 1234, 5, offset=12, device="cuda")
+    assert bits.device.type == "cuda" and torch.equal(bits.cpu(), fp16sr.random_bits((8, 8), 1234, 5, offset=12))
+
+    x = torch.randn(8, 8)
+    rand = fp16sr.random_bits(x.shape, 99, 5)
+    got = fp16sr.round_stochastic(x.cuda(), rand)  # random bits on the CPU for a state on CUDA
+    assert got.device.type == "cuda" and torch.equal(got.cpu().view(torch.int16), fp16sr.round_stochastic(x, rand).view(torch.int16))
