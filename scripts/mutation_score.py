@@ -66,7 +66,41 @@ ONE_D = "the tensor has one dimension before it (two for `words`): dimension +1 
 PHILOX_MOVES_KEY = "philox4x32 moves the key to the counter's device"
 BITS_MOVED = "round_stochastic moves the random bits to x's device: the same bits, drawn on the CPU"
 KEEPS_DEVICE = "torch.as_tensor(t, device=None) keeps a tensor where it is, and a list has no device to keep"
+LOW_16 = "torch's int64 -> int16 conversion keeps the low 16 bits, and the mutant changes only bits above them"
+PATH_MATCH = ("redundant: the test f'.{entry}.' in f'.{name}.' decides alone, and the name's outer dots change it only "
+              "for an entry that starts with a dot, which no module path does")
+TP_CHECKS = "these Checks are only printed, by tensor and detail: their name is not shown and ok None prints as False"
 EQUIVALENT = {
+    # fp16sr.round_stochastic: the int64 -> int16 conversion keeps the low 16 bits, which the
+    # where (which only subtracts 2^16 from sign | h >= 2^15) leaves as they are
+    **{("fp4kit.formats.fp16sr.round_stochastic", line): LOW_16 for line in (
+        "return torch.where(bits > 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.float16)",
+        "return torch.where(bits >= 1 >> 15, bits - (1 << 16), bits).to(torch.int16).view(torch.float16)",
+        "return torch.where(bits >= 2 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.float16)",
+        "return torch.where(bits >= 1 << 16, bits - (1 << 16), bits).to(torch.int16).view(torch.float16)",
+        "return torch.where(bits >= 1 << 15, bits + (1 << 16), bits).to(torch.int16).view(torch.float16)",
+        "return torch.where(bits >= 1 << 15, bits - (1 >> 16), bits).to(torch.int16).view(torch.float16)",
+        "return torch.where(bits >= 1 << 15, bits - (2 << 16), bits).to(torch.int16).view(torch.float16)",
+        "return torch.where(bits >= 1 << 15, bits - (1 << 17), bits).to(torch.int16).view(torch.float16)",
+    )},
+    ("fp4kit.formats.fp16sr.round_stochastic", "h = torch.where(mag > 0x7F800000, FP16_QNAN, torch.where(mag == 2139095041, FP16_INF, h))"):
+        "Inf reaches 0x7C00 through the overflow clamp as well (its re-biased exponent is far past fp16's)",
+    # conformance._path_match: `f".{entry}." in f".{name}."` alone decides; the equality and the
+    # prefix test are special cases of it, and trailing (or leading) dots of the name never change it
+    ("fp4kit.export.conformance._path_match", 'return entry == name or name.startswith(entry + "XX.XX") or f".{entry}." in f".{name}."'): PATH_MATCH,
+    ("fp4kit.export.conformance._path_match", 'return entry == name and name.startswith(entry + ".") or f".{entry}." in f".{name}."'): PATH_MATCH,
+    ("fp4kit.export.conformance._path_match", 'entry, name = entry.rstrip("."), name.rstrip(None)'): PATH_MATCH,
+    ("fp4kit.export.conformance._path_match", 'entry, name = entry.rstrip("."), name.lstrip(".")'): PATH_MATCH,
+    ("fp4kit.export.conformance._path_match", 'entry, name = entry.rstrip("."), name.rstrip("XX.XX")'): PATH_MATCH,
+    ("fp4kit.export.conformance._path_match", 'entry, name = entry.rstrip("XX.XX"), name.rstrip(".")'):
+        "also strips a trailing capital X: module paths in ignore lists are lowercase attribute names",
+    # verify.tensor_parallel
+    ("fp4kit.verify.tensor_parallel", "attention = None"): "None and False are both false, and `attention` is only tested",
+    ("fp4kit.verify.tensor_parallel", "elif packed and (k / tp) % NVFP4_BLOCK_SIZE:"):
+        "reached only where tp divides K: k / tp is the same whole number as k // tp",
+    # VerifyReport.text: the tensor-parallel Checks made here are only printed, by tensor and detail
+    ("fp4kit.verify.VerifyReport.text", 'bad = [Check(None, False, "", reason) for reason in tp["problems"]]'): TP_CHECKS,
+    ("fp4kit.verify.VerifyReport.text", 'bad = [Check(name, None, "", reason) for reason in tp["problems"]]'): TP_CHECKS,
     # fp16sr.round_stochastic: `sub` is used only for 90 <= e <= 112, where 113 - e is 1..23
     ("fp4kit.formats.fp16sr.round_stochastic", "shift = (113 - e).clamp(min=None, max=31)"): SUB_ONLY,
     ("fp4kit.formats.fp16sr.round_stochastic", "shift = (113 - e).clamp(min=0, max=None)"): SUB_ONLY,

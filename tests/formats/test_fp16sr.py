@@ -267,3 +267,10 @@ def test_round_stochastic_and_round_state_name_what_they_refuse():
     with pytest.raises(FormatError, match=r"^fp16sr.round_state: the state must be contiguous \(its random bits follow flat offsets\)$"):
         round_state(torch.zeros(4, 4).t(), 1, 5)
 
+
+
+def test_every_nan_payload_becomes_the_quiet_nan():
+    bits = torch.tensor([0x7F800001, 0x7FBFFFFF, 0x7FC00000, 0x7FFFFFFF, 0xFF800001 - 2**32, 0x7F800000], dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    got = round_stochastic(x, torch.full((6,), 0x1FFF)).view(torch.int16).to(torch.int64) & 0xFFFF
+    assert got.tolist() == [0x7E00, 0x7E00, 0x7E00, 0x7E00, 0xFE00, 0x7C00]

@@ -745,3 +745,57 @@ def test_the_4_6_choice_is_made_in_the_checkpoints_arithmetic():
     for arith, (qt, chose4) in (("cpu", cpu), ("cuda", cuda)):
         assert four_over_six_from_weight(w, rule(False), qt.block_scale, arith).equal(chose4)
         assert four_over_six_from_weight(w, rule(True), qt.block_scale, arith).equal(chose4)
+
+
+def test_report_text_lists_a_failure_without_a_tensor_by_its_detail_alone():
+    r = VerifyReport("ck")
+    r.add("conformance", False, "[bad_json] config.json is not valid JSON")
+    r.sections["conformance"] = {"errors": 1, "warnings": 0, "tensors": 0}
+    assert r.text().splitlines()[2] == "        [bad_json] config.json is not valid JSON"
+
+
+def test_only_conformance_lists_passing_checks_as_warnings():
+    r = VerifyReport("ck")
+    r.add("rederive", True, "[looks like a code] but passed", "a.weight")
+    r.add("rederive", False, "1 of 8 bytes differ", "b.weight")
+    assert r.text().splitlines()[1:] == ["  FAIL rederive: 1 of 2 tensors differ", "       b.weight 1 of 8 bytes differ"]
+
+
+def test_mamba_in_proj_with_a_zero_config_field_falls_back_to_n():
+    assert _mamba_in_proj("m (FP8)", 10, True, {**NEMOTRON, "n_groups": 0}, 4) == "m (FP8): N=10 does not split into 4 equal parts"
+    assert _mamba_in_proj("m (FP8)", 10, True, {**NEMOTRON, "mamba_head_dim": 0}, 4) == "m (FP8): N=10 does not split into 4 equal parts"
+
+
+def test_mamba_in_proj_with_one_group_unquantized_replicates_b_and_c():
+    one = {**NEMOTRON, "n_groups": 1, "ssm_state_size": 3}  # B and C: 3 each, not divisible by 2
+    n = 2 * 32 + 2 * 3 + 8
+    assert _mamba_in_proj("m (BF16)", n, False, one, 2) is None
+    assert _mamba_in_proj("m (FP8)", n, True, one, 2) == (
+        f"m (FP8): Mamba in_proj N={n} = z 32 + x 32 + B 3 + C 3 + dt 8, each block split by tp=2: B=3, C=3 not divisible; "
+        "the engines need mamba_num_heads (8) and n_groups (1) divisible by tp")
+    odd = {**one, "mamba_num_heads": 3, "mamba_head_dim": 1}  # z, x, dt: 3 each
+    assert _mamba_in_proj("m (BF16)", 3 + 3 + 6 + 3, False, odd, 2) == (
+        "m (BF16): Mamba in_proj N=15 = z 3 + x 3 + B 3 + C 3 + dt 3, each block split by tp=2: z=3, x=3, dt=3 not divisible; "
+        "the engines need mamba_num_heads (3) and n_groups (1) divisible by tp (or n_groups == 1)")
+
+
+def test_tensor_parallel_merges_reasons_by_everything_after_the_module(tmp_path):
+    n = 2 * 32 + 2 * 8 + 8  # 88
+    t = {
+        # the same reason after the module name: one line, whatever the formats
+        "backbone.layers.0.mixer.out_proj.weight": bf16(16, 33),
+        "backbone.layers.1.mixer.out_proj.weight": torch.zeros(16, 33, dtype=torch.float8_e4m3fn),
+        # in_proj reasons that differ after their second colon (the unquantized one may replicate n_groups == 1)
+        "backbone.layers.2.mixer.in_proj.weight": bf16(n, 16),
+        "backbone.layers.3.mixer.in_proj.weight": torch.zeros(n, 16, dtype=torch.float8_e4m3fn),
+        # ... and one that differs between its first and second colon (another N)
+        "backbone.layers.4.mixer.in_proj.weight": bf16(n + 8, 16),
+    }
+    out = tensor_parallel(write_folder(tmp_path / "c", t, NEMOTRON), 4)
+    assert out["count"] == 5
+    assert [p.split(":", 1)[0] for p in out["problems"]] == [
+        "backbone.layers.0.mixer.out_proj (BF16)",
+        "backbone.layers.2.mixer.in_proj (BF16)",
+        "backbone.layers.3.mixer.in_proj (FP8)",
+        "backbone.layers.4.mixer.in_proj (BF16)",
+    ]
