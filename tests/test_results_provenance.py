@@ -143,7 +143,7 @@ CHECKOUT_PATH = re.compile(r"(?<![\w.-])/(?:[\w.-]+/)+fp4kit/(?:data|configs|ker
 
 @pytest.mark.parametrize("name", RESULT_FILES)
 def test_results_hold_no_path_of_the_machine_that_wrote_them(name):
-    text = (RESULTS / name).read_text()
+    text = (RESULTS / name).read_bytes().decode("utf-8", "replace")  # plots too: their metadata is text
     assert str(ROOT) not in text
     assert CHECKOUT_PATH.search(text) is None, CHECKOUT_PATH.search(text).group(0)
 
@@ -356,3 +356,15 @@ def test_quoted_figure_is_its_results_value(doc, quoted, name, path, fmt):
     assert _flat(quoted) in _flat((ROOT / doc).read_text()), f"{doc} no longer says {quoted!r}"
     shown = fmt(_at(_load(name), path))
     assert shown in _flat(quoted), f"{name} {path} is {shown}; {doc} says {quoted!r}"
+
+
+def test_ssm_state_markdown_is_its_json_and_the_readme_quotes_it():
+    from fp4kit.ssm_eval import markdown
+
+    folder = RESULTS / "ssm-state-tiny"
+    doc = json.loads((folder / "ssm-state.json").read_text())
+    md = (folder / "ssm-state.md").read_text()
+    assert md == markdown(doc) + "\n"
+    readme = (ROOT / README).read_text()
+    assert md.strip() in readme
+    assert _flat(doc["command"]) in _flat(readme)
