@@ -391,13 +391,23 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
 def _quiet_kernel_fallbacks(cmd):
     """Runs a command that executes a model with transformers' "`x` is falling back to its reference
     PyTorch implementation" warnings kept out of its output: they name CUDA packages (mamba-ssm,
-    causal-conv1d) that change nothing about the results."""
+    causal-conv1d) that change nothing about the results. With --no-progress, transformers' own
+    bars (loading weights) are off too."""
 
     def run(args: argparse.Namespace) -> int:
+        from transformers.utils import logging as hf_logging
+
         from .quantize import _KernelFallbacks
 
-        with _KernelFallbacks():
-            return cmd(args)
+        bars = hf_logging.is_progress_bar_enabled()
+        if getattr(args, "no_progress", False):
+            hf_logging.disable_progress_bar()
+        try:
+            with _KernelFallbacks():
+                return cmd(args)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
 
     run.__name__ = cmd.__name__
     run.__doc__ = cmd.__doc__
