@@ -660,8 +660,8 @@ FINDINGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(DEFECTS))
-def test_defect_is_an_error_naming_the_tensor_or_key(tmp_path, monkeypatch, name):
+def build_defect(tmp_path, monkeypatch, name: str):
+    """DEFECTS[name]'s checkpoint under tmp_path/ckpt."""
     d = DEFECTS[name]
     if "patch" in d:
         d["patch"](monkeypatch)
@@ -679,7 +679,13 @@ def test_defect_is_an_error_naming_the_tensor_or_key(tmp_path, monkeypatch, name
     root = write_checkpoint(tmp_path / "ckpt", tensors, config, hf_quant, index_extra=d.get("index_extra"))
     if "files" in d:
         d["files"](root)
+    return root
 
+
+@pytest.mark.parametrize("name", sorted(DEFECTS))
+def test_defect_is_an_error_naming_the_tensor_or_key(tmp_path, monkeypatch, name):
+    d = DEFECTS[name]
+    root = build_defect(tmp_path, monkeypatch, name)
     report = check_checkpoint(root)
 
     code, key, level = (*d["expect"], "error")[:3]

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from fp4kit.export import conformance as cf
 from fp4kit.export.conformance import check_checkpoint
-from test_conformance import DEFECTS, E, EXPERT0_SCALE, H, I, IN_PROJ, _bf16, _fp8, _nvfp4, make_configs, make_tensors, write_checkpoint
+from test_conformance import DEFECTS, build_defect, E, EXPERT0_SCALE, H, I, IN_PROJ, _bf16, _fp8, _nvfp4, make_configs, make_tensors, write_checkpoint
 
 # The message of every finding each DEFECTS case gives, in report order (test_conformance.FINDINGS
 # has their levels, codes and keys); <root> stands for the checkpoint folder.
@@ -126,31 +126,9 @@ MESSAGES = {'bf16_module_declared_quantized': ['vLLM loads model.layers.0.mixer.
  'zero_global_scale': ['1 value(s) not finite and > 0, e.g. 0.0']}
 
 
-def build(tmp_path, monkeypatch, name: str):
-    """DEFECTS[name]'s checkpoint, as test_conformance builds it."""
-    d = DEFECTS[name]
-    if "patch" in d:
-        d["patch"](monkeypatch)
-    tensors = make_tensors()
-    config, hf_quant = make_configs()
-    if "tensors" in d:
-        d["tensors"](tensors)
-    if "config" in d:
-        d["config"](config)
-    if "hf_quant" in d:
-        d["hf_quant"](hf_quant)
-    if "config_pair" in d:
-        d["config_pair"][0](config)
-        d["config_pair"][1](hf_quant)
-    root = write_checkpoint(tmp_path / "ckpt", tensors, config, hf_quant, index_extra=d.get("index_extra"))
-    if "files" in d:
-        d["files"](root)
-    return root
-
-
 @pytest.mark.parametrize("name", sorted(DEFECTS))
 def test_every_finding_says_what_is_wrong_in_words(tmp_path, monkeypatch, name):
-    root = build(tmp_path, monkeypatch, name)
+    root = build_defect(tmp_path, monkeypatch, name)
     report = check_checkpoint(root)
     assert [f.message.replace(str(root), "<root>") for f in report.findings] == MESSAGES[name]
 

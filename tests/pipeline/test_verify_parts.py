@@ -462,21 +462,27 @@ def test_verify_refuses_an_unknown_against_and_against_without_source(checkpoint
 # --- re-derivation and ModelOpt on a real (tiny) checkpoint: what each kind of difference says ---
 
 
+def quantized_checkpoint(base: Path, source, recipe) -> Path:
+    """`source` saved under base/source and quantized by `recipe` in ModelOpt's CPU arithmetic
+    into base/ckpt; returns base."""
+    from fp4kit.export.modelopt import export_checkpoint
+    from fp4kit.quantize import load_model, quantize
+
+    source.save_pretrained(base / "source")
+    model, _ = load_model(str(base / "source"), device="cpu", tokenizer=False)
+    samples = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    qm = quantize(model, recipe, samples, progress=False, arith="cpu")
+    export_checkpoint(qm, base / "ckpt", progress=False)
+    return base
+
+
 @pytest.fixture(scope="module")
 def lightning(tmp_path_factory):
     """The tiny Nemotron-H quantized by the modelopt-lightning recipe in ModelOpt's CPU arithmetic."""
-    from fp4kit.export.modelopt import export_checkpoint
-    from fp4kit.quantize import load_model, quantize
     from fp4kit.recipe import load_recipe
     from tiny_models import build_nemotron_h
 
-    base = tmp_path_factory.mktemp("lightning-verify")
-    build_nemotron_h().save_pretrained(base / "source")
-    model, _ = load_model(str(base / "source"), device="cpu", tokenizer=False)
-    samples = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
-    qm = quantize(model, load_recipe("modelopt-lightning"), samples, progress=False, arith="cpu")
-    export_checkpoint(qm, base / "ckpt", progress=False)
-    return base
+    return quantized_checkpoint(tmp_path_factory.mktemp("lightning-verify"), build_nemotron_h(), load_recipe("modelopt-lightning"))
 
 
 def edited(base: Path, name: str, *, drop=(), add=None, meta=None) -> Path:
@@ -657,18 +663,10 @@ DENSE_RECIPE = {
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
-    from fp4kit.export.modelopt import export_checkpoint
-    from fp4kit.quantize import load_model, quantize
     from fp4kit.recipe import recipe_from_dict
     from tiny_models import build_llama
 
-    base = tmp_path_factory.mktemp("dense-verify")
-    build_llama().save_pretrained(base / "source")
-    model, _ = load_model(str(base / "source"), device="cpu", tokenizer=False)
-    samples = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
-    qm = quantize(model, recipe_from_dict(DENSE_RECIPE), samples, progress=False, arith="cpu")
-    export_checkpoint(qm, base / "ckpt", progress=False)
-    return base
+    return quantized_checkpoint(tmp_path_factory.mktemp("dense-verify"), build_llama(), recipe_from_dict(DENSE_RECIPE))
 
 
 def test_dense_checkpoint_passes_and_modelopt_leaves_out_fused_nvfp4(dense):
