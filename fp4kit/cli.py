@@ -201,11 +201,11 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         checked = validate_job(job, ranks=args.gpus if launch and args.gpus > 1 else None)
     except (ValueError, OSError, NetworkError) as exc:  # refused before loading: an unreachable hub too
         return _err(str(exc), 2)
+    args.job, args.checked = job, checked  # what main's Ctrl-C message reports on
     if args.gpus is not None:
         code = _launch_ranks(args, job)
         if code >= 0:
             return code
-    args.job, args.checked = job, checked  # what main's Ctrl-C message reports on
     from . import parallel
 
     try:
@@ -237,6 +237,12 @@ def _quantize_interrupted(args: argparse.Namespace | None) -> int:
         print(file=sys.stderr)  # end the progress bar's line
     try:
         saved = CalibState.read(calib_state_dir(output))
+        if saved is None:  # a data-parallel run: one snapshot per rank
+            ranks = CalibState(calib_state_dir(output), {}).rank_counts()
+            if ranks:
+                world = max(ranks)
+                parts = [CalibState.read(calib_state_dir(output) / f"rank-{r}-of-{world}") for r in range(world)]
+                saved = {"done": sum(int(p["done"]) for p in parts if p is not None)}
     except ValueError:
         saved = None
     if saved is None:

@@ -172,3 +172,25 @@ def test_gpus_is_refused_where_it_cannot_run(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert cli.main(["quantize", "--gpus", "2", "--no-progress"]) == 2
     assert "under torchrun, leave it out" in capsys.readouterr().err
+
+
+def test_ctrl_c_counts_the_samples_in_every_ranks_snapshot(tmp_path, capsys, monkeypatch):
+    import shlex
+
+    from fp4kit import quantize as q
+    from fp4kit.calibrate import Statistics
+
+    out = tmp_path / "ckpt"
+    base = q.CalibState(calib_state_dir(out), {})
+    base.for_rank(0, 2).save(Statistics(), 4, batch_size=2)
+    base.for_rank(1, 2).save(Statistics(), 2, batch_size=2)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(q, "run", interrupted)
+    argv = ["quantize", "--calib", "7x96", "-o", str(out), "--no-progress"]
+    assert cli.main(argv) == 130
+    resume = f"{cli._prog()} {shlex.join([*argv, '--resume'])}"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: interrupted; the calibration snapshot holds 6 of 7 samples; continue with: {resume}")
