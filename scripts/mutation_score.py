@@ -70,7 +70,20 @@ LOW_16 = "torch's int64 -> int16 conversion keeps the low 16 bits, and the mutan
 PATH_MATCH = ("redundant: the test f'.{entry}.' in f'.{name}.' decides alone, and the name's outer dots change it only "
               "for an entry that starts with a dot, which no module path does")
 TP_CHECKS = "these Checks are only printed, by tensor and detail: their name is not shown and ok None prints as False"
+SAME_BYTES_ANYWHERE = ("the source is re-derived on the CPU instead of the asked device: the formats give the same bytes "
+                       "on either (in the checkpoint's recorded arithmetic), only slower")
 EQUIVALENT = {
+    # verify
+    ("fp4kit.verify._expected_nvfp4", "g = torch.as_tensor(global_amax if global_amax is not None else w.abs().amax().float(), dtype=None)"):
+        "both values are float32 already (a fused group's amax and w.abs().amax().float())",
+    ("fp4kit.verify._expected_nvfp4", "g = torch.as_tensor(global_amax if global_amax is not None else w.abs().amax().float(), )"):
+        "both values are float32 already (a fused group's amax and w.abs().amax().float())",
+    ("fp4kit.verify.kv_scales_as_bf16", "value = torch.frombuffer(bytearray(f.read(None)), dtype=torch.float32)[0]"):
+        "reads the rest of the file instead of its 4 bytes; the first float is the same",
+    ("fp4kit.verify.verify", "rederive(report, folder, source, device=None)"): SAME_BYTES_ANYWHERE,
+    ("fp4kit.verify.verify", "rederive(report, folder, source, )"): SAME_BYTES_ANYWHERE,
+    ("fp4kit.verify.rederive", 'if getattr(model.config, "tie_word_embeddings", True) and "lm_head" in name:'):
+        "every transformers config defines tie_word_embeddings: the default is never taken",
     # fp16sr.round_stochastic: the int64 -> int16 conversion keeps the low 16 bits, which the
     # where (which only subtracts 2^16 from sign | h >= 2^15) leaves as they are
     **{("fp4kit.formats.fp16sr.round_stochastic", line): LOW_16 for line in (
@@ -268,6 +281,9 @@ CUDA_ONLY = {
     ("fp4kit.formats.fp16sr.round_stochastic", "r = torch.as_tensor(rand, ).to(torch.int64) & ((1 << RANDOM_BITS) - 1)"),
     ("fp4kit.formats.fp16sr.random_bits", "o = torch.arange(offset, offset + n, dtype=torch.int64, device=None)"),
     ("fp4kit.formats.fp16sr.random_bits", "o = torch.arange(offset, offset + n, dtype=torch.int64, )"),
+    # verify: ModelOpt run on the CPU for a --device cuda run (a checkpoint in CUDA's arithmetic is then refused)
+    ("fp4kit.verify.verify", "against_modelopt(report, folder, source, device=None)"),
+    ("fp4kit.verify.verify", "against_modelopt(report, folder, source, )"),
 }
 
 

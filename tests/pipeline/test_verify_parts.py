@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import struct
 import sys
 from pathlib import Path
@@ -797,3 +798,95 @@ def test_tensor_parallel_merges_reasons_by_everything_after_the_module(tmp_path)
         "backbone.layers.3.mixer.in_proj (FP8)",
         "backbone.layers.4.mixer.in_proj (BF16)",
     ]
+
+
+def test_expected_bytes_with_importance_follow_the_checkpoints_arithmetic():
+    w = (torch.randn(8, 64, generator=torch.Generator().manual_seed(63)) * 0.01).to(torch.bfloat16)
+    for arith in ("cpu", "cuda"):
+        qt = nvfp4.quantize(w, scale_rule="4o6", arith=arith)
+        assert same(_expected_nvfp4(w, rule(True), None, qt.block_scale, arith), qt)
+
+
+def test_report_add_keeps_an_empty_detail():
+    r = VerifyReport("ck")
+    r.add("rederive", True)
+    assert r.checks == [Check("rederive", True, "", None)]
+
+
+def _tuples(report) -> list[tuple]:
+    return sorted(((c.name, c.ok, c.detail, c.tensor) for c in report.checks), key=str)
+
+
+def test_rederive_checks_every_tensor_and_reports_each_hole_in_its_place(lightning):
+    from fp4kit.export.checkpoint import CheckpointReader
+
+    good = rederived(lightning / "ckpt", lightning / "source")
+    names = CheckpointReader(lightning / "ckpt").names()
+    assert {(c.name, c.ok, c.detail) for c in good.checks} == {("rederive", True, "")}
+    assert sorted(c.tensor for c in good.checks) == sorted(n for n in names if not n.endswith(("k_scale", "v_scale", "input_scale")))
+    expert0 = "backbone.layers.1.mixer.experts.0.up_proj"
+    drop = (f"{IN_PROJ}.weight_scale", f"{expert0}.weight_scale", f"{O_PROJ}.weight", f"{NORM}.weight")
+    ckpt = edited(lightning, "every-hole", drop=drop, add={"extra.weight": torch.zeros(2)})
+    gone = {f"{IN_PROJ}.weight", f"{IN_PROJ}.weight_scale", f"{expert0}.weight", f"{expert0}.weight_scale",
+            f"{expert0}.weight_scale_2", f"{O_PROJ}.weight", f"{NORM}.weight"}
+    want = [t for t in _tuples(good) if t[3] not in gone] + [
+        ("rederive", False, "missing ['weight_scale']", IN_PROJ),
+        ("rederive", False, "missing ['weight_scale']", expert0),
+        ("rederive", False, "missing from the checkpoint", f"{O_PROJ}.weight"),
+        ("rederive", False, "missing from the checkpoint", f"{NORM}.weight"),
+        ("rederive", False, "not produced by the recorded recipe from the source", "extra.weight"),
+    ]
+    assert _tuples(rederived(ckpt, lightning / "source")) == sorted(want, key=str)
+
+
+def test_rederive_compares_the_source_tensors_transformers_drops(lightning, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    source = tmp_path / "source"
+    shutil.copytree(lightning / "source", source)
+    tensors = load_file(str(source / "model.safetensors"))
+    mtp = torch.arange(8, dtype=torch.bfloat16).reshape(2, 4)
+    save_file({**tensors, "mtp.layers.0.fc.weight": mtp}, str(source / "model.safetensors"), metadata={"format": "pt"})
+    good = _tuples(rederived(lightning / "ckpt", lightning / "source"))
+    assert _tuples(rederived(lightning / "ckpt", source)) == sorted(
+        [*good, ("rederive", False, "in the source but missing from the checkpoint", "mtp.layers.0.fc.weight")], key=str)
+    for name, value, result in (("with-mtp", mtp, (True, "")), ("other-mtp", mtp + 1, (False, "11 of 16 bytes differ"))):
+        ckpt = edited(lightning, name, add={"mtp.layers.0.fc.weight": value})
+        assert _tuples(rederived(ckpt, source)) == sorted([*good, ("rederive", *result, "mtp.layers.0.fc.weight")], key=str)
+
+
+def test_rederive_takes_the_cuda_arithmetic_when_the_checkpoint_names_none(lightning):
+    meta = json.loads((lightning / "ckpt" / "fp4kit.json").read_text())
+    assert meta["arith"] == "cpu"
+    ckpt = edited(lightning, "arith-unnamed", meta=lambda doc: doc.pop("arith"))
+    named = edited(lightning, "arith-named-cuda", meta=lambda doc: doc.update(arith="cuda"))
+    bad = _tuples(rederived(ckpt, lightning / "source"))
+    assert bad == _tuples(rederived(named, lightning / "source")) and not all(ok for _, ok, _, _ in bad)
+
+
+def test_rederive_of_an_untied_model_reports_its_missing_lm_head_and_skips_a_tied_one(dense, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fp4kit.recipe import recipe_from_dict
+
+    ckpt = edited(dense, "no-lm-head", drop=("lm_head.weight",))
+    assert [t for t in _tuples(rederived(ckpt, dense / "source")) if not t[1]] == [
+        ("rederive", False, "missing from the checkpoint", "lm_head.weight")]
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True)
+    tied = quantized_checkpoint(tmp_path / "tied", LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), recipe_from_dict(DENSE_RECIPE))
+    r = rederived(tied / "ckpt", tied / "source")
+    assert r.ok and "lm_head.weight" not in {c.tensor for c in r.checks}
+    assert "model.embed_tokens.weight" in {c.tensor for c in r.checks}
+
+
+def test_rederive_names_the_checkpoints_fp4kit_json_in_a_recipe_error(lightning):
+    from fp4kit.recipe import RecipeError
+    from fp4kit.verify import rederive
+
+    ckpt = edited(lightning, "bad-recipe", meta=lambda doc: doc["recipe"]["rules"][0].update(bogus=1))
+    with pytest.raises(RecipeError, match=rf"^{re.escape(str(ckpt))}/fp4kit.json: rules\[0\]: unknown key"):
+        rederive(VerifyReport(str(ckpt)), ckpt, str(lightning / "source"))
