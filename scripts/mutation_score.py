@@ -82,8 +82,10 @@ EQUIVALENT = {
         "reads the rest of the file instead of its 4 bytes; the first float is the same",
     ("fp4kit.verify.verify", "rederive(report, folder, source, device=None)"): SAME_BYTES_ANYWHERE,
     ("fp4kit.verify.verify", "rederive(report, folder, source, )"): SAME_BYTES_ANYWHERE,
-    ("fp4kit.verify.rederive", 'if getattr(model.config, "tie_word_embeddings", True) and "lm_head" in name:'):
-        "every transformers config defines tie_word_embeddings: the default is never taken",
+    **{("fp4kit.verify.rederive", line): "every transformers config defines tie_word_embeddings: the default is never taken"
+       for line in ('if getattr(model.config, "tie_word_embeddings", True) and "lm_head" in name:',
+                    'if getattr(model.config, "tie_word_embeddings", None) and "lm_head" in name:',
+                    'if getattr(model.config, "tie_word_embeddings", ) and "lm_head" in name:')},
     # fp16sr.round_stochastic: the int64 -> int16 conversion keeps the low 16 bits, which the
     # where (which only subtracts 2^16 from sign | h >= 2^15) leaves as they are
     **{("fp4kit.formats.fp16sr.round_stochastic", line): LOW_16 for line in (

@@ -848,13 +848,14 @@ def test_rederive_compares_the_source_tensors_transformers_drops(lightning, tmp_
     shutil.copytree(lightning / "source", source)
     tensors = load_file(str(source / "model.safetensors"))
     mtp = torch.arange(8, dtype=torch.bfloat16).reshape(2, 4)
-    save_file({**tensors, "mtp.layers.0.fc.weight": mtp}, str(source / "model.safetensors"), metadata={"format": "pt"})
+    save_file({**tensors, "mtp.layers.0.fc.weight": mtp, "mtp.layers.0.norm.weight": mtp[0].clone()}, str(source / "model.safetensors"),
+              metadata={"format": "pt"})
     good = _tuples(rederived(lightning / "ckpt", lightning / "source"))
-    assert _tuples(rederived(lightning / "ckpt", source)) == sorted(
-        [*good, ("rederive", False, "in the source but missing from the checkpoint", "mtp.layers.0.fc.weight")], key=str)
+    missing = [("rederive", False, "in the source but missing from the checkpoint", f"mtp.layers.0.{n}.weight") for n in ("fc", "norm")]
+    assert _tuples(rederived(lightning / "ckpt", source)) == sorted([*good, *missing], key=str)
     for name, value, result in (("with-mtp", mtp, (True, "")), ("other-mtp", mtp + 1, (False, "11 of 16 bytes differ"))):
         ckpt = edited(lightning, name, add={"mtp.layers.0.fc.weight": value})
-        assert _tuples(rederived(ckpt, source)) == sorted([*good, ("rederive", *result, "mtp.layers.0.fc.weight")], key=str)
+        assert _tuples(rederived(ckpt, source)) == sorted([*good, ("rederive", *result, "mtp.layers.0.fc.weight"), missing[1]], key=str)
 
 
 def test_rederive_takes_the_cuda_arithmetic_when_the_checkpoint_names_none(lightning):
