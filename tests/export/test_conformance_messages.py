@@ -1,8 +1,11 @@
 """The words of every conformance finding, down to the lines a mutation run showed no other test
-pinning: what the report tells a user (the engine, the tensor, the numbers) is part of the check."""
+pinning: what the report tells a user (the engine, the tensor, the numbers) is part of the check;
+then edge cases of the rules that the defect table does not reach, each pinning the exact findings
+(level, code, key, message) of one small checkpoint or one helper call."""
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 
@@ -11,8 +14,29 @@ import torch
 from safetensors.torch import save_file
 
 from fp4kit.export import conformance as cf
-from fp4kit.export.conformance import check_checkpoint
-from test_conformance import DEFECTS, build_defect, E, EXPERT0_SCALE, H, I, IN_PROJ, _bf16, _fp8, _nvfp4, make_configs, make_tensors, write_checkpoint
+from fp4kit.export.conformance import check_checkpoint, read_safetensors_header, sglang_excluded
+from test_conformance import (
+    DEFECTS,
+    E,
+    EXPERT0_SCALE,
+    SHARDS,
+    H,
+    I,
+    IN_PROJ,
+    _attention_in,
+    _bf16,
+    _declare_attention,
+    _declare_gated_experts,
+    _fp8,
+    _gated_experts,
+    _nvfp4,
+    _raw_safetensors,
+    _single_algo_parts,
+    build_defect,
+    make_configs,
+    make_tensors,
+    write_checkpoint,
+)
 
 # The message of every finding each DEFECTS case gives, in report order (test_conformance.FINDINGS
 # has their levels, codes and keys); <root> stands for the checkpoint folder.
@@ -1358,3 +1382,596 @@ def test_a_folder_that_does_not_exist(tmp_path):
     assert [(f.level, f.code, f.tensor_or_key, f.message) for f in report.findings] == [
         ("error", "missing_file", str(tmp_path / "nothing"), "checkpoint folder does not exist")]
     assert report.tensors == 0
+
+
+# --- edge cases of the rules ---------------------------------------------------------------------
+
+ATTN, MOE, SSM = "backbone.layers.0.mixer", "backbone.layers.1.mixer", "backbone.layers.2.mixer"
+JUNK = "backbone.layers.2.mixer.in_proj.\u0000backbone.pt_name_sentinel"
+
+
+def _findings(root):
+    return [(f.level, f.code, f.tensor_or_key, f.message.replace(str(root), "<root>")) for f in check_checkpoint(root).findings]
+
+
+def _build(tmp_path, tensors=None, config=None, hf_quant=None, index_extra=None):
+    t = make_tensors() if tensors is None else tensors
+    c, h = make_configs()
+    return write_checkpoint(tmp_path / "ckpt", t, config or c, hf_quant or h, index_extra=index_extra)
+
+
+def _both_sections(config, hf_quant, edit):
+    edit(config["quantization_config"])
+    edit(hf_quant["quantization"])
+
+
+# --- checkpoints; each test below pins every finding one of them gives ---
+
+
+def _case_scale_without_weight_format(tmp_path, monkeypatch):
+    """An undeclared BF16 o_proj carrying a weight_scale: scales without a quantized weight."""
+    t = make_tensors()
+    t[f"{ATTN}.o_proj.weight_scale"] = torch.tensor(0.5)
+    return _build(tmp_path, t)
+
+
+def _case_unreadable_fused_shard(tmp_path, monkeypatch):
+    """q/k/v NVFP4 with differing global scales, q_proj losing a tensor the index names; gated
+    experts whose gate/up global scales differ come after it."""
+    t = make_tensors()
+    _attention_in(_nvfp4)(t)
+    _gated_experts(t)
+    c, h = make_configs()
+    for edit, section in zip(_declare_attention("W4A16_NVFP4"), (c, h)):
+        edit(section)
+    _declare_gated_experts(c["quantization_config"])
+    _declare_gated_experts(h["quantization"])
+    return write_checkpoint(tmp_path / "ckpt", t, c, h, index_extra={f"{ATTN}.q_proj.bias": SHARDS[0]})
+
+
+def _case_fused_shards_of_two_formats(tmp_path, monkeypatch):
+    """q_proj W4A4 NVFP4 (with input_scale), k/v W4A16: the fused group mixes formats."""
+    t = make_tensors()
+    _attention_in(_nvfp4)(t)
+    t[f"{ATTN}.q_proj.input_scale"] = torch.tensor(0.1)
+    c, h = make_configs()
+    for edit, section in zip(_declare_attention("W4A16_NVFP4"), (c, h)):
+        edit(section)
+    for s in (c["quantization_config"], h["quantization"]):
+        s["quantized_layers"][f"{ATTN}.q_proj"] = {"quant_algo": "NVFP4", "group_size": 16}
+    return write_checkpoint(tmp_path / "ckpt", t, c, h)
+
+
+def _case_exclude_modules_only_in_hf_quant(tmp_path, monkeypatch):
+    c, h = make_configs()
+    h["quantization"]["exclude_modules"] = ["backbone.layers.9.nothing"]
+    return _build(tmp_path, config=c, hf_quant=h)
+
+
+def _case_empty_nested_quantized_layers(tmp_path, monkeypatch):
+    c, h = make_configs()
+    h["quantization"]["quantized_layers"] = {}
+    return _build(tmp_path, config=c, hf_quant=h)
+
+
+def _case_empty_flat_quantized_layers(tmp_path, monkeypatch):
+    c, h = make_configs()
+    c["quantization_config"]["quantized_layers"] = {}
+    return _build(tmp_path, config=c, hf_quant=h)
+
+
+def _case_layer_missing_from_config_json_only(tmp_path, monkeypatch):
+    c, h = make_configs()
+    del c["quantization_config"]["quantized_layers"][f"{SSM}.out_proj"]
+    return _build(tmp_path, config=c, hf_quant=h)
+
+
+def _case_nvfp4_layers_without_group_size(tmp_path, monkeypatch):
+    c, h = make_configs()
+    for s in (c["quantization_config"], h["quantization"]):
+        for entry in s["quantized_layers"].values():
+            entry.pop("group_size", None)
+    return _build(tmp_path, config=c, hf_quant=h)
+
+
+def _case_partial_fused_exclusion_then_undeclared_module(tmp_path, monkeypatch):
+    c, h = make_configs()
+    for s in (c["quantization_config"], h["quantization"]):
+        s["ignore" if "quant_method" in s else "exclude_modules"] = [f"{ATTN}.q_proj"]
+        del s["quantized_layers"][f"{SSM}.out_proj"]
+    return _build(tmp_path, config=c, hf_quant=h)
+
+
+def _ignore_case(entries):
+    def case(tmp_path, monkeypatch):
+        c, h = make_configs()
+        c["quantization_config"]["ignore"] = list(entries)
+        h["quantization"]["exclude_modules"] = list(entries)
+        return _build(tmp_path, config=c, hf_quant=h)
+
+    return case
+
+
+def _case_expert_prefix_excluded(tmp_path, monkeypatch):
+    return _ignore_case([f"{MOE}.experts.0"])(tmp_path, monkeypatch)
+
+
+def _case_junk_then_unmatched_ignore(tmp_path, monkeypatch):
+    return _ignore_case([JUNK, "backbone.layers.9.nothing"])(tmp_path, monkeypatch)
+
+
+def _case_empty_ignore_entry(tmp_path, monkeypatch):
+    return _ignore_case([""])(tmp_path, monkeypatch)
+
+
+def _case_top_level_prefix_ignored(tmp_path, monkeypatch):
+    return _ignore_case(["backbone"])(tmp_path, monkeypatch)
+
+
+def _case_incomplete_then_junk_ignore(tmp_path, monkeypatch):
+    """The second shard is missing; the ignore list names a module, then junk."""
+    c, h = make_configs()
+    for s, key in ((c["quantization_config"], "ignore"), (h["quantization"], "exclude_modules")):
+        s[key] = ["backbone.layers.9.nothing", JUNK]
+    root = _build(tmp_path, config=c, hf_quant=h)
+    (root / SHARDS[1]).unlink()
+    return root
+
+
+def _case_two_experts_lack_a_projection(tmp_path, monkeypatch):
+    t = make_tensors()
+    for e in (1, 2):
+        for leaf in ("weight", "weight_scale", "weight_scale_2"):
+            del t[f"{MOE}.experts.{e}.down_proj.{leaf}"]
+    return _build(tmp_path, t)
+
+
+def _case_empty_f32_input_scale(tmp_path, monkeypatch):
+    t = make_tensors()
+    t[f"{SSM}.in_proj.input_scale"] = torch.zeros(0)
+    return _build(tmp_path, t)
+
+
+def _case_index_names_no_file_of_the_folder(tmp_path, monkeypatch):
+    extra = {"a.weight": "sub\\x.safetensors", "b.weight": "", "c.weight": ".", "d.weight": ".."}
+    return _build(tmp_path, index_extra=extra)
+
+
+def _case_missing_shard_sorted_first(tmp_path, monkeypatch):
+    return _build(tmp_path, index_extra={"extra.weight": "model-00000-of-00002.safetensors"})
+
+
+def _case_unreadable_shard_sorted_first(tmp_path, monkeypatch):
+    root = _build(tmp_path, index_extra={"extra.weight": "model-00000-of-00002.safetensors"})
+    (root / "model-00000-of-00002.safetensors").write_bytes(b"\x01\x02\x03")
+    return root
+
+
+def _case_duplicate_then_unindexed_tensor(tmp_path, monkeypatch):
+    root = _build(tmp_path)
+    second = {n: v for n, v in make_tensors().items() if ".layers.0." not in n and ".layers.1." not in n}
+    second["backbone.layers.0.norm.weight"] = make_tensors()["backbone.layers.0.norm.weight"]
+    second["zz.extra.weight"] = torch.zeros(4, dtype=torch.bfloat16)
+    save_file(second, str(root / SHARDS[1]), metadata={"format": "pt"})
+    return root
+
+
+def _single_file(tmp_path):
+    """The default checkpoint as one model.safetensors (no index)."""
+    root = _build(tmp_path)
+    tensors = make_tensors()
+    for shard in SHARDS:
+        (root / shard).unlink()
+    (root / "model.safetensors.index.json").unlink()
+    save_file({n: v.contiguous() for n, v in tensors.items()}, str(root / "model.safetensors"), metadata={"format": "pt"})
+    return root
+
+
+def _case_single_file_bad_header(tmp_path, monkeypatch):
+    root = _single_file(tmp_path)
+    (root / "model.safetensors").write_bytes(b"\x01\x02\x03")
+    return root
+
+
+def _case_single_file_unreadable(tmp_path, monkeypatch):
+    root = _single_file(tmp_path)
+
+    def read(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(cf, "read_safetensors_header", read)
+    return root
+
+
+def _case_fp8_scale_bytes_in_first_chunk(tmp_path, monkeypatch):
+    """NaN, zero and negative block scales in the first of several read chunks."""
+    monkeypatch.setattr(cf, "_CHUNK_BYTES", 8)
+    t = make_tensors()
+    name = f"{MOE}.experts.0.up_proj.weight_scale"
+    raw = t[name].view(torch.uint8).clone()
+    raw[0, 0], raw[0, 1], raw[1, 0] = 0x7F, 0x00, 0xB8
+    t[name] = raw.view(torch.float8_e4m3fn)
+    return _build(tmp_path, t)
+
+
+def _case_shard_shrinks_after_header_read(tmp_path, monkeypatch):
+    """The second shard loses its data bytes after its header was read."""
+    root = _build(tmp_path)
+    real = cf.read_safetensors_header
+
+    def read(path):
+        out = real(path)
+        if path.name == SHARDS[1]:
+            raw = path.read_bytes()
+            n = struct.unpack("<Q", raw[:8])[0]
+            path.write_bytes(raw[: 8 + n])
+        return out
+
+    monkeypatch.setattr(cf, "read_safetensors_header", read)
+    return root
+
+
+def _case_config_json_missing(tmp_path, monkeypatch):
+    root = _build(tmp_path)
+    (root / "config.json").unlink()
+    return root
+
+
+def _case_norm_modules_in_single_algo(tmp_path, monkeypatch):
+    """W4A16 single-algo checkpoint with a 2-D BF16 `q_norm` (a norm: never quantized) and a 2-D
+    BF16 linear under a module whose parent name has `norm` in it (a linear, not excluded)."""
+    t, c, h = _single_algo_parts()
+    t[f"{ATTN}.q_norm.weight"] = torch.ones(4, 8, dtype=torch.bfloat16)
+    t[f"{ATTN}.norm_gate.proj.weight"] = torch.ones(32, 32, dtype=torch.bfloat16)
+    return write_checkpoint(tmp_path / "ckpt", t, c, h)
+
+
+def _case_top_level_norm_module(tmp_path, monkeypatch):
+    t, c, h = _single_algo_parts()
+    t["final_norm.weight"] = torch.ones(4, 8, dtype=torch.bfloat16)
+    return write_checkpoint(tmp_path / "ckpt", t, c, h)
+
+
+def _case_non_ascii_config_in_latin1_locale(tmp_path, monkeypatch):
+    """config.json and hf_quant_config.json hold a non-ASCII algo; the locale is Latin-1."""
+    c, h = make_configs()
+    c["quantization_config"]["quant_algo"] = "NVFP4\u00e9"
+    h["quantization"]["quant_algo"] = "NVFP4\u00e9"
+    root = tmp_path / "ckpt"
+    write_checkpoint(root, make_tensors(), c, h)
+    for name, data in (("config.json", c), ("hf_quant_config.json", h)):
+        (root / name).write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    real = io.text_encoding
+    monkeypatch.setattr(io, "text_encoding", lambda encoding, stacklevel=2: "latin-1" if encoding is None else real(encoding))
+    return root
+
+
+CASES = {k[len("_case_"):]: v for k, v in dict(globals()).items() if k.startswith("_case_")}
+
+
+EXPECTED = {'config_json_missing': [('error', 'missing_file', 'config.json', 'config.json is missing'),
+                         ('warning',
+                          'kv_scales_unused',
+                          'backbone.layers.0.mixer.k_proj.k_scale',
+                          'KV cache is not declared FP8; the engines ignore this scale'),
+                         ('warning',
+                          'kv_scales_unused',
+                          'backbone.layers.0.mixer.v_proj.v_scale',
+                          'KV cache is not declared FP8; the engines ignore this scale')],
+ 'duplicate_then_unindexed_tensor': [('error',
+                                      'duplicate_tensor',
+                                      'backbone.layers.0.norm.weight',
+                                      'present in both model-00001-of-00002.safetensors and '
+                                      'model-00002-of-00002.safetensors'),
+                                     ('warning',
+                                      'not_in_index',
+                                      'zz.extra.weight',
+                                      'in model-00002-of-00002.safetensors but the index does not place it there')],
+ 'empty_f32_input_scale': [('error', 'wrong_shape', 'backbone.layers.2.mixer.in_proj.input_scale', '[0], expected []')],
+ 'empty_flat_quantized_layers': [('error',
+                                  'missing_key',
+                                  'config.json:quantization_config.quantized_layers',
+                                  'MIXED_PRECISION needs quantized_layers in config.json (SGLang reads no other file '
+                                  'once config.json has a quantization_config)'),
+                                 ('error',
+                                  'producer_not_modelopt',
+                                  'hf_quant_config.json:producer.name',
+                                  "'fp4kit': config.json's MIXED_PRECISION quantization_config has no "
+                                  'quantized_layers, so vLLM reads hf_quant_config.json, and it accepts that file only '
+                                  "from producer 'modelopt' (otherwise it builds the model unquantized or raises "
+                                  "'Unsupported quantization config')"),
+                                 ('error',
+                                  'config_mismatch',
+                                  'quantized_layers',
+                                  'config.json and hf_quant_config.json differ, first at '
+                                  "'backbone.layers.1.mixer.experts.0.down_proj'")],
+ 'empty_ignore_entry': [('error', 'pattern_matches_nothing', "ignore['']", 'matches no module of the checkpoint'),
+                        ('error',
+                         'not_declared',
+                         'backbone.layers.1.mixer.experts.0.down_proj',
+                         'vLLM loads model.layers.1.mixer.experts unquantized but its tensors are W4A16_NVFP4'),
+                        ('error',
+                         'not_declared',
+                         'backbone.layers.2.mixer.in_proj',
+                         'vLLM loads model.layers.2.mixer.in_proj unquantized but its tensors are FP8'),
+                        ('error',
+                         'not_declared',
+                         'backbone.layers.2.mixer.out_proj',
+                         'vLLM loads model.layers.2.mixer.out_proj unquantized but its tensors are FP8')],
+ 'empty_nested_quantized_layers': [('error',
+                                    'missing_key',
+                                    'hf_quant_config.json:quantized_layers',
+                                    'MIXED_PRECISION needs a non-empty quantized_layers'),
+                                   ('error',
+                                    'config_mismatch',
+                                    'quantized_layers',
+                                    'config.json and hf_quant_config.json differ, first at '
+                                    "'backbone.layers.1.mixer.experts.0.down_proj'")],
+ 'exclude_modules_only_in_hf_quant': [('error',
+                                       'config_mismatch',
+                                       'ignore',
+                                       'config.json ignore and hf_quant_config.json exclude_modules differ'),
+                                      ('error',
+                                       'pattern_matches_nothing',
+                                       "ignore['backbone.layers.9.nothing']",
+                                       'matches no module of the checkpoint')],
+ 'expert_prefix_excluded': [('error',
+                             'not_declared',
+                             'backbone.layers.1.mixer.experts.0.down_proj',
+                             'vLLM loads model.layers.1.mixer.experts unquantized but its tensors are W4A16_NVFP4'),
+                            ('error',
+                             'partial_moe_exclusion',
+                             "ignore['backbone.layers.1.mixer.experts.0']",
+                             'excludes 2 of 8 expert modules of backbone.layers.1.mixer.experts; the engines exclude '
+                             'whole MoE layers only')],
+ 'fp8_scale_bytes_in_first_chunk': [('error',
+                                     'nan_scale',
+                                     'backbone.layers.1.mixer.experts.0.up_proj.weight_scale',
+                                     '1 NaN bytes (0x7F/0xFF)'),
+                                    ('error',
+                                     'nonpositive_scale',
+                                     'backbone.layers.1.mixer.experts.0.up_proj.weight_scale',
+                                     '1 zero block scales'),
+                                    ('error',
+                                     'nonpositive_scale',
+                                     'backbone.layers.1.mixer.experts.0.up_proj.weight_scale',
+                                     '1 negative block scales')],
+ 'fused_shards_of_two_formats': [('error',
+                                  'partial_fused_exclusion',
+                                  'backbone.layers.0.mixer.k_proj',
+                                  'the engines refuse model.layers.0.mixer.qkv_proj: shards of '
+                                  "model.layers.0.mixer.qkv_proj declare different algos ['NVFP4', 'W4A16_NVFP4']")],
+ 'incomplete_then_junk_ignore': [('error',
+                                  'missing_shard',
+                                  'model-00002-of-00002.safetensors',
+                                  'shard named by the index is missing (16 tensors)'),
+                                 ('error',
+                                  'junk_module_name',
+                                  "ignore['backbone.layers.2.mixer.in_proj.\\x00backbone.pt_name_sentinel']",
+                                  'contains control characters, whitespace or a ModelOpt sentinel')],
+ 'index_names_no_file_of_the_folder': [('error',
+                                        'bad_json',
+                                        'a.weight',
+                                        "index names 'sub\\\\x.safetensors', not a file of this folder"),
+                                       ('error', 'bad_json', 'b.weight', "index names '', not a file of this folder"),
+                                       ('error', 'bad_json', 'c.weight', "index names '.', not a file of this folder"),
+                                       ('error',
+                                        'bad_json',
+                                        'd.weight',
+                                        "index names '..', not a file of this folder")],
+ 'junk_then_unmatched_ignore': [('error',
+                                 'junk_module_name',
+                                 "ignore['backbone.layers.2.mixer.in_proj.\\x00backbone.pt_name_sentinel']",
+                                 'contains control characters, whitespace or a ModelOpt sentinel'),
+                                ('error',
+                                 'pattern_matches_nothing',
+                                 "ignore['backbone.layers.9.nothing']",
+                                 'matches no module of the checkpoint')],
+ 'layer_missing_from_config_json_only': [('error',
+                                          'config_mismatch',
+                                          'quantized_layers',
+                                          'config.json and hf_quant_config.json differ, first at '
+                                          "'backbone.layers.2.mixer.out_proj'"),
+                                         ('error',
+                                          'not_declared',
+                                          'backbone.layers.2.mixer.out_proj',
+                                          'vLLM loads model.layers.2.mixer.out_proj unquantized but its tensors are '
+                                          'FP8')],
+ 'missing_shard_sorted_first': [('error',
+                                 'missing_shard',
+                                 'model-00000-of-00002.safetensors',
+                                 'shard named by the index is missing (1 tensors)')],
+ 'non_ascii_config_in_latin1_locale': [('error',
+                                        'unknown_quant_algo',
+                                        'config.json:quantization_config.quant_algo',
+                                        "'NVFP4é' is not a ModelOpt algo the engines accept (FP8, NVFP4, W4A16_NVFP4, "
+                                        'MIXED_PRECISION)')],
+ 'norm_modules_in_single_algo': [('error',
+                                  'not_excluded',
+                                  'backbone.layers.0.mixer.norm_gate.proj',
+                                  'vLLM loads model.layers.0.mixer.norm_gate.proj as W4A16_NVFP4 but its weight is '
+                                  'BF16; exclude it')],
+ 'nvfp4_layers_without_group_size': [],
+ 'partial_fused_exclusion_then_undeclared_module': [('error',
+                                                     'partial_fused_exclusion',
+                                                     'backbone.layers.0.mixer.k_proj',
+                                                     'the engines refuse model.layers.0.mixer.qkv_proj: some but not '
+                                                     'all shards of model.layers.0.mixer.qkv_proj are excluded'),
+                                                    ('error',
+                                                     'not_declared',
+                                                     'backbone.layers.2.mixer.out_proj',
+                                                     'vLLM loads model.layers.2.mixer.out_proj unquantized but its '
+                                                     'tensors are FP8')],
+ 'scale_without_weight_format': [('error',
+                                  'missing_tensor',
+                                  'backbone.layers.0.mixer.o_proj.weight',
+                                  'scale tensors without a uint8 or float8_e4m3fn weight')],
+ 'shard_shrinks_after_header_read': [('error',
+                                      'unreadable_file',
+                                      'backbone.layers.2.mixer.in_proj.input_scale',
+                                      'model-00002-of-00002.safetensors ended early'),
+                                     ('error',
+                                      'unreadable_file',
+                                      'backbone.layers.2.mixer.in_proj.weight',
+                                      'model-00002-of-00002.safetensors ended early'),
+                                     ('error',
+                                      'unreadable_file',
+                                      'backbone.layers.2.mixer.in_proj.weight_scale',
+                                      'model-00002-of-00002.safetensors ended early'),
+                                     ('error',
+                                      'unreadable_file',
+                                      'backbone.layers.2.mixer.out_proj.input_scale',
+                                      'model-00002-of-00002.safetensors ended early'),
+                                     ('error',
+                                      'unreadable_file',
+                                      'backbone.layers.2.mixer.out_proj.weight',
+                                      'model-00002-of-00002.safetensors ended early'),
+                                     ('error',
+                                      'unreadable_file',
+                                      'backbone.layers.2.mixer.out_proj.weight_scale',
+                                      'model-00002-of-00002.safetensors ended early')],
+ 'single_file_bad_header': [('error',
+                             'truncated_file',
+                             'model.safetensors',
+                             '3 bytes, shorter than the 8-byte header length')],
+ 'single_file_unreadable': [('error',
+                             'unreadable_file',
+                             'model.safetensors',
+                             "[Errno 13] Permission denied: '<root>/model.safetensors'")],
+ 'top_level_norm_module': [],
+ 'top_level_prefix_ignored': [('error',
+                               'not_declared',
+                               'backbone.layers.1.mixer.experts.0.down_proj',
+                               'vLLM loads model.layers.1.mixer.experts unquantized but its tensors are W4A16_NVFP4'),
+                              ('error',
+                               'not_declared',
+                               'backbone.layers.2.mixer.in_proj',
+                               'vLLM loads model.layers.2.mixer.in_proj unquantized but its tensors are FP8'),
+                              ('error',
+                               'not_declared',
+                               'backbone.layers.2.mixer.out_proj',
+                               'vLLM loads model.layers.2.mixer.out_proj unquantized but its tensors are FP8')],
+ 'two_experts_lack_a_projection': [('error',
+                                    'pattern_matches_nothing',
+                                    "quantized_layers['backbone.layers.1.mixer.experts.1.down_proj']",
+                                    'names no module with a weight in the checkpoint'),
+                                   ('error',
+                                    'pattern_matches_nothing',
+                                    "quantized_layers['backbone.layers.1.mixer.experts.2.down_proj']",
+                                    'names no module with a weight in the checkpoint'),
+                                   ('error',
+                                    'missing_tensor',
+                                    'backbone.layers.1.mixer.experts.1.down_proj.weight',
+                                    'expert lacks a projection its siblings have'),
+                                   ('error',
+                                    'missing_tensor',
+                                    'backbone.layers.1.mixer.experts.2.down_proj.weight',
+                                    'expert lacks a projection its siblings have')],
+ 'unreadable_fused_shard': [('error',
+                             'index_tensor_missing',
+                             'backbone.layers.0.mixer.q_proj.bias',
+                             'the index places it in model-00001-of-00002.safetensors, which lacks it'),
+                            ('error',
+                             'fused_scale_mismatch',
+                             'backbone.layers.1.mixer.experts.0.gate_up_proj',
+                             'weight_scale_2 differs across the fused shards (gate_proj=0.0199999996, '
+                             "up_proj=0.0107000005): the engines use the gate's (w1) value for every shard without "
+                             'requantizing, so the other shards dequantize scaled by the ratio'),
+                            ('error',
+                             'fused_scale_mismatch',
+                             'backbone.layers.1.mixer.experts.1.gate_up_proj',
+                             'weight_scale_2 differs across the fused shards (gate_proj=0.0200999994, '
+                             "up_proj=0.0116999997): the engines use the gate's (w1) value for every shard without "
+                             'requantizing, so the other shards dequantize scaled by the ratio'),
+                            ('error',
+                             'fused_scale_mismatch',
+                             'backbone.layers.1.mixer.experts.2.gate_up_proj',
+                             'weight_scale_2 differs across the fused shards (gate_proj=0.0201999992, '
+                             "up_proj=0.0126999998): the engines use the gate's (w1) value for every shard without "
+                             'requantizing, so the other shards dequantize scaled by the ratio'),
+                            ('error',
+                             'fused_scale_mismatch',
+                             'backbone.layers.1.mixer.experts.3.gate_up_proj',
+                             'weight_scale_2 differs across the fused shards (gate_proj=0.0203000009, up_proj=0.0137): '
+                             "the engines use the gate's (w1) value for every shard without requantizing, so the other "
+                             'shards dequantize scaled by the ratio')],
+ 'unreadable_shard_sorted_first': [('error',
+                                    'truncated_file',
+                                    'model-00000-of-00002.safetensors',
+                                    '3 bytes, shorter than the 8-byte header length')]}
+
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_edge_checkpoint_gives_exactly_these_findings(tmp_path, monkeypatch, name):
+    root = CASES[name](tmp_path, monkeypatch)
+    assert _findings(root) == EXPECTED[name]
+
+
+def test_edge_cases_all_have_expectations():
+    assert sorted(CASES) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", ["missing_shard_sorted_first", "unreadable_shard_sorted_first"])
+def test_a_lost_shard_does_not_stop_the_other_shards_loading(tmp_path, monkeypatch, name):
+    root = CASES[name](tmp_path, monkeypatch)
+    assert check_checkpoint(root).tensors == len(make_tensors())
+
+
+def test_report_path_is_the_checked_folder(tmp_path):
+    root = _build(tmp_path)
+    report = check_checkpoint(root)
+    assert report.path == str(root)
+    assert report.to_dict()["path"] == str(root)
+
+
+def test_duplicate_header_keys_are_named_alone(tmp_path):
+    header = b'{"a": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}, "b": 1, "a": 2}'
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(cf._HeaderError) as e:
+        read_safetensors_header(path)
+    assert (e.value.code, str(e.value)) == ("bad_header", "header is not valid JSON: duplicate keys ['a']")
+
+
+def test_header_that_is_not_an_object(tmp_path):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", 2) + b"[]")
+    with pytest.raises(cf._HeaderError) as e:
+        read_safetensors_header(path)
+    assert (e.value.code, str(e.value)) == ("bad_header", "header is not a JSON object")
+
+
+def test_header_length_is_read_unsigned(tmp_path):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(b"\xff" * 8 + b"{}")
+    with pytest.raises(cf._HeaderError) as e:
+        read_safetensors_header(path)
+    assert (e.value.code, str(e.value)) == ("header_too_large", f"header claims {2**64 - 1} bytes (limit {cf.MAX_HEADER_BYTES})")
+
+
+@pytest.mark.parametrize(
+    "bad, problem",
+    [
+        (7, ("bad_header", "bad", "entry is not an object")),
+        (
+            {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+            ("offset_past_eof", "bad", "data ends at byte 140, the file has 138"),
+        ),
+    ],
+)
+def test_header_entries_after_a_bad_one_are_still_read(tmp_path, bad, problem):
+    good = {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}
+    header = json.dumps({"bad": bad, "good": good}).encode()
+    header += b" " * (128 - len(header))
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\x01\x02")
+    tensors, problems = read_safetensors_header(path)
+    assert list(tensors) == ["good"] and tensors["good"].nbytes == 2 and tensors["good"].shape == (2,)
+    assert problems == [problem]
+
+
+def test_sglang_glob_entry_matches_one_dotted_component():
+    # SGLang's is_layer_skipped fullmatches each dot-separated part of the name against the entry.
+    assert sglang_excluded("model.layers.0.mixer.o_proj", ["o_*"]) is True
+    assert sglang_excluded("model.layers.0.mixer.o_proj", ["x_*"]) is False
