@@ -73,6 +73,12 @@ TP_CHECKS = "these Checks are only printed, by tensor and detail: their name is 
 SAME_BYTES_ANYWHERE = ("the source is re-derived on the CPU instead of the asked device: the formats give the same bytes "
                        "on either (in the checkpoint's recorded arithmetic), only slower")
 EQUIVALENT = {
+    ("fp4kit.verify.rederive", 'if getattr(model.config, "tie_word_embeddings", False) or "lm_head" in name:'):
+        "an untied lm_head is a plan target (role lm_head in both adapters) and never reaches this loop; a tied one is skipped by either test",
+    ("fp4kit.verify.rederive", "break"):
+        "here (a tied lm_head missing, as the export leaves it) lm_head is the last entry of a causal LM's state_dict: nothing follows it",
+    ("fp4kit.verify.rederive", "carried = unloaded_source_tensors(model, source_dir if (source_dir.is_dir()) or True else None)"):
+        "a source that is not a folder (a hub id) holds no *.safetensors there: unloaded_source_tensors returns [] either way",
     # conformance
     ("fp4kit.export.conformance._read_json", 'return json.loads(path.read_text(encoding="UTF-8")), None'): "Python codec lookup is case-insensitive, so \"UTF-8\" and \"utf-8\" name the same codec.",
     ("fp4kit.export.conformance.read_safetensors_header", 'header = json.loads(raw.decode("UTF-8"), object_pairs_hook=_no_duplicate_keys)'): "bytes.decode looks the codec up case-insensitively, so \"UTF-8\" is the same codec as \"utf-8\".",

@@ -891,3 +891,56 @@ def test_rederive_names_the_checkpoints_fp4kit_json_in_a_recipe_error(lightning)
     ckpt = edited(lightning, "bad-recipe", meta=lambda doc: doc["recipe"]["rules"][0].update(bogus=1))
     with pytest.raises(RecipeError, match=rf"^{re.escape(str(ckpt))}/fp4kit.json: rules\[0\]: unknown key"):
         rederive(VerifyReport(str(ckpt)), ckpt, str(lightning / "source"))
+
+
+def test_rederive_from_a_hub_id_reads_no_source_folder(lightning, monkeypatch):
+    import fp4kit.verify as v
+
+    real = v.load_model
+    monkeypatch.setattr(v, "load_model", lambda source, **kw: real(str(lightning / "source"), **kw))
+    r = VerifyReport("ck")
+    v.rederive(r, lightning / "ckpt", "some-org/some-model")
+    assert _tuples(r) == _tuples(rederived(lightning / "ckpt", lightning / "source"))
+
+
+@pytest.fixture(scope="module")
+def bf16_experts(tmp_path_factory):
+    """The tiny Nemotron-H with its Mamba projections in FP8 and its expert stacks left in BF16."""
+    from fp4kit.recipe import recipe_from_dict
+    from tiny_models import build_nemotron_h
+
+    recipe = recipe_from_dict({"name": "fp8-mamba", "rules": [{"roles": ["mamba_in_proj", "mamba_out_proj"], "format": "fp8"}]})
+    return quantized_checkpoint(tmp_path_factory.mktemp("bf16-experts"), build_nemotron_h(), recipe)
+
+
+def test_rederive_checks_every_member_of_a_bf16_expert_stack(bf16_experts):
+    from fp4kit.export.checkpoint import CheckpointReader
+
+    good = rederived(bf16_experts / "ckpt", bf16_experts / "source")
+    names = CheckpointReader(bf16_experts / "ckpt").names()
+    assert {(c.name, c.ok, c.detail) for c in good.checks} == {("rederive", True, "")}
+    assert sorted(c.tensor for c in good.checks) == sorted(n for n in names if not n.endswith(("k_scale", "v_scale", "input_scale")))
+    member0 = "backbone.layers.1.mixer.experts.0.up_proj.weight"
+    assert member0 in names and "backbone.layers.1.mixer.experts.1.up_proj.weight" in names
+    ckpt = edited(bf16_experts, "no-member-0", drop=(member0,))
+    want = [t for t in _tuples(good) if t[3] != member0] + [("rederive", False, "missing from the checkpoint", member0)]
+    assert _tuples(rederived(ckpt, bf16_experts / "source")) == sorted(want, key=str)
+
+
+def test_rederive_names_a_stack_member_it_cannot_quantize_and_checks_the_rest(lightning, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    source = tmp_path / "source"
+    shutil.copytree(lightning / "source", source)
+    tensors = load_file(str(source / "model.safetensors"))
+    expert0 = "backbone.layers.1.mixer.experts.0.up_proj"
+    tensors[f"{expert0}.weight"] = tensors[f"{expert0}.weight"].clone()
+    tensors[f"{expert0}.weight"][0, 0] = float("nan")
+    save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
+    good = _tuples(rederived(lightning / "ckpt", lightning / "source"))
+    got = _tuples(rederived(lightning / "ckpt", source))
+    failed = [t for t in got if not t[1]]
+    assert len(failed) == 1 and failed[0][3] == f"{expert0}.weight_scale" and "NaN" in failed[0][2]
+    assert [t for t in got if t[1]] == [t for t in good if not t[3].startswith(expert0 + ".")]
