@@ -190,6 +190,10 @@ FIGURES = [
     (README, "the closer one in 174 of the 187 blocks and an exact tie in 13", "modelopt-mse-parity-h200.json",
      ("totals", "closer_in_fp64", "exact_tie"), str),
     (README, "882/882 checks hold", "verify-tiny-nemotron-h-gpu.json", ("checks",), lambda v: f"{sum(c['ok'] for c in v)}/{len(v)}"),
+    # README: mutation testing
+    (README, "(5,858 mutants)", "mutation.json", ("groups", "all", "total"), lambda v: f"({v:,} mutants)"),
+    (README, "except 128 that no input can tell", "mutation.json", ("groups", "all", "equivalent"), str),
+    (README, "and 26 that only a CUDA device can", "mutation.json", ("groups", "all", "cuda_only"), str),
     # README: engines
     (README, "| Nemotron-H `nemotron-h-nvfp4-w4a4` | 1137, 0, 0 | 1137, 0, 0 | PASS |", "engines.json",
      ("results", "sglang", "ckpts-now/nh-nemotron-h-nvfp4-w4a4", "written"), str),
