@@ -236,13 +236,7 @@ def _quantize_interrupted(args: argparse.Namespace | None) -> int:
     if job.progress:
         print(file=sys.stderr)  # end the progress bar's line
     try:
-        saved = CalibState.read(calib_state_dir(output))
-        if saved is None:  # a data-parallel run: one snapshot per rank
-            ranks = CalibState(calib_state_dir(output), {}).rank_counts()
-            if ranks:
-                world = max(ranks)
-                parts = [CalibState.read(calib_state_dir(output) / f"rank-{r}-of-{world}") for r in range(world)]
-                saved = {"done": sum(int(p["done"]) for p in parts if p is not None)}
+        saved = CalibState.read_any(calib_state_dir(output))
     except ValueError:
         saved = None
     if saved is None:

@@ -104,13 +104,14 @@ def reduce_statistics(stats: Statistics, device: torch.device) -> Statistics:
     import torch.distributed as dist
 
     comm = _comm_device(device)
-    mine = {
-        "input_amax": {k: (tuple(v.shape), str(v.dtype)) for k, v in stats.input_amax.items()},
-        "sq_sum": {k: (tuple(v.shape), str(v.dtype)) for k, v in stats.sq_sum.items()},
-        "sq_count": {k: (tuple(v.shape), str(v.dtype)) for k, v in stats.sq_count.items()},
-        "kv_amax": {k: (tuple(v[0].shape), str(v[0].dtype)) for k, v in stats.kv_amax.items()},
-        "expert_tokens": {k: (tuple(v.shape), str(v.dtype)) for k, v in stats.expert_tokens.items()},
+    # every statistic as {kind: {key: tensor}}, the KV pair split into its two maxima
+    stores = {
+        "input_amax": stats.input_amax, "sq_sum": stats.sq_sum, "sq_count": stats.sq_count, "expert_tokens": stats.expert_tokens,
+        "kv_k": {k: v[0] for k, v in stats.kv_amax.items()}, "kv_v": {k: v[1] for k, v in stats.kv_amax.items()},
     }
+    ops = {"input_amax": dist.ReduceOp.MAX, "kv_k": dist.ReduceOp.MAX, "kv_v": dist.ReduceOp.MAX,
+           "sq_sum": dist.ReduceOp.SUM, "sq_count": dist.ReduceOp.SUM, "expert_tokens": dist.ReduceOp.SUM}
+    mine = {kind: {k: (tuple(v.shape), str(v.dtype)) for k, v in store.items()} for kind, store in stores.items()}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     union: dict[str, dict] = {kind: {} for kind in mine}
@@ -120,28 +121,17 @@ def reduce_statistics(stats: Statistics, device: torch.device) -> Statistics:
                 if union[kind].setdefault(key, meta) != meta:
                     raise RuntimeError(f"ranks disagree on the shape of calibration statistic {kind}:{key}: {union[kind][key]} vs {meta}")
 
-    def reduced(store: dict, key: str, meta, op) -> torch.Tensor:
-        shape, dtype = meta
-        t = store.get(key)
-        t = torch.zeros(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=comm) if t is None else t.detach().to(comm)
-        t = t.clone()
-        dist.all_reduce(t, op=op)
-        return t.to(device)
-
-    out = Statistics()
-    for key in sorted(union["input_amax"]):
-        out.input_amax[key] = reduced(stats.input_amax, key, union["input_amax"][key], dist.ReduceOp.MAX)
-    for key in sorted(union["sq_sum"]):
-        out.sq_sum[key] = reduced(stats.sq_sum, key, union["sq_sum"][key], dist.ReduceOp.SUM)
-    for key in sorted(union["sq_count"]):
-        out.sq_count[key] = reduced(stats.sq_count, key, union["sq_count"][key], dist.ReduceOp.SUM)
-    for key in sorted(union["expert_tokens"]):
-        out.expert_tokens[key] = reduced(stats.expert_tokens, key, union["expert_tokens"][key], dist.ReduceOp.SUM)
-    ks = {k: v[0] for k, v in stats.kv_amax.items()}
-    vs = {k: v[1] for k, v in stats.kv_amax.items()}
-    for key in sorted(union["kv_amax"]):
-        meta = union["kv_amax"][key]
-        out.kv_amax[key] = (reduced(ks, key, meta, dist.ReduceOp.MAX), reduced(vs, key, meta, dist.ReduceOp.MAX))
+    reduced: dict[str, dict] = {kind: {} for kind in stores}
+    for kind, store in stores.items():  # the same keys in the same order on every rank
+        for key in sorted(union[kind]):
+            shape, dtype = union[kind][key]
+            t = store.get(key)
+            t = torch.zeros(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=comm) if t is None else t.detach().to(comm).clone()
+            dist.all_reduce(t, op=ops[kind])
+            reduced[kind][key] = t.to(device)
+    out = Statistics(input_amax=reduced["input_amax"], sq_sum=reduced["sq_sum"], sq_count=reduced["sq_count"],
+                     expert_tokens=reduced["expert_tokens"],
+                     kv_amax={k: (reduced["kv_k"][k], reduced["kv_v"][k]) for k in reduced["kv_k"]})
     seen = torch.tensor([stats.tokens_seen], dtype=torch.int64, device=comm)
     dist.all_reduce(seen)
     out.tokens_seen = int(seen.item())

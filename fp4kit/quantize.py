@@ -94,6 +94,18 @@ class CalibState:
                 found.add(int(m[2]))
         return found
 
+    @classmethod
+    def read_any(cls, folder: Path) -> dict | None:
+        """The record of a one-process snapshot, or for a data-parallel run's per-rank snapshots
+        ({"done": the samples all ranks hold}); None where there is neither."""
+        saved = cls.read(folder)
+        worlds = cls(folder, {}).rank_counts()
+        if saved is not None or not worlds:
+            return saved
+        world = max(worlds)
+        parts = [cls.read(Path(folder) / f"rank-{r}-of-{world}") for r in range(world)]
+        return {"done": sum(int(p["done"]) for p in parts if p is not None)}
+
     def batch_size(self) -> int | None:
         """The batch size the snapshot's run calibrated with (data-parallel runs record it)."""
         saved = self.read(self.folder)
@@ -318,19 +330,11 @@ def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _read_back(values: list) -> list[float]:
-    """0-d tensors (and numbers) as floats, with one transfer per device."""
-    out: list[float | None] = [None] * len(values)
-    by_device: dict = {}
-    for i, v in enumerate(values):
-        by_device.setdefault(v.device if isinstance(v, torch.Tensor) else None, []).append(i)
-    for device, idx in by_device.items():
-        if device is None:
-            for i in idx:
-                out[i] = float(values[i])
-            continue
-        host = torch.stack([values[i].double().reshape(()) for i in idx]).cpu().tolist()
-        for i, x in zip(idx, host):
-            out[i] = x
+    """0-d tensors (and numbers) as floats, with one transfer per device (`_to_host`)."""
+    tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    out = [None if isinstance(v, torch.Tensor) else float(v) for v in values]
+    for i, host in zip(tensors, _to_host([values[i].double().reshape(1) for i in tensors])):
+        out[i] = host.item()
     return out
 
 

@@ -839,7 +839,8 @@ def test_rederive_checks_every_tensor_and_reports_each_hole_in_its_place(lightni
     assert _tuples(rederived(ckpt, lightning / "source")) == sorted(want, key=str)
 
 
-def test_rederive_compares_the_source_tensors_transformers_drops(lightning, tmp_path):
+def edited_source(lightning: Path, tmp_path: Path, edit) -> Path:
+    """A copy of the fixture's BF16 source whose tensors `edit` changes in place (a dict)."""
     import shutil
 
     from safetensors.torch import load_file
@@ -847,9 +848,14 @@ def test_rederive_compares_the_source_tensors_transformers_drops(lightning, tmp_
     source = tmp_path / "source"
     shutil.copytree(lightning / "source", source)
     tensors = load_file(str(source / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
+    return source
+
+
+def test_rederive_compares_the_source_tensors_transformers_drops(lightning, tmp_path):
     mtp = torch.arange(8, dtype=torch.bfloat16).reshape(2, 4)
-    save_file({**tensors, "mtp.layers.0.fc.weight": mtp, "mtp.layers.0.norm.weight": mtp[0].clone()}, str(source / "model.safetensors"),
-              metadata={"format": "pt"})
+    source = edited_source(lightning, tmp_path, lambda t: t.update({"mtp.layers.0.fc.weight": mtp, "mtp.layers.0.norm.weight": mtp[0].clone()}))
     good = _tuples(rederived(lightning / "ckpt", lightning / "source"))
     missing = [("rederive", False, "in the source but missing from the checkpoint", f"mtp.layers.0.{n}.weight") for n in ("fc", "norm")]
     assert _tuples(rederived(lightning / "ckpt", source)) == sorted([*good, *missing], key=str)
@@ -928,17 +934,13 @@ def test_rederive_checks_every_member_of_a_bf16_expert_stack(bf16_experts):
 
 
 def test_rederive_names_a_stack_member_it_cannot_quantize_and_checks_the_rest(lightning, tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file
-
-    source = tmp_path / "source"
-    shutil.copytree(lightning / "source", source)
-    tensors = load_file(str(source / "model.safetensors"))
     expert0 = "backbone.layers.1.mixer.experts.0.up_proj"
-    tensors[f"{expert0}.weight"] = tensors[f"{expert0}.weight"].clone()
-    tensors[f"{expert0}.weight"][0, 0] = float("nan")
-    save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
+
+    def nan_in_expert0(tensors):
+        tensors[f"{expert0}.weight"] = tensors[f"{expert0}.weight"].clone()
+        tensors[f"{expert0}.weight"][0, 0] = float("nan")
+
+    source = edited_source(lightning, tmp_path, nan_in_expert0)
     good = _tuples(rederived(lightning / "ckpt", lightning / "source"))
     got = _tuples(rederived(lightning / "ckpt", source))
     failed = [t for t in got if not t[1]]
