@@ -4,9 +4,10 @@
 forward into a transformers `StaticCache` (fixed-size key/value tensors for the attention layers,
 fixed-size conv and SSM states for the Mamba layers), then decodes one token per step. A step
 reads and writes only tensors whose addresses never change: the cache, the input ids, the
-positions and the attention mask. On CUDA that step is captured once per batch bucket as a
-`torch.cuda.CUDAGraph` and replayed per token; on the CPU, or with graph=False, the same step runs
-eagerly. The tokens equal transformers' `model.generate(do_sample=False)` (left padding, EOS
+positions, the attention mask and, for greedy decoding, the picked tokens and the rows that have
+finished (the argmax and the EOS check run inside the step). On CUDA that step is captured once
+per batch bucket as a `torch.cuda.CUDAGraph` and replayed per token, with one read-back of the
+new tokens per step; on the CPU, or with graph=False, the same step runs eagerly. The tokens equal transformers' `model.generate(do_sample=False)` (left padding, EOS
 stopping and padding of finished rows as it does them), for BF16 models and for models loaded
 with `load_quantized`.
 """
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from .models import cache_argument
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 WARMUP_STEPS = 2  # eager runs on a side stream before capture: lazy kernel compiles and allocations
@@ -49,12 +52,21 @@ class _StaticStep:
     """One bucket's decode state: every tensor the step reads or writes, allocated once."""
 
     cache: object  # transformers.StaticCache
-    input_ids: torch.Tensor  # [B, 1]
+    input_ids: torch.Tensor  # [B, 1]: the token the next step reads
     position_ids: torch.Tensor  # [B, 1]
     mask: torch.Tensor  # [B, 1, 1, max_len]: bool (sdpa) or additive (eager)
+    column: torch.Tensor  # [1]: the cache slot the token in input_ids goes to
+    done: torch.Tensor  # [B] bool: rows that have produced EOS
+    token: torch.Tensor  # [B]: the token the last step picked (pad for finished rows)
+    eos: torch.Tensor | None  # [E]: the model's EOS ids
+    pad: torch.Tensor  # 0-d: the token finished rows are given
+    greedy: bool  # the pick (argmax) runs inside the step, and so inside its graph
     graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None  # the captured step's output, [B, 1, vocab]
+    logits: torch.Tensor | None = None  # the last step's output, [B, 1, vocab] (the captured one under a graph)
     counts: dict = field(default_factory=lambda: {"captures": 0, "replays": 0})
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.input_ids, self.position_ids, self.mask, self.column, self.done, self.token]
 
 
 def bucket_for(batch: int, buckets: Sequence[int]) -> int:
@@ -100,29 +112,62 @@ def _eos_ids(model) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-def _new_step(model, batch: int, max_len: int, device: torch.device) -> _StaticStep:
+def _new_step(model, batch: int, max_len: int, device: torch.device, eos: list[int], pad: int,
+              greedy: bool) -> _StaticStep:
     from transformers import StaticCache
 
     impl = model.config._attn_implementation
     if impl not in MASKED_ATTENTION:
         raise ValueError(f"the static decode step builds its own attention mask, which {impl!r} attention does not take; "
                          f"load the model with attn_implementation one of {MASKED_ATTENTION}")
+    # Closed columns: False (sdpa) or the dtype's lowest value (eager), so a zero fill closes them all.
     mask_dtype = torch.bool if impl == "sdpa" else model.dtype
+    mask = torch.zeros(batch, 1, 1, max_len, dtype=mask_dtype, device=device)
+    if mask_dtype != torch.bool:
+        mask.fill_(torch.finfo(mask_dtype).min)
     return _StaticStep(
         cache=StaticCache(config=model.config, max_cache_len=max_len),
         input_ids=torch.zeros(batch, 1, dtype=torch.long, device=device),
         position_ids=torch.zeros(batch, 1, dtype=torch.long, device=device),
-        mask=torch.zeros(batch, 1, 1, max_len, dtype=mask_dtype, device=device),
+        mask=mask,
+        column=torch.zeros(1, dtype=torch.long, device=device),
+        done=torch.zeros(batch, dtype=torch.bool, device=device),
+        token=torch.zeros(batch, dtype=torch.long, device=device),
+        eos=torch.tensor(eos, dtype=torch.long, device=device) if eos else None,
+        pad=torch.tensor(pad, dtype=torch.long, device=device),
+        greedy=greedy,
     )
 
 
-def _set_mask(s: _StaticStep, allowed: torch.Tensor, start: int) -> None:
-    """Columns start.. of the mask from `allowed` ([B, k] bool): open where true, closed elsewhere."""
-    cols = slice(start, start + allowed.shape[1])
+def _open(s: _StaticStep, allowed: torch.Tensor) -> None:
+    """The prompt's columns of the mask, from `allowed` ([B, width] bool): open where true."""
+    cols = slice(0, allowed.shape[1])
     if s.mask.dtype == torch.bool:
         s.mask[:, 0, 0, cols] = allowed
     else:
         s.mask[:, 0, 0, cols] = torch.where(allowed, 0.0, torch.finfo(s.mask.dtype).min).to(s.mask.dtype)
+
+
+def _advance(s: _StaticStep, token: torch.Tensor) -> None:
+    """Takes the picked tokens ([B]): finished rows get the pad token, the tokens become the next
+    step's input, and rows that picked EOS are marked done. Device tensors only, no host sync."""
+    token = torch.where(s.done, s.pad, token)
+    s.token.copy_(token)
+    s.input_ids.copy_(token[:, None])
+    if s.eos is not None:
+        s.done |= (token[:, None] == s.eos).any(-1)
+
+
+def _step(model, s: _StaticStep) -> None:
+    """One decode step: the token in input_ids enters the cache at `column` (its mask column
+    opens), the model runs, and for greedy decoding the argmax is taken. Reads and writes only
+    the step's own tensors, so it can be captured and replayed."""
+    s.mask.index_fill_(3, s.column, True if s.mask.dtype == torch.bool else 0.0)
+    s.column.add_(1)
+    s.position_ids.add_(1)
+    s.logits = _forward(model, s)
+    if s.greedy:
+        _advance(s, s.logits[:, -1].argmax(-1))
 
 
 def _masks(model, s: _StaticStep):
@@ -136,7 +181,7 @@ def _masks(model, s: _StaticStep):
 
 def _forward(model, s: _StaticStep) -> torch.Tensor:
     out = model(input_ids=s.input_ids, position_ids=s.position_ids, attention_mask=_masks(model, s),
-                cache=s.cache, use_cache=True, logits_to_keep=1)
+                **{cache_argument(model): s.cache}, use_cache=True, logits_to_keep=1)
     return out.logits
 
 
@@ -153,8 +198,8 @@ def _state_tensors(cache) -> list[torch.Tensor]:
 
 
 def _capture(model, s: _StaticStep) -> None:
-    """Warm up, then capture one decode step; the cache is left as the prefill wrote it."""
-    saved = [(t, t.clone()) for t in _state_tensors(s.cache)]
+    """Warm up, then capture one decode step; every tensor is left as the prefill wrote it."""
+    saved = [(t, t.clone()) for t in _state_tensors(s.cache) + s.buffers()]
 
     def restore():
         for t, copy in saved:
@@ -164,12 +209,12 @@ def _capture(model, s: _StaticStep) -> None:
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(WARMUP_STEPS):
-            _forward(model, s)
+            _step(model, s)
             restore()
     torch.cuda.current_stream().wait_stream(side)
     s.graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(s.graph):
-        s.logits = _forward(model, s)
+        _step(model, s)
     restore()
     torch.cuda.current_stream().synchronize()
     s.counts["captures"] += 1
@@ -215,47 +260,41 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
     pad = pad if pad is not None else (eos[0] if eos else 0)
 
     start = time.perf_counter()
-    s = _new_step(model, rows, max_len, device)
+    s = _new_step(model, rows, max_len, device, eos, pad, greedy)
     # Prefill: the model's forward over the prompts, positions counted over the real tokens.
     positions = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, cache=s.cache,
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, **{cache_argument(model): s.cache},
                    use_cache=True, logits_to_keep=1).logits
-    _set_mask(s, torch.zeros(rows, max_len, dtype=torch.bool, device=device), 0)
-    _set_mask(s, attn.bool(), 0)
+    _open(s, attn.bool())
     s.position_ids.copy_(positions[:, -1:])
+    s.column.fill_(width)
+    _advance(s, _pick(logits[:, -1], greedy, generator))
 
     if graph:
         _capture(model, s)
 
-    eos_t = torch.tensor(eos, device=device, dtype=torch.long)
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    eos_set = set(eos)
+    finished = [False] * n
     out: list[list[int]] = [[] for _ in range(n)]
     steps = 0
     for t in range(max_new_tokens):
         if t > 0:
-            # The token just picked enters the cache at slot width + t - 1.
-            _set_mask(s, torch.ones(rows, 1, dtype=torch.bool, device=device), width + t - 1)
-            s.position_ids.add_(1)
             if graph:
                 s.graph.replay()
                 s.counts["replays"] += 1
-                logits = s.logits
             else:
-                logits = _forward(model, s)
+                _step(model, s)
+            if not greedy:
+                _advance(s, _pick(s.logits[:, -1], greedy, generator))
             steps += 1
-        token = _pick(logits[:, -1], greedy, generator)
-        token = torch.where(done, torch.full_like(token, pad), token)
-        s.input_ids.copy_(token[:, None])
-        host = token[:n].tolist()
-        finished = done[:n].tolist()
+        host = s.token[:n].tolist()  # the step's one wait for the device
         for i in range(n):
             if not finished[i]:
                 out[i].append(host[i])
         if stream is not None:
             stream([None if finished[i] else host[i] for i in range(n)])
-        if eos:
-            done |= torch.isin(token, eos_t)
-        if bool(done[:n].all()):
+        finished = [f or host[i] in eos_set for i, f in enumerate(finished)]
+        if all(finished):
             break
     seconds = time.perf_counter() - start
 

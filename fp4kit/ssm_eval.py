@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .formats import fp16sr
+from .models import cache_argument
 
 STATE_FORMATS = ("fp32", "fp16", "fp16-sr")
 BUCKETS = ((0, 512), (512, 2048), (2048, 8192), (8192, None))
@@ -118,7 +119,7 @@ def _bucket(pos: int) -> str:
 
 
 def _step(model, ids: torch.Tensor, cache):
-    out = model(input_ids=ids, cache=cache, use_cache=True)
+    out = model(input_ids=ids, **{cache_argument(model): cache}, use_cache=True)
     return out.logits[:, -1].float(), out.cache if getattr(out, "cache", None) is not None else out.past_key_values
 
 
@@ -129,33 +130,40 @@ def teacher_forced(model: nn.Module, tokens: torch.Tensor, variants: list[Varian
     device = next(model.parameters()).device
     b = len(variants)
     rounder = StateRounder(variants, seed, backend)
+    # Every sum stays on the device (float64 where it accumulates over positions), so a step never
+    # waits for the device; the sums are read once at the end.
     sums: dict[str, dict] = {}
-    nll = torch.zeros(b, dtype=torch.float64)
+    nll = torch.zeros(b, dtype=torch.float64, device=device)
+    ids_all = tokens.to(device)
     cache = None
     n = tokens.numel() - 1
     for t in range(n):
-        ids = tokens[t].view(1, 1).expand(b, 1).to(device)
+        ids = ids_all[t].view(1, 1).expand(b, 1)
         logits, cache = _step(model, ids, cache)
         rounder(cache)
         logp = F.log_softmax(logits, dim=-1)
-        target = int(tokens[t + 1])
-        nll -= logp[:, target].double().cpu()
-        kl = (logp[0].exp() * (logp[0] - logp)).sum(-1).double().cpu()  # KL(fp32 row || row)
-        top1 = (logits.argmax(-1) == logits[0].argmax()).cpu()
-        s = sums.setdefault(_bucket(t), {"n": 0, "kl": torch.zeros(b, dtype=torch.float64), "top1": torch.zeros(b), "err": torch.zeros(b, dtype=torch.float64)})
+        nll -= logp[:, ids_all[t + 1]].double()
+        kl = (logp[0].exp() * (logp[0] - logp)).sum(-1).double()  # KL(fp32 row || row)
+        top1 = logits.argmax(-1) == logits[0].argmax()
+        s = sums.setdefault(_bucket(t), {"n": 0, **{k: torch.zeros(b, dtype=torch.float64, device=device)
+                                                      for k in ("kl", "top1", "err")}})
         s["n"] += 1
         s["kl"] += kl
-        s["top1"] += top1.float()
+        s["top1"] += top1.double()
         if state_error:
-            num = torch.zeros(b, dtype=torch.float64)
-            den = 0.0
+            num = torch.zeros(b, dtype=torch.float64, device=device)
+            den = torch.zeros((), dtype=torch.float64, device=device)
             for st in state_tensors(cache):
                 d = (st.double() - st[0:1].double()).flatten(1)
-                num += d.pow(2).sum(1).cpu()
-                den += float(st[0].double().pow(2).sum())
-            s["err"] += (num / max(den, 1e-300)).sqrt()
+                num += d.pow(2).sum(1)
+                den += st[0].double().pow(2).sum()
+            s["err"] += (num / den.clamp_min(1e-300)).sqrt()
         if progress is not None:
             progress(t + 1, n)
+    nll = nll.cpu()
+    for s in sums.values():
+        for k in ("kl", "top1", "err"):
+            s[k] = s[k].cpu()
     rows = []
     for i, v in enumerate(variants):
         row = {"state": v.label, "perplexity": math.exp(nll[i].item() / n), "buckets": {}}

@@ -1,30 +1,31 @@
-"""Decode speed: the BF16 model vs its fp4kit checkpoint loaded back, greedy generate, same prompts.
+"""Decode speed: BF16 against its fp4kit checkpoints loaded back, both decoded by `fp4kit.generate`
+with one CUDA graph per batch bucket, and BF16 through transformers' eager `model.generate`.
 
-Builds a Nemotron-H slice with the real widths of Nemotron-3-Nano (as scripts/bench_calibration.py:
-hidden 2688, 128 experts top-6, Mamba 64x64 heads, 32/2 attention heads) and random weights on one
-GPU, quantizes it under a recipe (default nemotron-h-w4a16-4o6: experts NVFP4 W4A16 4/6, Mamba
-in/out_proj FP8, KV cache FP8) on random calibration tokens, exports the checkpoint to a temporary
-folder and loads it back with `fp4kit.load_quantized` (Triton kernels on CUDA). Then, per batch size,
-side by side in one process:
+Builds the first `--layers` layers of Nemotron-3-Nano (configs/models/, default 26: the half model)
+on one GPU with random weights (N(0, 0.02), each row scaled by a log-normal factor, as
+scripts/dry_run.py), quantizes it under each recipe (default: nemotron-h-w4a16-4o6 and
+modelopt-lightning, whose lm_head is W4A16 too) on random calibration tokens, exports the
+checkpoint to a temporary folder and loads it back with `fp4kit.load_quantized` (Triton kernels on
+CUDA). Then, per batch size, side by side in one process, interleaved:
 
-  decode time = median time of generate(N new tokens) - median time of generate(1 new token),
-                greedy, min_new_tokens = N, transformers' default (hybrid Mamba + attention) cache
+  decode time = median time of generate(N new tokens) - median time of generate(1 new token)
   tokens/s    = batch * (N - 1) / decode time  (the N - 1 tokens that come from decode steps;
-                the first new token comes from the prefill, which both timings contain)
+                prefill, cache allocation and graph capture are in both timings and cancel)
 
-and checks that the checkpoint generates: row 0's new tokens from both models, the fraction of
-positions where they agree (free-running greedy diverges for good at the first disagreement, so
-the agreeing prefix is reported too), and the teacher-forced agreement (both models read the BF16
-model's output and predict each next token; the fraction of equal argmaxes). With random weights
-the logits are nearly flat, so disagreements there say little about quantization quality.
+for `graph` (fp4kit.generate, captured step) and, for BF16 at `--eager-batches`, `eager`
+(transformers' model.generate). Every row runs the full N tokens (EOS is switched off). GPU memory
+is measured, not computed: the weights (allocated bytes added by building or loading a model) and
+the peak a generate adds over them (static caches, activations, the graph's pool). Also checks
+that the checkpoint generates: row 0's tokens against BF16's, the agreeing prefix, and the
+teacher-forced agreement; and records the host time of one eager W4A16 call (M = 1).
 
-Writes benchmarks/results/decode-<gpu>.json (with its date, command and versions) and prints a
-table.
+Writes benchmarks/results/decode-graph-<gpu>.json (with its date, command and versions) and prints
+a table.
 
-    python scripts/bench_decode.py [--pattern MEM*EME] [--batches 1,16] [--new-tokens 128]
+    python scripts/bench_decode.py [--layers 26] [--batches 1,16,64] [--prompt-len 512] [--new-tokens 256]
 
 Smoke run of the same flow on the embedded tiny model (trained, 4096-token vocabulary), on the CPU
-with fp4kit's exact emulation; writes to a temporary file unless --out is given:
+with fp4kit's exact emulation and no graph; writes to a temporary file unless --out is given:
 
     python scripts/bench_decode.py --device cpu --tiny
 """
@@ -32,6 +33,7 @@ with fp4kit's exact emulation; writes to a temporary file unless --out is given:
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -44,16 +46,19 @@ from pathlib import Path
 import torch
 from benchlib.record import run_record
 
+from fp4kit.decode import generate as fp4kit_generate
 from fp4kit.export.load import load_quantized
 from fp4kit.export.modelopt import export_checkpoint
 from fp4kit.models.nemotron_h import NANO_WIDTHS
 from fp4kit.quantize import DEFAULT_RECIPE, quantize
 from fp4kit.recipe import load_recipe
 
-# Run sizes: the real-width slice on a GPU, and the embedded tiny model for a CPU smoke run.
+# Run sizes: the half model on a GPU, and the embedded tiny model for a CPU smoke run.
 DEFAULTS = {
-    "slice": dict(batches="1,16", prompt_len=64, new_tokens=128, reps=3, calib_samples=8, calib_len=512),
-    "tiny": dict(batches="1,4", prompt_len=16, new_tokens=12, reps=2, calib_samples=4, calib_len=128),
+    "slice": dict(batches="1,16,64", prompt_len=512, new_tokens=256, reps=3, calib_samples=8, calib_len=512,
+                  recipes=f"{DEFAULT_RECIPE},modelopt-lightning", eager_batches="1"),
+    "tiny": dict(batches="1,4", prompt_len=16, new_tokens=12, reps=2, calib_samples=4, calib_len=128,
+                 recipes=DEFAULT_RECIPE, eager_batches="1"),
 }
 
 
@@ -62,8 +67,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def allocated(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
 def build_slice(pattern: str, device: torch.device, generator: torch.Generator):
-    """The real-width Nemotron-H slice, random bf16 weights N(0, 0.02) (as bench_calibration.py)."""
+    """A Nemotron-H of Nano's widths with any pattern, random bf16 weights N(0, 0.02)."""
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     cfg = NemotronHConfig(hybrid_override_pattern=pattern, **NANO_WIDTHS)
@@ -74,23 +88,32 @@ def build_slice(pattern: str, device: torch.device, generator: torch.Generator):
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.02, generator=generator)
-    return model, None
+    return model
 
 
-def generate(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor]:
-    """Seconds for one greedy generate of exactly `new_tokens` tokens, and the new tokens [B, N]."""
+def build_nano_layers(layers: int, device: torch.device, seed: int):
+    """The first `layers` layers of Nemotron-3-Nano, built as scripts/dry_run.py builds them."""
+    from dry_run import build_model, nano_config
+
+    return build_model(nano_config(layers), device=str(device), seed=seed)
+
+
+def timed_generate(model, prompts: torch.Tensor, new_tokens: int, how: str) -> tuple[float, list[list[int]]]:
+    """Seconds for one greedy generate of exactly `new_tokens` tokens per row, and the tokens."""
     sync(prompts.device)
     t0 = time.perf_counter()
-    out = model.generate(
-        input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False, pad_token_id=model.generation_config.pad_token_id or 0,
-    )
+    if how == "eager":
+        out = model.generate(
+            input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, pad_token_id=model.generation_config.pad_token_id or 0,
+        )[:, prompts.shape[1]:].tolist()
+    else:
+        out = fp4kit_generate(model, None, prompts.tolist(), new_tokens, graph=how == "graph").tokens
     sync(prompts.device)
     seconds = time.perf_counter() - t0
-    new = out[:, prompts.shape[1]:]
-    if tuple(new.shape) != (prompts.shape[0], new_tokens):
-        raise RuntimeError(f"generate returned {tuple(new.shape)} new tokens, expected {(prompts.shape[0], new_tokens)}")
-    return seconds, new
+    if [len(r) for r in out] != [new_tokens] * prompts.shape[0]:
+        raise RuntimeError(f"{how} generate returned rows of {sorted({len(r) for r in out})} tokens, expected {new_tokens}")
+    return seconds, out
 
 
 def teacher_forced_argmax(model, sequence: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -100,38 +123,49 @@ def teacher_forced_argmax(model, sequence: torch.Tensor, new_tokens: int) -> tor
     return logits[:, :-1].argmax(-1)
 
 
-def agreement(ref: torch.Tensor, test: torch.Tensor, forced_ref: torch.Tensor, forced_test: torch.Tensor) -> dict:
-    same = ref == test
+def agreement(ref: list[list[int]], test: list[list[int]]) -> dict:
+    same = torch.tensor(ref) == torch.tensor(test)
     return {
-        "row0_tokens_bf16": ref[0].tolist(),
-        "row0_tokens_fp4kit": test[0].tolist(),
         "row0_agree": same[0].float().mean().item(),
         "row0_agree_prefix": int(same[0].long().cumprod(0).sum()),
         "all_rows_agree": same.float().mean().item(),
-        "teacher_forced_agree": (forced_ref == forced_test).float().mean().item(),
     }
 
 
-def bench_batch(models: dict, prompts: torch.Tensor, new_tokens: int, reps: int) -> dict:
-    new = {name: generate(m, prompts, new_tokens)[1] for name, m in models.items()}  # warm-up: compiles kernels
-    times = {name: {"one": [], "all": []} for name in models}
-    for _ in range(reps):  # interleaved, so drift hits both alike
-        for name, m in models.items():
-            times[name]["one"].append(generate(m, prompts, 1)[0])
-            times[name]["all"].append(generate(m, prompts, new_tokens)[0])
+def bench_batch(runs: dict, prompts: torch.Tensor, new_tokens: int, reps: int) -> dict:
+    """runs: {label: (model, "graph" | "eager" | "step")}. Timings, memory and tokens per label."""
+    device = prompts.device
     out: dict = {}
+    tokens = {}
+    for label, (model, how) in runs.items():  # warm-up: compiles kernels, and measures the memory a generate adds
+        base = allocated(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        tokens[label] = timed_generate(model, prompts, new_tokens, how)[1]
+        if device.type == "cuda":
+            out[f"generate_peak_extra_bytes_{label}"] = torch.cuda.max_memory_allocated(device) - base
+    times = {label: {"one": [], "all": []} for label in runs}
+    for _ in range(reps):  # interleaved, so drift hits all alike
+        for label, (model, how) in runs.items():
+            times[label]["one"].append(timed_generate(model, prompts, 1, how)[0])
+            times[label]["all"].append(timed_generate(model, prompts, new_tokens, how)[0])
     decoded = prompts.shape[0] * (new_tokens - 1)
-    for name, t in times.items():
+    for label, t in times.items():
         one, full = statistics.median(t["one"]), statistics.median(t["all"])
-        out[f"decode_s_{name}"] = full - one
-        out[f"tokens_per_s_{name}"] = decoded / (full - one)
-        out[f"ms_per_decode_step_{name}"] = 1e3 * (full - one) / (new_tokens - 1)
-        out[f"generate_1_s_{name}"] = t["one"]
-        out[f"generate_{new_tokens}_s_{name}"] = t["all"]
-    out["speedup"] = out["tokens_per_s_fp4kit"] / out["tokens_per_s_bf16"]
-    sequence = torch.cat([prompts, new["bf16"]], dim=1)
-    forced = {name: teacher_forced_argmax(m, sequence, new_tokens) for name, m in models.items()}
-    out.update(agreement(new["bf16"], new["fp4kit"], forced["bf16"], forced["fp4kit"]))
+        out[f"tokens_per_s_{label}"] = decoded / (full - one)
+        out[f"ms_per_decode_step_{label}"] = 1e3 * (full - one) / (new_tokens - 1)
+        out[f"generate_1_s_{label}"] = t["one"]
+        out[f"generate_{new_tokens}_s_{label}"] = t["all"]
+    out["row0_tokens"] = {label: rows[0] for label, rows in tokens.items()}
+    ref = tokens["bf16_graph" if "bf16_graph" in tokens else "bf16_step"]
+    sequence = torch.cat([prompts, torch.tensor(ref, device=device)], dim=1)
+    forced_ref = teacher_forced_argmax(runs["bf16_graph" if "bf16_graph" in runs else "bf16_step"][0], sequence, new_tokens)
+    for label, (model, how) in runs.items():
+        if label.startswith("bf16"):
+            out[f"agree_{label}"] = agreement(ref, tokens[label])
+            continue
+        out[f"agree_{label}"] = {**agreement(ref, tokens[label]),
+                                 "teacher_forced_agree": (forced_ref == teacher_forced_argmax(model, sequence, new_tokens)).float().mean().item()}
     return out
 
 
@@ -143,61 +177,63 @@ def gpu_slug(name: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (with --tiny)")
-    ap.add_argument("--tiny", action="store_true", help="the embedded tiny model instead of the real-width slice")
-    ap.add_argument("--pattern", default="MEM*EME", help="hybrid_override_pattern of the slice")
-    ap.add_argument("--recipe", default=DEFAULT_RECIPE)
+    ap.add_argument("--tiny", action="store_true", help="the embedded tiny model instead of the real-width model")
+    ap.add_argument("--layers", type=int, default=26, help="the first N layers of Nemotron-3-Nano (default 26: the half model)")
+    ap.add_argument("--pattern", help="instead of --layers: a hybrid_override_pattern at Nano's widths, N(0, 0.02) weights")
+    ap.add_argument("--recipes", help=f"comma-separated recipes (default {DEFAULTS['slice']['recipes']}; --tiny {DEFAULT_RECIPE})")
     ap.add_argument("--backend", choices=("triton", "torch"),
-                    help="how the loaded checkpoint computes (default: triton on CUDA, torch on the CPU)")
-    ap.add_argument("--batches", help="comma-separated batch sizes (default 1,16; --tiny 1,4)")
-    ap.add_argument("--prompt-len", type=int, help="prompt tokens (default 64; --tiny 16)")
-    ap.add_argument("--new-tokens", type=int, help="tokens generated per row, >= 2 (default 128; --tiny 12)")
+                    help="how the loaded checkpoints compute (default: triton on CUDA, torch on the CPU)")
+    ap.add_argument("--batches", help="comma-separated batch sizes (default 1,16,64; --tiny 1,4)")
+    ap.add_argument("--eager-batches", help="batch sizes at which BF16's eager model.generate is timed too (default 1)")
+    ap.add_argument("--prompt-len", type=int, help="prompt tokens (default 512; --tiny 16)")
+    ap.add_argument("--new-tokens", type=int, help="tokens generated per row, >= 2 (default 256; --tiny 12)")
     ap.add_argument("--reps", type=int, help="timed repetitions per model and batch (default 3; --tiny 2)")
     ap.add_argument("--calib-samples", type=int, help="random calibration rows (default 8; --tiny 4)")
     ap.add_argument("--calib-len", type=int, help="tokens per calibration row (default 512; --tiny 128)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workdir", help="folder for the temporary checkpoint (default: the system temp folder)")
-    ap.add_argument("--out", help="JSON file (default: benchmarks/results/decode-<gpu>.json; --tiny: a temporary file)")
+    ap.add_argument("--workdir", help="folder for the temporary checkpoints (default: the system temp folder)")
+    ap.add_argument("--out", help="JSON file (default: benchmarks/results/decode-graph-<gpu>.json; --tiny: a temporary file)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
-    ap.add_argument("--launch-shapes", help="a tuning file (the format of fp4kit/kernels/tuning/<gpu>.json, as "
-                                            "scripts/tune_kernels.py writes it) whose launch tables the kernels "
-                                            "use here instead of the package's")
     args = ap.parse_args()
-    launch_shapes = None
-    if args.launch_shapes:
-        from fp4kit.kernels import launch
-
-        launch_shapes = json.loads(Path(args.launch_shapes).read_text())["kernels"]
-        os.environ[launch.TUNING_ENV] = str(Path(args.launch_shapes).resolve())  # read at the first launch
-        launch.tables.cache_clear()
     for key, value in DEFAULTS["tiny" if args.tiny else "slice"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     batches = [int(b) for b in args.batches.split(",")]
+    eager_batches = {int(b) for b in args.eager_batches.split(",") if b}
+    recipes = [r for r in args.recipes.split(",") if r]
     if args.new_tokens < 2:
         ap.error("--new-tokens must be at least 2 (one from the prefill, the rest timed)")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: no CUDA device is available")
     if device.type != "cuda" and not args.tiny:
-        ap.error("the real-width slice needs --device cuda; use --tiny on the CPU")
+        ap.error("the real-width model needs --device cuda; use --tiny on the CPU")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     quantizer = "triton" if device.type == "cuda" else "torch"
     backend = args.backend or quantizer
+    how = "graph" if device.type == "cuda" else "step"  # the same static step, run eagerly off CUDA
     progress = not args.no_progress
 
     g = torch.Generator(device=device).manual_seed(args.seed)
+    base = allocated(device)
     t0 = time.perf_counter()
+    tokenizer = None
     if args.tiny:
         from fp4kit.models.tiny import load_tiny_model
 
         model, tokenizer = load_tiny_model(dtype=torch.bfloat16, device=device)
         source = "the embedded tiny Nemotron-H (trained)"
+    elif args.pattern:
+        model = build_slice(args.pattern, device, g)
+        source = "Nemotron-H at Nano's widths, random N(0, 0.02) weights"
     else:
-        model, tokenizer = build_slice(args.pattern, device, g)
-        source = "real-width Nemotron-H slice, random N(0, 0.02) weights"
+        model = build_nano_layers(args.layers, device, args.seed)
+        source = f"the first {args.layers} layers of Nemotron-3-Nano, random weights with log-normal row factors"
     sync(device)
     build_s = time.perf_counter() - t0
+    weight_bytes = {"bf16": allocated(device) - base}
+    model.generation_config.eos_token_id = None  # every row decodes all its tokens
     cfg = model.config
     vocab = cfg.vocab_size
     params = sum(p.numel() for p in model.parameters())
@@ -207,69 +243,96 @@ def main() -> None:
     calib = torch.randint(0, vocab, (args.calib_samples, args.calib_len), device=device, generator=g)
     prompts = torch.randint(0, vocab, (max(batches), args.prompt_len), device=device, generator=g)
 
-    with tempfile.TemporaryDirectory(dir=args.workdir, prefix="fp4kit-bench-decode-") as tmp:
-        t0 = time.perf_counter()
-        qm = quantize(model, load_recipe(args.recipe), calib, backend=quantizer, progress=progress)
-        qm.calibration = {"spec": f"{args.calib_samples}x{args.calib_len}", "tokens": int(calib.numel()),
-                          "source": "uniformly random token ids", "seed": args.seed}
-        path = export_checkpoint(qm, Path(tmp) / "checkpoint", tokenizer=tokenizer, progress=progress,
-                                 card_extra={"source": source, "title": f"bench_decode {args.recipe}"})
-        quantize_s = {**qm.timings, "total": time.perf_counter() - t0}
-        warnings = list(qm.warnings)
-        del qm
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        checkpoint_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    loaded, checkpoints = {}, {}
+    for recipe in recipes:
+        with tempfile.TemporaryDirectory(dir=args.workdir, prefix="fp4kit-bench-decode-") as tmp:
+            t0 = time.perf_counter()
+            qm = quantize(model, load_recipe(recipe), calib, backend=quantizer, progress=progress)
+            qm.calibration = {"spec": f"{args.calib_samples}x{args.calib_len}", "tokens": int(calib.numel()),
+                              "source": "uniformly random token ids", "seed": args.seed}
+            path = export_checkpoint(qm, Path(tmp) / "checkpoint", tokenizer=tokenizer, progress=progress,
+                                     card_extra={"source": source, "title": f"bench_decode {recipe}"})
+            quantize_s = time.perf_counter() - t0
+            warnings = list(qm.warnings)
+            del qm
+            before = allocated(device)
+            t0 = time.perf_counter()
+            qmodel = load_quantized(path, device=device, backend=backend)
+            sync(device)
+            load_s = time.perf_counter() - t0
+            weight_bytes[recipe] = allocated(device) - before
+            qmodel.generation_config.eos_token_id = None
+            checkpoints[recipe] = {"checkpoint_bytes": sum(f.stat().st_size for f in path.glob("*.safetensors")),
+                                   "quantize_export_s": quantize_s, "load_s": load_s, "warnings": warnings}
+            loaded[recipe] = qmodel
+        print(f"{recipe}: quantize + export {quantize_s:.1f}s, load {load_s:.1f}s, "
+              f"checkpoint {checkpoints[recipe]['checkpoint_bytes'] / 1e9:.3f} GB, weights on the GPU "
+              f"{weight_bytes[recipe] / 1e9:.3f} GB (BF16 {weight_bytes['bf16'] / 1e9:.3f} GB)")
 
-        t0 = time.perf_counter()
-        qmodel = load_quantized(path, device=device, backend=backend)
-        sync(device)
-        load_s = time.perf_counter() - t0
-    print(f"quantize + export {quantize_s['total']:.1f}s, load {load_s:.1f}s, checkpoint {checkpoint_bytes / 1e9:.3f} GB "
-          f"(BF16 weights {bf16_bytes / 1e9:.3f} GB), {len(warnings)} warning(s)")
+    launch = None
+    if device.type == "cuda":
+        from benchlib.w4a16 import host_overhead_us
 
-    models = {"bf16": model, "fp4kit": qmodel}
+        launch = host_overhead_us()
+        print(f"eager launch, host time per call (M = 1, 3712 x 2688): {launch}")
+
     per_batch = {}
     for b in batches:
-        print(f"batch {b}: timing ...", flush=True)
-        per_batch[str(b)] = bench_batch(models, prompts[:b], args.new_tokens, args.reps)
+        runs = {f"bf16_{how}": (model, how)}
+        if b in eager_batches:
+            runs["bf16_eager"] = (model, "eager")
+        runs.update({f"{recipe}_{how}": (m, how) for recipe, m in loaded.items()})
+        print(f"batch {b}: timing {', '.join(runs)} ...", flush=True)
+        r = bench_batch(runs, prompts[:b], args.new_tokens, args.reps)
+        ref = r[f"tokens_per_s_bf16_{how}"]
+        r["speedup_over_bf16_" + how] = {label: r[f"tokens_per_s_{label}"] / ref for label in runs}
+        if "bf16_eager" in runs:
+            r["speedup_over_bf16_eager"] = {label: r[f"tokens_per_s_{label}"] / r["tokens_per_s_bf16_eager"] for label in runs}
+        per_batch[str(b)] = r
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     # transformers runs the Mamba mixers with these packages when installed, else in plain torch.
     mamba_kernels = {name: importlib.util.find_spec(name) is not None for name in ("mamba_ssm", "causal_conv1d")}
     results = {
-        **run_record(), "device": str(device), "quantize_backend": quantizer, "load_backend": backend,
+        **run_record(), "device": str(device), "quantize_backend": quantizer, "load_backend": backend, "decode": how,
         "mamba_kernels_installed": mamba_kernels,
         "model": {
             "source": source, "pattern": cfg.hybrid_override_pattern, "params": params, "hidden_size": cfg.hidden_size,
             "n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
             "moe_intermediate_size": cfg.moe_intermediate_size, "vocab_size": vocab,
             "experts_implementation_bf16": getattr(cfg, "_experts_implementation", None),
+            "attn_implementation": cfg._attn_implementation,
         },
-        "recipe": args.recipe,
+        "recipes": recipes, "checkpoints": checkpoints,
         "calibration": {"samples": args.calib_samples, "seq_len": args.calib_len, "tokens": "uniformly random"},
-        "bf16_weight_bytes": bf16_bytes, "checkpoint_bytes": checkpoint_bytes,
-        "build_s": build_s, "quantize_export_s": quantize_s, "load_s": load_s, "quantize_warnings": warnings,
+        "bf16_weight_bytes": bf16_bytes, "build_s": build_s,
+        "weight_memory_bytes": weight_bytes,
+        "weight_memory_over_bf16": {k: v / weight_bytes["bf16"] for k, v in weight_bytes.items()} if weight_bytes["bf16"] else None,
+        "eager_launch_host_us": launch,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "reps": args.reps,
         "tokens_per_s": "batch * (new_tokens - 1) / (median generate(new_tokens) - median generate(1))",
         "batches": per_batch,
-        "kernel_launch_shapes": launch_shapes,
     }
 
-    print(f"\n{'batch':>5}{'bf16 tok/s':>13}{'fp4kit tok/s':>14}{'speedup':>9}{'row0 agree':>12}{'prefix':>8}{'forced':>8}")
+    labels = [f"bf16_{how}", "bf16_eager", *(f"{r}_{how}" for r in recipes)]
+    print(f"\n{'batch':>5}" + "".join(f"{lab + ' tok/s':>34}" for lab in labels))
     for b, r in per_batch.items():
-        print(f"{b:>5}{r['tokens_per_s_bf16']:>13.1f}{r['tokens_per_s_fp4kit']:>14.1f}{r['speedup']:>9.3f}"
-              f"{r['row0_agree']:>12.3f}{r['row0_agree_prefix']:>8}{r['teacher_forced_agree']:>8.3f}")
-    for b, r in per_batch.items():
-        print(f"batch {b} row 0 bf16:   {r['row0_tokens_bf16']}")
-        print(f"batch {b} row 0 fp4kit: {r['row0_tokens_fp4kit']}")
+        cells = []
+        for lab in labels:
+            if f"tokens_per_s_{lab}" not in r:
+                cells.append(f"{'-':>34}")
+                continue
+            rel = r[f"speedup_over_bf16_{how}"][lab]
+            cells.append(f"{r[f'tokens_per_s_{lab}']:>24.1f} ({rel:5.2f}x)")
+        print(f"{b:>5}" + "".join(cells))
+    print("weight memory: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in weight_bytes.items()))
 
     if args.out is not None:
         out = Path(args.out)
     elif args.tiny:
         out = Path(tempfile.mkdtemp(prefix="fp4kit-bench-decode-")) / "decode-tiny.json"
     else:
-        out = Path("benchmarks/results") / f"decode-{gpu_slug(gpu)}.json"
+        out = Path("benchmarks/results") / f"decode-graph-{gpu_slug(gpu)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")

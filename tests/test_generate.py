@@ -131,3 +131,21 @@ def test_the_package_root_exports_generate():
     # replace the package attribute on import).
     assert "fp4kit.decode" in __import__("sys").modules
     assert fp4kit.generate is generate
+
+
+def test_the_cache_goes_under_the_name_the_forward_takes():
+    # transformers 5.2x names it `cache`; 5.18 `past_key_values`. Under the other name it would be
+    # swallowed by **kwargs and every step would run without its past.
+    from fp4kit.models import cache_argument
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs):
+            return input_ids
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            return input_ids
+
+    assert cache_argument(New()) == "cache"
+    assert cache_argument(Old()) == "past_key_values"
+    assert cache_argument(models.build_llama()) in ("cache", "past_key_values")

@@ -31,7 +31,10 @@ _MIN_NORMAL_EXP = -6  # log2(E4M3_MIN_NORMAL)
 def _value_table(device: torch.device) -> torch.Tensor:
     table = _TABLES.get(device)
     if table is None:
-        table = torch.tensor(E4M3_VALUES, dtype=torch.float32, device=device)
+        # From page-locked memory the copy is queued, not waited for (a pageable one would
+        # block the host); the source stays referenced by the copy's stream until it runs.
+        host = torch.tensor(E4M3_VALUES, dtype=torch.float32)
+        table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
         _TABLES[device] = table
     return table
 

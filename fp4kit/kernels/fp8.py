@@ -48,7 +48,7 @@ def search_amax(w: torch.Tensor, multipliers) -> torch.Tensor:
     amax = w.abs().amax().float()
     ranges = torch.stack([amax * c for c in mults])  # no host-to-device copy: that would wait
     errors = torch.stack([((x - fake_quant_modelopt(x, r)).double() ** 2).sum() for r in ranges.unbind(0)])
-    chosen = ranges[torch.argmin(errors)].to(w.dtype).float()
+    chosen = ranges.gather(0, torch.argmin(errors).view(1))[0].to(w.dtype).float()  # a tensor index: no read-back
     chosen = torch.where(amax == 0, amax, chosen)
     return torch.where(torch.isfinite(amax), chosen, amax)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from types import ModuleType
 
 from torch import nn
@@ -16,4 +17,12 @@ def adapter_for(model: nn.Module) -> ModuleType:
     return nemotron_h if model_type == nemotron_h.MODEL_TYPE else generic
 
 
-__all__ = ["ROLE_NAMES", "AttentionKV", "Role", "Target", "adapter_for", "generic", "nemotron_h"]
+def cache_argument(model: nn.Module) -> str:
+    """The name under which the model's forward takes its cache: `cache` (transformers 5.2x) or
+    `past_key_values` (5.18 and before). A cache passed under the other name would land in
+    **kwargs and be ignored, and every step would run without its past."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+__all__ = ["ROLE_NAMES", "AttentionKV", "Role", "Target", "adapter_for", "cache_argument", "generic", "nemotron_h"]
