@@ -265,9 +265,10 @@ def main() -> None:
             checkpoints[recipe] = {"checkpoint_bytes": sum(f.stat().st_size for f in path.glob("*.safetensors")),
                                    "quantize_export_s": quantize_s, "load_s": load_s, "warnings": warnings}
             loaded[recipe] = qmodel
+        memory = (f", weights on the GPU {weight_bytes[recipe] / 1e9:.3f} GB (BF16 {weight_bytes['bf16'] / 1e9:.3f} GB)"
+                  if device.type == "cuda" else "")
         print(f"{recipe}: quantize + export {quantize_s:.1f}s, load {load_s:.1f}s, "
-              f"checkpoint {checkpoints[recipe]['checkpoint_bytes'] / 1e9:.3f} GB, weights on the GPU "
-              f"{weight_bytes[recipe] / 1e9:.3f} GB (BF16 {weight_bytes['bf16'] / 1e9:.3f} GB)")
+              f"checkpoint {checkpoints[recipe]['checkpoint_bytes'] / 1e9:.3f} GB{memory}")
 
     launch = None
     if device.type == "cuda":
@@ -306,8 +307,8 @@ def main() -> None:
         "recipes": recipes, "checkpoints": checkpoints,
         "calibration": {"samples": args.calib_samples, "seq_len": args.calib_len, "tokens": "uniformly random"},
         "bf16_weight_bytes": bf16_bytes, "build_s": build_s,
-        "weight_memory_bytes": weight_bytes,
-        "weight_memory_over_bf16": {k: v / weight_bytes["bf16"] for k, v in weight_bytes.items()} if weight_bytes["bf16"] else None,
+        "weight_memory_bytes": weight_bytes if device.type == "cuda" else None,  # allocator bytes: CUDA only
+        "weight_memory_over_bf16": {k: v / weight_bytes["bf16"] for k, v in weight_bytes.items()} if device.type == "cuda" else None,
         "eager_launch_host_us": launch,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "reps": args.reps,
         "tokens_per_s": "batch * (new_tokens - 1) / (median generate(new_tokens) - median generate(1))",
@@ -325,7 +326,8 @@ def main() -> None:
             rel = r[f"speedup_over_bf16_{how}"][lab]
             cells.append(f"{r[f'tokens_per_s_{lab}']:>24.1f} ({rel:5.2f}x)")
         print(f"{b:>5}" + "".join(cells))
-    print("weight memory: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in weight_bytes.items()))
+    if device.type == "cuda":
+        print("weight memory: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in weight_bytes.items()))
 
     if args.out is not None:
         out = Path(args.out)

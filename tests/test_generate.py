@@ -149,3 +149,14 @@ def test_the_cache_goes_under_the_name_the_forward_takes():
     assert cache_argument(New()) == "cache"
     assert cache_argument(Old()) == "past_key_values"
     assert cache_argument(models.build_llama()) in ("cache", "past_key_values")
+
+
+def test_sampling_draws_from_the_generator_outside_the_step():
+    # The pick of a sampled token runs after the step (the step takes only the argmax inside):
+    # the same generator seed gives the same tokens, and a flat random model's draws are not its argmax.
+    model = models.build_llama()
+    model.generation_config.eos_token_id = None
+    ids = [[5, 6, 7, 8]]
+    draw = [generate(model, None, ids, 16, greedy=False, generator=torch.Generator().manual_seed(s)).tokens for s in (0, 0, 1)]
+    assert draw[0] == draw[1] != draw[2]
+    assert draw[0] != generate(model, None, ids, 16).tokens

@@ -1,0 +1,36 @@
+"""scripts/bench_decode.py end to end on the embedded model (CPU, the static step run eagerly):
+every model it compares is timed, the ratios are the tokens/s it reports, and the checkpoint's
+tokens are compared with BF16's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_tiny_run_writes_every_comparison(tmp_path):
+    out = tmp_path / "decode.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "scripts/bench_decode.py", "--device", "cpu", "--tiny", "--no-progress",
+                    "--new-tokens", "3", "--batches", "1,2", "--reps", "1", "--out", str(out)],
+                   cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=600)
+    doc = json.loads(out.read_text())
+    assert doc["decode"] == "step" and doc["recipes"] == ["nemotron-h-w4a16-4o6"]
+    assert doc["weight_memory_bytes"] is None  # allocator bytes exist on CUDA only
+    assert {"date", "command", "versions"} <= doc.keys()
+    one, two = doc["batches"]["1"], doc["batches"]["2"]
+    labels = ["bf16_step", "bf16_eager", "nemotron-h-w4a16-4o6_step"]
+    assert sorted(one["speedup_over_bf16_step"]) == sorted(labels)
+    assert "bf16_eager" not in two["speedup_over_bf16_step"]  # eager only at --eager-batches (1)
+    for label in labels:
+        assert one[f"tokens_per_s_{label}"] > 0
+        assert one["speedup_over_bf16_step"][label] == one[f"tokens_per_s_{label}"] / one["tokens_per_s_bf16_step"]
+        assert len(one["row0_tokens"][label]) == 3
+    # Over the same trained model the static step and transformers' generate give the same tokens.
+    assert one["agree_bf16_eager"]["row0_agree_prefix"] == 3
+    assert 0 <= one["agree_nemotron-h-w4a16-4o6_step"]["teacher_forced_agree"] <= 1
