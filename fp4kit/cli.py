@@ -130,6 +130,9 @@ def _add_quantize(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace the output folder if it exists")
     p.add_argument("--seed", type=int, default=job.seed, help=f"seed of the calibration set's document order (default {job.seed})")
     p.add_argument("--device", default=job.device, help="cpu, cuda, cuda:N, or auto (accelerate device_map)")
+    p.add_argument("--max-memory", metavar="CAPS",
+                   help="with --device auto: how much of each device the model may take, e.g. 0=40GiB,cpu=200GiB "
+                        "(accelerate's max_memory; the rest goes to the next device, then the CPU)")
     p.add_argument("--backend", choices=BACKENDS, help="weight quantizer (default: triton on CUDA, torch on CPU)")
     p.add_argument("--batch-size", type=_batch_size, default=job.batch_size,
                    help="calibration samples per forward pass, or auto: the largest batch the GPU fits, "
@@ -194,7 +197,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, seed=args.seed, device=args.device, backend=args.backend,
         batch_size=args.batch_size, allow_repeat=args.allow_repeat, trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle,
         progress=not args.no_progress, resume=args.resume, checkpoint_every=args.checkpoint_every,
-        arith=args.arith,
+        arith=args.arith, max_memory=args.max_memory,
     )
     launch = args.gpus is not None and not os.environ.get("WORLD_SIZE")
     try:

@@ -6,6 +6,7 @@ calibration set and the export for the CLI.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -342,7 +343,7 @@ def quantize_weights(
     plan: list[Planned], stats: Statistics, *, backend: str, progress: bool, warnings: list[str],
     arith: str = DEFAULT_ARITH,
 ) -> dict[str, QuantizedTarget]:
-    """Every planned weight in its format. The quantized tensors stay on the weight's device, and
+    """Every planned weight in its format. The quantized tensors stay on the device that quantized them, and
     nothing waits for the GPU per weight (`queue_weights`): the input amaxes, the data checks,
     and the SQNR terms and 4/6 fractions are each read back once at the end (a weight that cannot
     be quantized raises then, named as it would be at once)."""
@@ -366,19 +367,28 @@ def queue_weights(
     checks: list[tuple[Planned, list]] = []
     input_scales: list[tuple[list, torch.Tensor | None, float, int, str]] = []
     todo = [p for p in plan if p.rule is not None]
+    # With the Triton kernels every weight is quantized on the GPU, also one that `--device auto`
+    # placed on the CPU (copied over for its turn, its statistics with it).
+    gpu = next((p.target.weight.device for p in todo if p.target.weight.device.type == "cuda"), None) \
+        if backend == "triton" else None
     for p in tqdm(todo, desc="quantize", unit="weight", disable=not progress):
         t, rule = p.target, p.rule
         w = t.weight.detach()
+        if gpu is not None and w.device != gpu:
+            w = w.to(gpu)
         stack = t.is_stack
         n = w.shape[0] if stack else 1
         algo = QUANT_ALGO[rule.format]
         try:
             if rule.format.startswith("nvfp4"):
                 importance = stats.importance(t.key) if rule.importance else None
+                if importance is not None and importance.device != w.device:
+                    importance = importance.to(w.device)
                 if rule.importance and importance is None:
                     warnings.append(f"{t.disk_names[0]}: no E[x^2] was collected; 4/6 uses the plain squared error")
                 deferred: list = []
-                qt, choice = _nvfp4(w, rule, group_amax.get(t.fuse_group), importance, backend, arith, deferred)
+                shared = group_amax.get(t.fuse_group)
+                qt, choice = _nvfp4(w, rule, None if shared is None else shared.to(w.device), importance, backend, arith, deferred)
                 checks.append((p, deferred))
                 signal, noise = _nvfp4_error(w, qt, backend)
                 tensors = {
@@ -586,6 +596,7 @@ class QuantizeJob:
     resume: bool = False
     arith: str = DEFAULT_ARITH  # "cuda": ModelOpt's bytes on CUDA; "cpu": on CPU
     checkpoint_every: int = 8  # calibration batches between statistics snapshots
+    max_memory: str | None = None  # with device "auto": accelerate's per-device caps, "0=40GiB,cpu=200GiB"
 
 
 def _looks_like_path(text: str) -> bool:
@@ -623,6 +634,8 @@ def validate_job(job: QuantizeJob, ranks: int | None = None):
     if job.backend is not None and job.backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {BACKENDS}, got {job.backend!r}")
     check_device(job.device, job.backend)
+    if job.max_memory is not None:
+        parse_max_memory(job.max_memory, job.device)
 
     model_dir = tiny_model_path() if job.model is None else None
     if job.model is not None and _looks_like_path(job.model):
@@ -670,6 +683,36 @@ def validate_job(job: QuantizeJob, ranks: int | None = None):
         check_free_space(weight_bytes, output)
     check_source_size(job.dataset, spec, _token_counter(model_dir), allow_repeat=job.allow_repeat)
     return recipe, spec, model_ref, output
+
+
+_SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?$", re.IGNORECASE)
+
+
+def parse_max_memory(text: str, device: str = "auto") -> dict:
+    """`--max-memory 0=40GiB,1=40GiB,cpu=200GiB` -> accelerate's `max_memory` ({0: "40GiB", ...,
+    "cpu": "200GiB"}): how much of each device the placement of `--device auto` may fill; what
+    does not fit goes to the next device, then to the CPU. A GPU index must exist here."""
+    if device != "auto":
+        raise ValueError(f"--max-memory caps how --device auto spreads the model; it does not apply to --device {device}")
+    caps: dict = {}
+    for part in text.split(","):
+        key, eq, size = (x.strip() for x in part.partition("="))
+        if not eq or not key or not size:
+            raise ValueError(f"--max-memory: {part.strip()!r} is not DEVICE=SIZE (e.g. 0=40GiB or cpu=200GiB)")
+        if not _SIZE.match(size):
+            raise ValueError(f"--max-memory: {size!r} (for {key}) is not a size such as 40GiB, 500MB or 1000000000")
+        if key.isdigit():
+            index = int(key)
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if index >= n:
+                raise ValueError(f"--max-memory: GPU {index} does not exist here ({n} CUDA device(s))")
+            key = index
+        elif key not in ("cpu",):
+            raise ValueError(f"--max-memory: {key!r} is not a GPU index or cpu")
+        if key in caps:
+            raise ValueError(f"--max-memory: {key} is given twice")
+        caps[key] = size.replace(" ", "") if not size.replace(" ", "").isdigit() else int(size)
+    return caps
 
 
 def check_device(device: str, backend: str | None = None) -> None:
@@ -952,9 +995,10 @@ class _KernelFallbacks:
 
 
 def load_model(model_ref: str, *, device: str, trust_remote_code: bool = False, tokenizer: bool = True,
-               allow_pickle: bool = False, progress: bool = True):
+               allow_pickle: bool = False, progress: bool = True, max_memory: dict | None = None):
     """BF16 model (+ tokenizer). Weights from safetensors only unless `allow_pickle`; transformers'
-    own "Loading weights" bar only with `progress`."""
+    own "Loading weights" bar only with `progress`. max_memory (device "auto"): accelerate's caps
+    per device (`parse_max_memory`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -963,6 +1007,8 @@ def load_model(model_ref: str, *, device: str, trust_remote_code: bool = False, 
         # Straight from the files to the device ("auto": accelerate spreads it over GPUs and CPU):
         # no copy of the whole model in host memory.
         kwargs["device_map"] = device
+    if max_memory is not None:
+        kwargs["max_memory"] = max_memory
     bars = hf_logging.is_progress_bar_enabled()
     if not progress:
         hf_logging.disable_progress_bar()
@@ -1001,8 +1047,13 @@ def run(job: QuantizeJob, log=print, checked: tuple | None = None) -> tuple[Quan
     with _KernelFallbacks() as fallbacks:
         t0 = time.perf_counter()
         log(f"loading {model_ref} on {job.device}" + (f" in each of {world} ranks" if world > 1 else ""))
+        caps = parse_max_memory(job.max_memory, job.device) if job.max_memory is not None else None
         model, tokenizer = load_model(model_ref, device=device, trust_remote_code=job.trust_remote_code,
-                                      allow_pickle=job.allow_pickle, progress=progress)
+                                      allow_pickle=job.allow_pickle, progress=progress, max_memory=caps)
+        if caps is not None:
+            where = {f"cuda:{d}" if isinstance(d, int) else str(d) for d in getattr(model, "hf_device_map", {}).values()}
+            where = where or {str(p.device) for p in model.parameters()}
+            log(f"placed over {', '.join(sorted(where))} (--max-memory {job.max_memory})")
         timings["load"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()

@@ -151,3 +151,23 @@ def test_a_nan_weight_is_named_after_the_single_read_back(recipe):
     expected = re.escape(f"{name}.weight (") + r".*" + re.escape(f"): 1 NaN and 0 Inf values (first at {where[-2:]})")
     with pytest.raises(FormatError, match=expected):
         quantize(model, load_recipe(recipe), samples, progress=False)
+
+
+def test_a_model_spread_over_the_gpu_and_the_cpu_gets_the_weights_of_one_on_the_gpu(tmp_path):
+    """`--device auto --max-memory`: accelerate puts the layers that do not fit the GPU's cap on the
+    CPU; the Triton kernels still quantize every weight (each CPU weight copied over for its turn),
+    and every weight tensor equals the all-GPU run's (activation scales come from a forward that
+    ran partly on the CPU, so they may differ in the last bit)."""
+    from fp4kit.quantize import QuantizeJob, run
+
+    base = dict(calib="2x128", progress=False)
+    run(QuantizeJob(device="cuda", output=str(tmp_path / "gpu"), **base), log=lambda m: None)
+    lines: list[str] = []
+    run(QuantizeJob(device="auto", max_memory="0=12MiB,cpu=2GiB", output=str(tmp_path / "spread"), **base),
+        log=lines.append)
+    placed = [line for line in lines if line.startswith("placed over")]
+    assert placed and "cpu" in placed[0] and "cuda:0" in placed[0], lines
+    a, b = CheckpointReader(tmp_path / "gpu"), CheckpointReader(tmp_path / "spread")
+    assert sorted(a.names()) == sorted(b.names())
+    differ = [n for n in a.names() if not torch.equal(_raw(a.get(n)), _raw(b.get(n)))]
+    assert not [n for n in differ if not n.endswith(("input_scale", "k_scale", "v_scale"))], differ
