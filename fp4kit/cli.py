@@ -541,6 +541,11 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda (default: cuda when there is one)")
     p.add_argument("--backend", choices=BACKENDS, help="how quantized layers run (default: triton on CUDA, torch on CPU)")
     p.add_argument("--no-graph", action="store_true", help="run each decode step eagerly instead of replaying a CUDA graph")
+    p.add_argument("--ssm-state", choices=("fp32", "fp16", "fp16-sr"), default="fp32",
+                   help="hold the Mamba SSM state between steps in fp32 (the model's own), fp16, or fp16 with "
+                        "stochastic rounding, as engines' --mamba-ssm-cache-dtype float16 do (default fp32)")
+    p.add_argument("--philox-rounds", type=int, default=5, help="with --ssm-state fp16-sr: Philox rounds (default 5)")
+    p.add_argument("--ssm-seed", type=int, default=0, help="with --ssm-state fp16-sr: seed of the rounding (default 0)")
 
 
 def _cuda() -> bool:
@@ -557,6 +562,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     folder = Path(args.model)
     if args.max_new_tokens < 1:
         return _err(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}", 2)
+    if args.philox_rounds < 1 or not 0 <= args.ssm_seed < 2**30:
+        return _err(f"--philox-rounds must be at least 1 and --ssm-seed in [0, 2^30), got {args.philox_rounds} and {args.ssm_seed}", 2)
     try:
         check_model_folder(folder)
         quantized = read_quant_configs(folder) != (None, None)
@@ -599,7 +606,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         result = generate(model, tokenizer, args.prompt, args.max_new_tokens, graph=False if args.no_graph else None,
-                          stream=stream)
+                          stream=stream, ssm_state=args.ssm_state, philox_rounds=args.philox_rounds, ssm_seed=args.ssm_seed)
     except ValueError as exc:
         return _err(str(exc), 2)
     if single:
@@ -608,8 +615,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         for prompt, text in zip(args.prompt, result.text):
             print(f"{prompt}{text}\n")
     how = "CUDA graph" if result.graph else "eager"
+    state = "" if args.ssm_state == "fp32" else f", SSM state {args.ssm_state}" + (
+        f" R={args.philox_rounds}" if args.ssm_state == "fp16-sr" else "")
     print(f"{sum(map(len, result.tokens))} tokens in {result.seconds:.2f}s: {result.tokens_per_s:.1f} tokens/s "
-          f"({how}, batch {result.batch})", file=sys.stderr)
+          f"({how}, batch {result.batch}{state})", file=sys.stderr)
     return 0
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from .models import cache_argument
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+SSM_STATE_FORMATS = ("fp32", "fp16", "fp16-sr")
 WARMUP_STEPS = 2  # eager runs on a side stream before capture: lazy kernel compiles and allocations
 # Attention implementations whose decode step takes the 4-D mask built here.
 MASKED_ATTENTION = ("sdpa", "eager")
@@ -61,12 +62,62 @@ class _StaticStep:
     eos: torch.Tensor | None  # [E]: the model's EOS ids
     pad: torch.Tensor  # 0-d: the token finished rows are given
     greedy: bool  # the pick (argmax) runs inside the step, and so inside its graph
+    ssm: _StateFormat | None = None  # the SSM state held in fp16 (None: fp32, the model's own)
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # the last step's output, [B, 1, vocab] (the captured one under a graph)
     counts: dict = field(default_factory=lambda: {"captures": 0, "replays": 0})
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self.input_ids, self.position_ids, self.mask, self.column, self.done, self.token]
+        out = [self.input_ids, self.position_ids, self.mask, self.column, self.done, self.token]
+        return out + ([self.ssm.seed] if self.ssm is not None else [])
+
+
+def ssm_states(cache) -> list[torch.Tensor]:
+    """The Mamba SSM states of a transformers cache (5.2x: each linear-attention layer's
+    `recurrent_states`; older: `ssm_states`), [batch, heads, head_dim, state] fp32 each."""
+    out = []
+    for layer in getattr(cache, "layers", []):
+        states = getattr(layer, "recurrent_states", None)
+        if isinstance(states, dict):
+            out.extend(t for t in states.values() if isinstance(t, torch.Tensor))
+        elif isinstance(states, (list, tuple)):
+            out.extend(t for t in states if isinstance(t, torch.Tensor))
+    if not out:
+        out = [t for t in getattr(cache, "ssm_states", []) if isinstance(t, torch.Tensor) and t.numel()]
+    for t in out:
+        if t.dtype != torch.float32:
+            raise ValueError(f"the model keeps its SSM state in {t.dtype}; holding it in fp16 is measured against float32")
+    return out
+
+
+@dataclass
+class _StateFormat:
+    """The SSM state held as a serving engine with `--mamba-ssm-cache-dtype float16` holds it
+    (fp16 values in the cache's fp32 tensors): the prefill's state stored with a plain cast, each
+    step's with round-to-nearest (fp16) or stochastic rounding (fp16-sr, Philox `rounds`).
+    Stochastic seeds: (ssm_seed << 32) + (t - 1) * L + l for decode step t >= 1 and the l-th of the
+    L Mamba layers; the running value lives on the device (`seed`), so a replayed graph draws
+    each step's own words."""
+
+    fmt: str
+    rounds: int
+    states: list[torch.Tensor]
+    seed: torch.Tensor  # [1] int64: the seed of the next step's first layer
+    backend: str  # "triton" (the kernel) or "torch" (the emulator)
+
+    def after_prefill(self) -> None:
+        for st in self.states:
+            st.copy_(st.half().float())
+
+    def after_step(self) -> None:
+        if self.fmt == "fp16":
+            self.after_prefill()
+            return
+        from .kernels.ssm_state import round_state
+
+        for layer, st in enumerate(self.states):
+            round_state(st, layer, self.rounds, out=st, backend=self.backend, base=self.seed)
+        self.seed.add_(len(self.states))
 
 
 def bucket_for(batch: int, buckets: Sequence[int]) -> int:
@@ -166,6 +217,8 @@ def _step(model, s: _StaticStep) -> None:
     s.column.add_(1)
     s.position_ids.add_(1)
     s.logits = _forward(model, s)
+    if s.ssm is not None:
+        s.ssm.after_step()
     if s.greedy:
         _advance(s, s.logits[:, -1].argmax(-1))
 
@@ -230,7 +283,8 @@ def _pick(logits: torch.Tensor, greedy: bool, generator: torch.Generator | None)
 def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greedy: bool = True,
              graph: bool | None = None, batch_buckets: Sequence[int] = DEFAULT_BUCKETS,
              stream: Callable[[list[int | None]], None] | None = None,
-             generator: torch.Generator | None = None) -> Generation:
+             generator: torch.Generator | None = None, ssm_state: str = "fp32", philox_rounds: int = 5,
+             ssm_seed: int = 0) -> Generation:
     """Continue each prompt by up to `max_new_tokens` tokens; a row stops at the model's EOS.
 
     prompts: text (with a tokenizer) or lists of token ids; rows of different lengths are
@@ -240,9 +294,19 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
     to the smallest of `batch_buckets` that holds it (the padding rows repeat the last prompt).
     stream: called after every step with one entry per prompt: the new token, or None for a row
     that has already stopped.
+    ssm_state: the Mamba SSM state between steps as the model keeps it ("fp32"), or held in fp16
+    as serving engines can: "fp16" (round to nearest) or "fp16-sr" (stochastic rounding with
+    `philox_rounds` Philox rounds, seeds from `ssm_seed`; `_StateFormat`), by the Triton kernel
+    on CUDA and the exact emulator elsewhere.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if ssm_state not in SSM_STATE_FORMATS:
+        raise ValueError(f"ssm_state must be one of {', '.join(SSM_STATE_FORMATS)}, got {ssm_state!r}")
+    if isinstance(philox_rounds, bool) or not isinstance(philox_rounds, int) or philox_rounds < 1:
+        raise ValueError(f"philox_rounds must be a positive integer, got {philox_rounds!r}")
+    if isinstance(ssm_seed, bool) or not isinstance(ssm_seed, int) or not 0 <= ssm_seed < 2**30:
+        raise ValueError(f"ssm_seed must be an integer in [0, 2^30), got {ssm_seed!r}")
     device = next(model.parameters()).device
     if graph is None:
         graph = device.type == "cuda"
@@ -268,6 +332,14 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
     _open(s, attn.bool())
     s.position_ids.copy_(positions[:, -1:])
     s.column.fill_(width)
+    if ssm_state != "fp32":
+        states = ssm_states(s.cache)
+        if not states:
+            raise ValueError(f"ssm_state={ssm_state!r}: the model keeps no Mamba SSM state")
+        s.ssm = _StateFormat(ssm_state, philox_rounds, states,
+                             torch.tensor([ssm_seed << 32], dtype=torch.int64, device=device),
+                             "triton" if device.type == "cuda" else "torch")
+        s.ssm.after_prefill()
     _advance(s, _pick(logits[:, -1], greedy, generator))
 
     if graph:

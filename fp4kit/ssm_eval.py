@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .decode import ssm_states as state_tensors
 from .formats import fp16sr
 from .models import cache_argument
 
@@ -65,24 +66,6 @@ def parse_variants(formats: str, rounds: str = "5,10") -> list[Variant]:
         elif f == "fp16-sr":
             out.extend(Variant("fp16-sr", r) for r in rs)
     return list(dict.fromkeys(out))
-
-
-def state_tensors(cache) -> list[torch.Tensor]:
-    """The Mamba SSM states of a transformers cache (5.2x: each linear-attention layer's
-    `recurrent_states`; older: `ssm_states`), [batch, heads, head_dim, state] fp32 each."""
-    out = []
-    for layer in getattr(cache, "layers", []):
-        states = getattr(layer, "recurrent_states", None)
-        if isinstance(states, dict):
-            out.extend(t for t in states.values() if isinstance(t, torch.Tensor))
-        elif isinstance(states, (list, tuple)):
-            out.extend(t for t in states if isinstance(t, torch.Tensor))
-    if not out:
-        out = [t for t in getattr(cache, "ssm_states", []) if isinstance(t, torch.Tensor) and t.numel()]
-    for t in out:
-        if t.dtype != torch.float32:
-            raise ValueError(f"the model keeps its SSM state in {t.dtype}; this comparison needs it in float32")
-    return out
 
 
 class StateRounder:

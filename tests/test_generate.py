@@ -160,3 +160,84 @@ def test_sampling_draws_from_the_generator_outside_the_step():
     draw = [generate(model, None, ids, 16, greedy=False, generator=torch.Generator().manual_seed(s)).tokens for s in (0, 0, 1)]
     assert draw[0] == draw[1] != draw[2]
     assert draw[0] != generate(model, None, ids, 16).tokens
+
+
+@torch.inference_mode()
+def _reference_states(model, prompt: list[int], new: int, fmt: str, rounds: int = 5, seed: int = 0):
+    """The SSM states each decode step starts from, by a plain loop over transformers' own cache:
+    the prefill's state cast to fp16, then each step's rounded as `generate` documents (seed
+    (seed << 32) + (t - 1) * L + l for step t and Mamba layer l)."""
+    from fp4kit.formats import fp16sr
+    from fp4kit.models import cache_argument
+
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    seen, states = [], generate_module.ssm_states(cache)
+    for st in states:
+        st.copy_(st.half().float())
+    token = out.logits[:, -1].argmax(-1)
+    for t in range(1, new):
+        seen.append([st.clone() for st in states])
+        out = model(input_ids=token[:, None], use_cache=True, **{cache_argument(model): cache})
+        for layer, st in enumerate(generate_module.ssm_states(cache)):
+            if fmt == "fp16":
+                st.copy_(st.half().float())
+            else:
+                st.copy_(fp16sr.round_state(st.contiguous(), (seed << 32) + (t - 1) * len(states) + layer, rounds).float())
+        token = out.logits[:, -1].argmax(-1)
+    return seen
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp16-sr"])
+def test_the_ssm_state_is_held_in_fp16_between_steps(monkeypatch, fmt):
+    model = models.build_nemotron_h(hybrid_override_pattern="ME*M")  # two Mamba layers: two seeds per step
+    model.generation_config.eos_token_id = None
+    seen = []
+    forward = generate_module._forward
+
+    def recording(model, s):
+        seen.append([st.clone() for st in generate_module.ssm_states(s.cache)])
+        return forward(model, s)
+
+    monkeypatch.setattr(generate_module, "_forward", recording)
+    prompt = [5, 6, 7, 8, 9]
+    generate(model, None, [prompt], 8, ssm_state=fmt, ssm_seed=3 if fmt == "fp16-sr" else 0)
+    want = _reference_states(model, prompt, 8, fmt, seed=3)
+    assert len(seen) == len(want) == 7 and len(seen[0]) == len(want[0]) == 2
+    for step, (got, ref) in enumerate(zip(seen, want)):
+        for a, b in zip(got, ref):
+            assert torch.equal(a, a.half().float())  # fp16 values
+            assert torch.equal(a, b), (fmt, step)
+    # Kept in fp32, the state is not fp16 (the rounding above is the one generate applied).
+    seen.clear()
+    generate(model, None, [prompt], 3)
+    assert not all(torch.equal(a, a.half().float()) for a in seen[-1])
+
+
+def test_ssm_state_refusals():
+    model = models.build_nemotron_h()
+    with pytest.raises(ValueError, match="ssm_state must be one of fp32, fp16, fp16-sr"):
+        generate(model, None, [[1, 2]], 2, ssm_state="bf16")
+    with pytest.raises(ValueError, match="philox_rounds"):
+        generate(model, None, [[1, 2]], 2, ssm_state="fp16-sr", philox_rounds=0)
+    with pytest.raises(ValueError, match="ssm_seed"):
+        generate(model, None, [[1, 2]], 2, ssm_state="fp16-sr", ssm_seed=2**30)
+    with pytest.raises(ValueError, match="no Mamba SSM state"):
+        generate(models.build_llama(), None, [[1, 2]], 2, ssm_state="fp16")
+
+
+@pytest.mark.slow
+def test_the_command_holds_the_state_as_asked():
+    import subprocess
+    import sys
+
+    from fp4kit.models.tiny import tiny_model_path
+
+    base = [sys.executable, "-m", "fp4kit.cli", "generate", "--model", str(tiny_model_path()), "--prompt", "ROMEO:",
+            "--max-new-tokens", "4", "--device", "cpu"]
+    run = subprocess.run(base + ["--ssm-state", "fp16-sr", "--philox-rounds", "10"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("ROMEO:")
+    assert "4 tokens in" in run.stderr and "(eager, batch 1, SSM state fp16-sr R=10)" in run.stderr
+    bad = subprocess.run(base + ["--ssm-state", "fp16-sr", "--philox-rounds", "0"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --philox-rounds must be at least 1")

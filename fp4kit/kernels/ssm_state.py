@@ -24,10 +24,12 @@ _WHAT = "kernels.ssm_state.round_state"
 
 
 @triton.jit
-def _round_kernel(x_ptr, out_ptr, n, seed, offset, ROUNDS: tl.constexpr, OUT_FP32: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _round_kernel(x_ptr, out_ptr, n, seed, base_ptr, offset, ROUNDS: tl.constexpr, OUT_FP32: tl.constexpr,
+                  BASE: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
+    if BASE:  # the seed is seed + *base_ptr: read on the device, so a captured graph draws new words per replay
+        seed = tl.load(base_ptr) + seed
     x = tl.load(x_ptr + i, mask=ok, other=0.0)
     o = i + offset
     j = o % 4
@@ -50,10 +52,15 @@ def _round_kernel(x_ptr, out_ptr, n, seed, offset, ROUNDS: tl.constexpr, OUT_FP3
 
 
 def round_state(x: torch.Tensor, seed: int, rounds: int, offset: int = 0, *, out: torch.Tensor | None = None,
-                backend: str = "triton") -> torch.Tensor:
+                backend: str = "triton", base: torch.Tensor | None = None) -> torch.Tensor:
     """`fp16sr.round_state(x, seed, rounds, offset)`; with `out` (fp16, or fp32 to hold the fp16
-    values, e.g. x itself) the result is written there and returned."""
+    values, e.g. x itself) the result is written there and returned. base: a 1-element int64
+    tensor on x's device added to the seed where the kernel runs (seed + base[0] must stay in
+    [0, 2^63)), so that a launch replayed from a CUDA graph takes the seed the tensor holds then."""
     check_backend(backend, _round_kernel, x, what=_WHAT)
+    if base is not None and (not isinstance(base, torch.Tensor) or base.dtype != torch.int64 or base.numel() != 1
+                             or base.device != x.device):
+        raise FormatError(f"{_WHAT}: base must be a 1-element int64 tensor on the state's device")
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or not x.is_contiguous():
         raise FormatError(f"{_WHAT}: the state must be a contiguous float32 tensor")
     if not isinstance(seed, int) or not 0 <= seed < 2**63:
@@ -66,10 +73,11 @@ def round_state(x: torch.Tensor, seed: int, rounds: int, offset: int = 0, *, out
             or out.device != x.device:
         raise FormatError(f"{_WHAT}: out must be a contiguous fp16 or fp32 tensor of the state's shape and device")
     if backend == "torch":
-        out.copy_(fp16sr.round_state(x, seed, rounds, offset))
+        out.copy_(fp16sr.round_state(x, seed + (int(base.item()) if base is not None else 0), rounds, offset))
         return out
     n = x.numel()
     if n:
-        _round_kernel[(cdiv(n, _BLOCK),)](x, out, n, seed, offset, ROUNDS=rounds, OUT_FP32=out.dtype == torch.float32,
+        _round_kernel[(cdiv(n, _BLOCK),)](x, out, n, seed, x if base is None else base, offset, ROUNDS=rounds,
+                                          OUT_FP32=out.dtype == torch.float32, BASE=base is not None,
                                           BLOCK=_BLOCK, **launch_options())
     return out

@@ -73,3 +73,14 @@ def test_a_batch_is_padded_up_to_its_bucket(tiny):
     result = generate(model, tok, three, 8, graph=True, batch_buckets=(1, 4))
     assert result.batch == 4 and len(result.tokens) == 3
     assert result.tokens == generate(model, tok, three, 8, graph=False).tokens
+
+
+@pytest.mark.parametrize("fmt,rounds", [("fp16", 5), ("fp16-sr", 5), ("fp16-sr", 10)])
+def test_an_fp16_ssm_state_replays_as_it_runs_eagerly(tiny, fmt, rounds):
+    # The stochastic seeds live on the device, so each replay of the captured step draws that
+    # step's own words: the graph's tokens equal the eager step's (the same Triton kernel).
+    model, tok = tiny
+    graphed = generate(model, tok, PROMPTS, NEW, graph=True, ssm_state=fmt, philox_rounds=rounds, ssm_seed=7)
+    eager = generate(model, tok, PROMPTS, NEW, graph=False, ssm_state=fmt, philox_rounds=rounds, ssm_seed=7)
+    assert graphed.replays == graphed.steps > 0
+    assert graphed.tokens == eager.tokens

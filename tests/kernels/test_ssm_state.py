@@ -49,3 +49,17 @@ def test_torch_backend_is_the_emulator_and_inputs_are_checked():
         ssm_state.round_state(x, 1, 0)
     with pytest.raises(FormatError, match="out must be"):
         ssm_state.round_state(x, 1, 5, out=torch.empty(99, dtype=torch.float16))
+    with pytest.raises(FormatError, match="base must be"):
+        ssm_state.round_state(x, 1, 5, base=torch.tensor([3], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("seed,base", [(0, 7), (5, 2**32), (2**32 + 1, 2**40 + 3)])
+def test_a_seed_read_from_the_device_is_added_to_the_launch_seed(seed, base):
+    # What a replayed graph does: the kernel reads base where it runs; the words are those of seed + base.
+    x = _state(1500, 3)
+    b = torch.tensor([base], dtype=torch.int64)
+    want = fp16sr.round_state(x, seed + base, 5, 4)
+    for backend in ("triton", "torch"):
+        got = ssm_state.round_state(x, seed, 5, 4, base=b, backend=backend)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), backend
+    assert not torch.equal(ssm_state.round_state(x, seed, 5, 4).view(torch.int16), want.view(torch.int16))
