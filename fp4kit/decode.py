@@ -171,7 +171,7 @@ def _new_step(model, batch: int, max_len: int, device: torch.device, eos: list[i
     if impl not in MASKED_ATTENTION:
         raise ValueError(f"the static decode step builds its own attention mask, which {impl!r} attention does not take; "
                          f"load the model with attn_implementation one of {MASKED_ATTENTION}")
-    # Closed columns: False (sdpa) or the dtype's lowest value (eager), so a zero fill closes them all.
+    # Closed columns hold False (sdpa) or the dtype's lowest value (eager: the mask is added to the scores).
     mask_dtype = torch.bool if impl == "sdpa" else model.dtype
     mask = torch.zeros(batch, 1, 1, max_len, dtype=mask_dtype, device=device)
     if mask_dtype != torch.bool:
