@@ -1,0 +1,150 @@
+"""Where a decode step's device time goes: BF16 against its fp4kit checkpoint, both decoded by
+`fp4kit.generate` (one CUDA graph per step), kernels grouped by kind.
+
+Builds the first `--layers` layers of Nemotron-3-Nano on the GPU (scripts/dry_run.py's random
+weights), quantizes it under `--recipe` on random tokens, loads the checkpoint back with the
+Triton kernels, and profiles `generate` of `--steps` + 1 new tokens and of 1 token for each model
+(torch.profiler, CUDA activity); the difference, divided by the steps, is one decode step. Its
+kernels are grouped by name: fp4kit's own Triton kernels, BF16 matrix products, copies,
+elementwise, reductions, top-k and sorting, and the rest.
+
+    python scripts/profile_decode.py [--layers 26] [--batch 1] [--steps 32]
+
+Writes benchmarks/results/decode-profile-<gpu>.json (with its date, command and versions) and
+prints a table. `--device cpu --tiny` profiles the embedded model's aten operators on the CPU
+instead (a smoke run; writes to a temporary file unless --out is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+from benchlib.record import run_record
+
+from fp4kit.decode import generate
+from fp4kit.export.load import load_quantized
+from fp4kit.export.modelopt import export_checkpoint
+from fp4kit.quantize import DEFAULT_RECIPE, quantize
+from fp4kit.recipe import load_recipe
+
+# Kernel (or, on the CPU, operator) names by kind; the first pattern that matches names the kind.
+KINDS = (
+    ("fp4kit kernels", r"^_(moe|gemv|mma|w4a16|packed|dequantize|fp8|round)"),
+    ("bf16 matmul", r"nvjet|cutlass|gemm|cublas|grouped_mm|splitKreduce|aten::(mm|bmm|addmm|linear|_grouped_mm)$"),
+    ("copy", r"copy|Memcpy|Memset|aten::(copy_|clone|contiguous|to|_to_copy)$"),
+    ("top-k and sort", r"topk|[Ss]ort|aten::(topk|sort|argsort)$"),
+    ("reduction", r"reduce_kernel|aten::(sum|mean|amax|max|argmax|softmax|_softmax|cumsum)$"),
+    ("elementwise", r"elementwise|aten::(add|mul|sub|div|exp|silu|sigmoid|where|neg|pow|rsqrt|clamp)_?$"),
+)
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name):
+            return kind
+    return "other"
+
+
+def profiled(model, prompt: list[list[int]], new: int, device: torch.device) -> dict[str, dict[str, float]]:
+    """{kind: {"us": time, "count": kernels}} over one generate of `new` tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    generate(model, None, prompt, new)  # warm-up: compiles kernels
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        generate(model, None, prompt, new)
+        if cuda:
+            torch.cuda.synchronize(device)
+    out: dict[str, dict[str, float]] = {}
+    for e in prof.key_averages():
+        if cuda:
+            if e.device_type.name != "CUDA" or not e.self_device_time_total:
+                continue
+            us = e.self_device_time_total
+        else:
+            if not e.key.startswith("aten::"):
+                continue
+            us = e.self_cpu_time_total
+        row = out.setdefault(kind_of(e.key), {"us": 0.0, "count": 0})
+        row["us"] += us
+        row["count"] += e.count
+    return out
+
+
+def per_step(full: dict, one: dict, steps: int) -> dict[str, dict[str, float]]:
+    kinds = sorted(set(full) | set(one))
+    zero = {"us": 0.0, "count": 0}
+    return {k: {"us": (full.get(k, zero)["us"] - one.get(k, zero)["us"]) / steps,
+                "count": (full.get(k, zero)["count"] - one.get(k, zero)["count"]) / steps} for k in kinds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=26, help="the first N layers of Nemotron-3-Nano (default 26)")
+    ap.add_argument("--recipe", default=DEFAULT_RECIPE)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=32, help="decode steps profiled (default 32)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (for a CPU smoke run)")
+    ap.add_argument("--out", help="JSON file (default benchmarks/results/decode-profile-<gpu>.json)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device is available; use --device cpu --tiny")
+    if device.type != "cuda" and not args.tiny:
+        ap.error("the real-width model needs --device cuda; use --tiny on the CPU")
+    if args.tiny:
+        from fp4kit.models.tiny import load_tiny_model
+
+        model, _ = load_tiny_model(device=device)
+        source = "the embedded tiny Nemotron-H"
+    else:
+        from dry_run import build_model, nano_config
+
+        model = build_model(nano_config(args.layers), device=str(device), seed=0)
+        source = f"the first {args.layers} layers of Nemotron-3-Nano, random weights with log-normal row factors"
+    model.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    calib = torch.randint(0, vocab, (4, 256), generator=g).to(device)
+    prompt = torch.randint(0, vocab, (args.batch, args.prompt_len), generator=g).tolist()
+    with tempfile.TemporaryDirectory(prefix="fp4kit-profile-decode-") as tmp:
+        qm = quantize(model, load_recipe(args.recipe), calib, progress=False)
+        path = export_checkpoint(qm, Path(tmp) / "checkpoint", progress=False)
+        del qm
+        qmodel = load_quantized(path, device=device, backend="triton" if device.type == "cuda" else "torch")
+    qmodel.generation_config.eos_token_id = None
+
+    models = {"bf16": model, args.recipe: qmodel}
+    steps = {name: per_step(profiled(m, prompt, args.steps + 1, device), profiled(m, prompt, 1, device), args.steps)
+             for name, m in models.items()}
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result = {**run_record(), "source": source, "pattern": model.config.hybrid_override_pattern, "recipe": args.recipe,
+              "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps,
+              "measure": "CUDA kernel time" if device.type == "cuda" else "CPU time of aten operators",
+              "per_step": steps,
+              "per_step_total_us": {name: sum(v["us"] for v in s.values()) for name, s in steps.items()}}
+    kinds = sorted({k for s in steps.values() for k in s}, key=lambda k: -max(s.get(k, {"us": 0})["us"] for s in steps.values()))
+    print(f"{'per decode step':<18}" + "".join(f"{name + ' us':>26}{'kernels':>9}" for name in steps))
+    for k in kinds:
+        print(f"{k:<18}" + "".join(f"{s.get(k, {'us': 0})['us']:>26.1f}{s.get(k, {'count': 0})['count']:>9.0f}" for s in steps.values()))
+    print(f"{'total':<18}" + "".join(f"{result['per_step_total_us'][name]:>26.1f}{'':>9}" for name in steps))
+    if args.out:
+        out = Path(args.out)
+    elif device.type != "cuda":
+        out = Path(tempfile.mkdtemp(prefix="fp4kit-profile-decode-")) / "decode-profile-cpu.json"
+    else:
+        out = Path("benchmarks/results") / f"decode-profile-{re.sub(r'[^a-z0-9]+', '-', gpu.lower().replace('nvidia', '')).strip('-')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""scripts/profile_decode.py: kernels are grouped by kind from their names (names as an H200
+profile of a decode step shows them), and a step's figures are the difference of two runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+_spec = importlib.util.spec_from_file_location("profile_decode", ROOT / "scripts" / "profile_decode.py")
+profile_decode = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(profile_decode)
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("_moe_small_kernel", "fp4kit kernels"),
+    ("_gemv_kernel", "fp4kit kernels"),
+    ("_round_kernel", "fp4kit kernels"),
+    ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT", "bf16 matmul"),
+    ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_s", "bf16 matmul"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "bf16 matmul"),
+    ("aten::_grouped_mm", "bf16 matmul"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)", "copy"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("void at::native::sbtopk::gatherTopK<float, unsigned int, 1, false>", "top-k and sort"),
+    ("void at::native::bitonicSortKVInPlace<-2, -1, 16, 16, float, long>", "top-k and sort"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>", "reduction"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
+    ("aten::mul", "elementwise"),
+    ("aten::select", "other"),
+])
+def test_kernels_are_grouped_by_name(name, kind):
+    assert profile_decode.kind_of(name) == kind
+
+
+def test_a_step_is_the_difference_of_two_runs_per_step():
+    full = {"copy": {"us": 130.0, "count": 40}, "bf16 matmul": {"us": 70.0, "count": 12}}
+    one = {"copy": {"us": 30.0, "count": 10}, "other": {"us": 5.0, "count": 1}}
+    assert profile_decode.per_step(full, one, 10) == {
+        "bf16 matmul": {"us": 7.0, "count": 1.2}, "copy": {"us": 10.0, "count": 3.0}, "other": {"us": -0.5, "count": -0.1}}
