@@ -35,16 +35,13 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
-import os
-import re
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from benchlib.record import run_record
+from benchlib.record import run_record, write_results
 
 from fp4kit.decode import generate as fp4kit_generate
 from fp4kit.export.load import load_quantized
@@ -167,11 +164,6 @@ def bench_batch(runs: dict, prompts: torch.Tensor, new_tokens: int, reps: int) -
         out[f"agree_{label}"] = {**agreement(ref, tokens[label]),
                                  "teacher_forced_agree": (forced_ref == teacher_forced_argmax(model, sequence, new_tokens)).float().mean().item()}
     return out
-
-
-def gpu_slug(name: str) -> str:
-    name = name.lower().replace("nvidia", "")
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
 
 
 def main() -> None:
@@ -329,14 +321,7 @@ def main() -> None:
     if device.type == "cuda":
         print("weight memory: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in weight_bytes.items()))
 
-    if args.out is not None:
-        out = Path(args.out)
-    elif args.tiny:
-        out = Path(tempfile.mkdtemp(prefix="fp4kit-bench-decode-")) / "decode-tiny.json"
-    else:
-        out = Path("benchmarks/results") / f"decode-graph-{gpu_slug(gpu)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out = write_results(results, "decode-graph", gpu, out=args.out, smoke=args.tiny)
     print(f"wrote {out}")
 
 

@@ -18,13 +18,12 @@ instead (a smoke run; writes to a temporary file unless --out is given).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import tempfile
 from pathlib import Path
 
 import torch
-from benchlib.record import run_record
+from benchlib.record import run_record, write_results
 
 from fp4kit.decode import generate
 from fp4kit.export.load import load_quantized
@@ -135,14 +134,7 @@ def main() -> None:
     for k in kinds:
         print(f"{k:<18}" + "".join(f"{s.get(k, {'us': 0})['us']:>26.1f}{s.get(k, {'count': 0})['count']:>9.0f}" for s in steps.values()))
     print(f"{'total':<18}" + "".join(f"{result['per_step_total_us'][name]:>26.1f}{'':>9}" for name in steps))
-    if args.out:
-        out = Path(args.out)
-    elif device.type != "cuda":
-        out = Path(tempfile.mkdtemp(prefix="fp4kit-profile-decode-")) / "decode-profile-cpu.json"
-    else:
-        out = Path("benchmarks/results") / f"decode-profile-{re.sub(r'[^a-z0-9]+', '-', gpu.lower().replace('nvidia', '')).strip('-')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_results(result, "decode-profile", gpu, out=args.out, smoke=device.type != "cuda")
     print(f"wrote {out}")
 
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import platform
+import re
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,3 +51,22 @@ def run_record(argv: list[str] | None = None) -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
             "command": command_line(argv), "versions": versions()}
 
+
+
+def gpu_slug(name: str) -> str:
+    """"NVIDIA H200" -> "h200": the suffix of a results file's name."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
+
+
+def write_results(doc: dict, stem: str, device_name: str, *, out: str | None = None, smoke: bool = False) -> Path:
+    """Writes a results file and returns its path: `out` if given, else a temporary file for a smoke
+    run, else benchmarks/results/<stem>-<gpu slug>.json."""
+    if out is not None:
+        path = Path(out)
+    elif smoke:
+        path = Path(tempfile.mkdtemp(prefix=f"fp4kit-{stem}-")) / f"{stem}-{gpu_slug(device_name)}.json"
+    else:
+        path = ROOT / "benchmarks" / "results" / f"{stem}-{gpu_slug(device_name)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
