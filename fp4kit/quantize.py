@@ -711,7 +711,8 @@ def parse_max_memory(text: str, device: str = "auto") -> dict:
             raise ValueError(f"--max-memory: {key!r} is not a GPU index or cpu")
         if key in caps:
             raise ValueError(f"--max-memory: {key} is given twice")
-        caps[key] = size.replace(" ", "") if not size.replace(" ", "").isdigit() else int(size)
+        size = size.replace(" ", "")
+        caps[key] = int(size) if size.isdigit() else size
     return caps
 
 

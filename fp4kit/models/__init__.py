@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from types import ModuleType
 
@@ -20,9 +21,13 @@ def adapter_for(model: nn.Module) -> ModuleType:
 def cache_argument(model: nn.Module) -> str:
     """The name under which the model's forward takes its cache: `cache` (transformers 5.2x) or
     `past_key_values` (5.18 and before). A cache passed under the other name would land in
-    **kwargs and be ignored, and every step would run without its past."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    **kwargs and be ignored, and every step would run without its past. Read once per model class."""
+    return _cache_argument(type(model))
+
+
+@functools.cache
+def _cache_argument(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 __all__ = ["ROLE_NAMES", "AttentionKV", "Role", "Target", "adapter_for", "cache_argument", "generic", "nemotron_h"]

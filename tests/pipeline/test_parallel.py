@@ -15,20 +15,8 @@ import pytest
 from fp4kit import cli
 from fp4kit.parallel import batch_layout, shard
 from fp4kit.quantize import calib_state_dir
+from tiny_models import IMPORTANCE_RECIPE
 
-# The default recipe with importance-weighted 4/6: every kind of statistic is reduced (input and KV
-# amax, exact x^2 sums and counts, tokens per expert).
-RECIPE = """\
-name: lightning-importance
-kv_cache: fp8
-rules:
-  - roles: [routed_experts, shared_experts]
-    format: nvfp4_w4a16
-    scale_rule: 4o6
-    importance: true
-  - roles: [mamba_in_proj, mamba_out_proj]
-    format: fp8
-"""
 # 7 samples in batches of 2: four batches, the last one short; 3 ranks get 2, 1 and 1 of them.
 ARGS = ["quantize", "--calib", "7x96", "--batch-size", "2", "--no-progress", "--overwrite"]
 
@@ -47,7 +35,7 @@ def _torchrun(ranks: int, argv: list[str], **kw) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("recipe") / "lightning-importance.yaml"
-    path.write_text(RECIPE)
+    path.write_text(IMPORTANCE_RECIPE)
     return path
 
 

@@ -1,6 +1,20 @@
-"""Small random models of the two supported families (Nemotron-H, Llama) for the tests."""
+"""Small random models of the two supported families (Nemotron-H, Llama), and a recipe, for the tests."""
 
 import torch
+
+# The default recipe with importance-weighted 4/6: a run under it reduces every kind of statistic
+# (input and KV amax, exact x^2 sums and counts, tokens per expert).
+IMPORTANCE_RECIPE = """\
+name: lightning-importance
+kv_cache: fp8
+rules:
+  - roles: [routed_experts, shared_experts]
+    format: nvfp4_w4a16
+    scale_rule: 4o6
+    importance: true
+  - roles: [mamba_in_proj, mamba_out_proj]
+    format: fp8
+"""
 
 
 def nemotron_h_config(**overrides):
