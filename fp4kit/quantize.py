@@ -25,6 +25,7 @@ from .formats.metrics import sqnr_db_of, sqnr_terms
 from .kernels.backend import BACKENDS
 from .kernels.deferred import failed as failed_checks
 from .models import Role, adapter_for
+from .models.roles import input_device
 from .plan import Planned, QuantizedModel, QuantizedTarget, fused_group_amax, plan_targets
 from .recipe import DEFAULT_RECIPE, QUANT_ALGO, Recipe, Rule
 
@@ -140,7 +141,7 @@ def _forward_shard(model: nn.Module, samples: torch.Tensor, batch_size: int | st
     """This rank's share of the calibration forward (`parallel`): the batches one process would run,
     batch k on rank k mod world; `start` is how many samples of its share this rank has done (a
     resumed run). Returns the batch size."""
-    device = next(model.parameters()).device
+    device = input_device(model)
     n, seq = samples.shape
     auto = batch_size == AUTO_BATCH
     first_alone = auto and device.type == "cuda"
@@ -188,7 +189,7 @@ def _forward_samples(model: nn.Module, samples: torch.Tensor, batch_size: int | 
     """Runs the calibration forward over samples[start:]; returns the batch size used. With
     batch_size "auto" on a CUDA device the first sample runs alone and its peak memory sets the
     batch for the rest (`calibrate.fitting_batch`); on other devices "auto" is 1."""
-    device = next(model.parameters()).device
+    device = input_device(model)
     n, seq = samples.shape
     auto = batch_size == AUTO_BATCH
     size = 1 if auto else batch_size
@@ -504,7 +505,7 @@ def quantize(
     ranks return None."""
     adapter = adapter_for(model)
     rank, world = parallel.rank_world()
-    device = next(model.parameters()).device
+    device = input_device(model)
     if backend is None:
         backend = "triton" if device.type == "cuda" else "torch"
     if backend == "triton" and device.type != "cuda":
@@ -1068,7 +1069,7 @@ def run(job: QuantizeJob, log=print, checked: tuple | None = None) -> tuple[Quan
     if qm is None:  # another rank of a data-parallel run: rank 0 quantizes and exports
         return None, output
     # The fallbacks cost time on a GPU only; on the CPU there is nothing faster to install.
-    if job.progress and next(model.parameters()).device.type == "cuda" and fallbacks.note():
+    if job.progress and input_device(model).type == "cuda" and fallbacks.note():
         log(fallbacks.note())
     qm.calibration = {"spec": str(spec), "tokens": int(samples.numel()), "source": job.dataset or "the bundled Shakespeare calibration split", "seed": job.seed}
     source_dir = Path(model_ref) if Path(model_ref).is_dir() else None

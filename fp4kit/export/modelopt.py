@@ -15,6 +15,7 @@ from pathlib import Path
 from .. import __version__
 from ..formats.constants import NVFP4_BLOCK_SIZE
 from ..models import Role
+from ..models.roles import state_value
 from ..plan import QuantizedModel
 from .card import model_card
 from .checkpoint import (
@@ -126,6 +127,7 @@ def _write_tensors(qm: QuantizedModel, writer: ShardWriter, progress_cb=None, so
     by_key = {p.target.key: p for p in qm.plan}
     seen_storage: set[int] = set()
     for key, tensor in qm.model.state_dict().items():
+        tensor = state_value(qm.model, key, tensor)
         planned = by_key.get(key)
         quantized = qm.quantized.get(key)
         if quantized is not None:

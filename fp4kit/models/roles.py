@@ -53,7 +53,9 @@ class Target:
 
     @property
     def weight(self) -> torch.Tensor:
-        return getattr(self.module, self.param)
+        """The weight's values: the parameter itself, or where accelerate offloaded the module
+        (its parameter left on the meta device), the host tensor its hook holds."""
+        return parameter_value(self.module, self.param)
 
     @property
     def is_stack(self) -> bool:
@@ -66,6 +68,55 @@ class Target:
 
     def disk_tensor_names(self, suffix: str = "weight") -> list[str]:
         return [f"{d}.{suffix}" for d in self.disk_names]
+
+
+def _hooks(module: nn.Module) -> list:
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return []
+    return list(getattr(hook, "hooks", None) or [hook])  # a SequentialHook holds several
+
+
+def parameter_value(module: nn.Module, name: str) -> torch.Tensor:
+    """`module.<name>`, or, for a module that accelerate offloads (`device_map` entries "cpu" or
+    "disk" beside a GPU, `cpu_offload`: the parameter sits on the meta device and the module's
+    hook loads it for each forward), the tensor that hook holds."""
+    t = getattr(module, name)
+    if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+        return t
+    for hook in _hooks(module):
+        weights = getattr(hook, "weights_map", None)
+        if getattr(hook, "offload", False) and weights is not None:
+            try:
+                return weights[name]
+            except KeyError:
+                pass
+    raise ValueError(f"{type(module).__name__}.{name} is on the meta device and no accelerate hook holds its values")
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """The device the model's inputs go to: its input embedding's, or for an embedding that
+    accelerate offloads (parameters on the meta device), the device its hook runs it on."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for module in ([emb] if emb is not None else []) + [model]:
+        for hook in _hooks(module):
+            device = getattr(hook, "execution_device", None)
+            if device is not None:
+                return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    params = list(emb.parameters()) if emb is not None else []
+    params += list(model.parameters())
+    return next((p.device for p in params if p.device.type != "meta"), torch.device("cpu"))
+
+
+def state_value(model: nn.Module, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A `model.state_dict()` entry's values (see `parameter_value`)."""
+    if tensor.device.type != "meta":
+        return tensor
+    owner, _, name = key.rpartition(".")
+    try:
+        return parameter_value(model.get_submodule(owner) if owner else model, name)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
 
 
 @dataclass

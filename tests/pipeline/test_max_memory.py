@@ -60,3 +60,25 @@ def test_the_caps_reach_from_pretrained(monkeypatch, tmp_path):
     assert seen["device_map"] == "auto" and seen["max_memory"] == {"cpu": "2GiB"}
     assert "placed over cpu (--max-memory cpu=2GiB)" in lines
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_model_that_accelerate_offloads_quantizes_and_exports_as_one_in_memory(tmp_path, token_samples):
+    """`--device auto` beside a GPU offloads the modules placed on "cpu": their parameters sit on the
+    meta device and accelerate's hooks hold the values. The weights are read from those hooks."""
+    from accelerate import cpu_offload
+    from safetensors.torch import load_file
+    from tiny_models import build_nemotron_h
+
+    from fp4kit.export.modelopt import export_checkpoint
+    from fp4kit.recipe import load_recipe
+
+    recipe = load_recipe(q.DEFAULT_RECIPE)
+    plain = export_checkpoint(q.quantize(build_nemotron_h(), recipe, token_samples, progress=False), tmp_path / "plain",
+                              progress=False)
+    model = cpu_offload(build_nemotron_h(), execution_device=torch.device("cpu"))
+    assert any(p.device.type == "meta" for p in model.parameters())
+    offloaded = export_checkpoint(q.quantize(model, recipe, token_samples, progress=False), tmp_path / "offloaded",
+                                  progress=False)
+    want, got = load_file(plain / "model.safetensors"), load_file(offloaded / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)) for k in want)
