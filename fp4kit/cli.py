@@ -430,6 +430,8 @@ def _cmd_eval_ssm_state(args: argparse.Namespace) -> int:
         variants = ssm_eval.parse_variants(args.ssm_state, args.philox_rounds)
         if args.generate < 0 or args.tokens < 2:
             raise ValueError("--generate must be >= 0 and --tokens >= 2")
+        if not 0 <= args.seed < 2**30:
+            raise ValueError(f"--seed must be in [0, 2^30) with --ssm-state, got {args.seed}")
         check_inputs(quantized=args.quantized, model=args.model, data=args.data, tokens=args.tokens,
                      seq_len=args.tokens, out=args.out)
     except (ValueError, OSError) as exc:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .models import cache_argument
+from .models.roles import input_device
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SSM_STATE_FORMATS = ("fp32", "fp16", "fp16-sr")
@@ -63,6 +64,7 @@ class _StaticStep:
     pad: torch.Tensor  # 0-d: the token finished rows are given
     greedy: bool  # the pick (argmax) runs inside the step, and so inside its graph
     ssm: _StateFormat | None = None  # the SSM state held in fp16 (None: fp32, the model's own)
+    after: Callable[[_StaticStep], None] | None = None  # runs after the forward in place of the greedy pick
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # the last step's output, [B, 1, vocab] (the captured one under a graph)
     counts: dict = field(default_factory=lambda: {"captures": 0, "replays": 0})
@@ -93,31 +95,80 @@ def ssm_states(cache) -> list[torch.Tensor]:
 @dataclass
 class _StateFormat:
     """The SSM state held as a serving engine with `--mamba-ssm-cache-dtype float16` holds it
-    (fp16 values in the cache's fp32 tensors): the prefill's state stored with a plain cast, each
-    step's with round-to-nearest (fp16) or stochastic rounding (fp16-sr, Philox `rounds`).
-    Stochastic seeds: (ssm_seed << 32) + (t - 1) * L + l for decode step t >= 1 and the l-th of the
-    L Mamba layers; the running value lives on the device (`seed`), so a replayed graph draws
-    each step's own words."""
+    (fp16 values in the cache's fp32 tensors), each batch row in its own format (`formats`, with
+    `rounds` for fp16-sr rows): the prefill's state stored with a plain cast, each step's with
+    round-to-nearest (fp16) or stochastic rounding (fp16-sr, Philox `rounds`); fp32 rows keep the
+    model's own state. Stochastic seeds: (ssm_seed << 32) + (t - 1) * L + l for decode step t >= 1
+    and the l-th of the L Mamba layers, the random words indexed by the element's flat position in
+    the layer's [batch, ...] state (row b starts at b * row size); the running seed lives on the
+    device (`seed`), so a replayed graph draws each step's own words."""
 
-    fmt: str
-    rounds: int
+    formats: list[str]  # per batch row
+    rounds: list[int]  # per batch row (read for fp16-sr rows)
     states: list[torch.Tensor]
     seed: torch.Tensor  # [1] int64: the seed of the next step's first layer
     backend: str  # "triton" (the kernel) or "torch" (the emulator)
 
+    @property
+    def uniform(self) -> bool:
+        return len(set(zip(self.formats, self.rounds))) == 1
+
     def after_prefill(self) -> None:
         for st in self.states:
-            st.copy_(st.half().float())
+            if self.uniform:
+                st.copy_(st.half().float())
+                continue
+            for b, fmt in enumerate(self.formats):
+                if fmt != "fp32":
+                    st[b].copy_(st[b].half().float())
 
     def after_step(self) -> None:
-        if self.fmt == "fp16":
-            self.after_prefill()
-            return
         from .kernels.ssm_state import round_state
 
         for layer, st in enumerate(self.states):
-            round_state(st, layer, self.rounds, out=st, backend=self.backend, base=self.seed)
+            if self.uniform:  # one launch for the whole state: the same words as row by row
+                if self.formats[0] == "fp16":
+                    st.copy_(st.half().float())
+                else:
+                    round_state(st, layer, self.rounds[0], out=st, backend=self.backend, base=self.seed)
+                continue
+            row = st[0].numel()
+            for b, (fmt, rounds) in enumerate(zip(self.formats, self.rounds)):
+                if fmt == "fp16":
+                    st[b].copy_(st[b].half().float())
+                elif fmt == "fp16-sr":
+                    round_state(st[b], layer, rounds, b * row, out=st[b], backend=self.backend, base=self.seed)
         self.seed.add_(len(self.states))
+
+
+def state_rows(ssm_state, philox_rounds, n: int) -> tuple[list[str], list[int]] | None:
+    """`generate`'s ssm_state / philox_rounds (one value for every row, or one per prompt) as one
+    format and one round count per row; None when every row keeps the model's fp32 state."""
+    formats = [ssm_state] * n if isinstance(ssm_state, str) else list(ssm_state)
+    rounds = [philox_rounds] * n if isinstance(philox_rounds, int) and not isinstance(philox_rounds, bool) \
+        else list(philox_rounds)
+    if len(formats) != n or len(rounds) != n:
+        raise ValueError(f"ssm_state and philox_rounds take one value or one per prompt ({n}), "
+                         f"got {len(formats)} and {len(rounds)}")
+    for f in formats:
+        if f not in SSM_STATE_FORMATS:
+            raise ValueError(f"ssm_state must be one of {', '.join(SSM_STATE_FORMATS)}, got {f!r}")
+    for r in rounds:
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"philox_rounds must be a positive integer, got {r!r}")
+    return None if all(f == "fp32" for f in formats) else (formats, rounds)
+
+
+def hold_states(cache, formats: list[str], rounds: list[int], ssm_seed: int, device: torch.device) -> _StateFormat:
+    """The prefill's SSM states in `cache`, stored in each row's format; returns what rounds them
+    after every step."""
+    states = ssm_states(cache)
+    if not states:
+        raise ValueError(f"ssm_state={sorted(set(formats) - {'fp32'})}: the model keeps no Mamba SSM state")
+    held = _StateFormat(formats, rounds, states, torch.tensor([ssm_seed << 32], dtype=torch.int64, device=device),
+                        "triton" if device.type == "cuda" else "torch")
+    held.after_prefill()
+    return held
 
 
 def bucket_for(batch: int, buckets: Sequence[int]) -> int:
@@ -219,7 +270,9 @@ def _step(model, s: _StaticStep) -> None:
     s.logits = _forward(model, s)
     if s.ssm is not None:
         s.ssm.after_step()
-    if s.greedy:
+    if s.after is not None:
+        s.after(s)
+    elif s.greedy:
         _advance(s, s.logits[:, -1].argmax(-1))
 
 
@@ -283,8 +336,8 @@ def _pick(logits: torch.Tensor, greedy: bool, generator: torch.Generator | None)
 def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greedy: bool = True,
              graph: bool | None = None, batch_buckets: Sequence[int] = DEFAULT_BUCKETS,
              stream: Callable[[list[int | None]], None] | None = None,
-             generator: torch.Generator | None = None, ssm_state: str = "fp32", philox_rounds: int = 5,
-             ssm_seed: int = 0) -> Generation:
+             generator: torch.Generator | None = None, ssm_state: str | Sequence[str] = "fp32",
+             philox_rounds: int | Sequence[int] = 5, ssm_seed: int = 0, stop_at_eos: bool = True) -> Generation:
     """Continue each prompt by up to `max_new_tokens` tokens; a row stops at the model's EOS.
 
     prompts: text (with a tokenizer) or lists of token ids; rows of different lengths are
@@ -297,29 +350,30 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
     ssm_state: the Mamba SSM state between steps as the model keeps it ("fp32"), or held in fp16
     as serving engines can: "fp16" (round to nearest) or "fp16-sr" (stochastic rounding with
     `philox_rounds` Philox rounds, seeds from `ssm_seed`; `_StateFormat`), by the Triton kernel
-    on CUDA and the exact emulator elsewhere.
+    on CUDA and the exact emulator elsewhere; either may also be a list with one value per prompt,
+    to decode the same prompt in several state formats side by side.
+    stop_at_eos: a row stops at the model's EOS (True), or every row runs `max_new_tokens`.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if ssm_state not in SSM_STATE_FORMATS:
-        raise ValueError(f"ssm_state must be one of {', '.join(SSM_STATE_FORMATS)}, got {ssm_state!r}")
-    if isinstance(philox_rounds, bool) or not isinstance(philox_rounds, int) or philox_rounds < 1:
-        raise ValueError(f"philox_rounds must be a positive integer, got {philox_rounds!r}")
     if isinstance(ssm_seed, bool) or not isinstance(ssm_seed, int) or not 0 <= ssm_seed < 2**30:
         raise ValueError(f"ssm_seed must be an integer in [0, 2^30), got {ssm_seed!r}")
-    device = next(model.parameters()).device
+    device = input_device(model)
     if graph is None:
         graph = device.type == "cuda"
     if graph and device.type != "cuda":
         raise ValueError(f"graph=True captures a CUDA graph, but the model is on {device}")
     ids, attn = _tokenize(tokenizer, prompts, device, model.generation_config.pad_token_id)
     n, width = ids.shape
+    held = state_rows(ssm_state, philox_rounds, n)
     rows = bucket_for(n, batch_buckets) if graph else n
     if rows > n:  # the bucket's extra rows repeat the last prompt; their tokens are dropped
         ids = torch.cat([ids, ids[-1:].expand(rows - n, -1)])
         attn = torch.cat([attn, attn[-1:].expand(rows - n, -1)])
+        if held is not None:
+            held = (held[0] + held[0][-1:] * (rows - n), held[1] + held[1][-1:] * (rows - n))
     max_len = width + max_new_tokens
-    eos = _eos_ids(model)
+    eos = _eos_ids(model) if stop_at_eos else []
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)
 
@@ -332,14 +386,8 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
     _open(s, attn.bool())
     s.position_ids.copy_(positions[:, -1:])
     s.column.fill_(width)
-    if ssm_state != "fp32":
-        states = ssm_states(s.cache)
-        if not states:
-            raise ValueError(f"ssm_state={ssm_state!r}: the model keeps no Mamba SSM state")
-        s.ssm = _StateFormat(ssm_state, philox_rounds, states,
-                             torch.tensor([ssm_seed << 32], dtype=torch.int64, device=device),
-                             "triton" if device.type == "cuda" else "torch")
-        s.ssm.after_prefill()
+    if held is not None:
+        s.ssm = hold_states(s.cache, *held, ssm_seed, device)
     _advance(s, _pick(logits[:, -1], greedy, generator))
 
     if graph:

@@ -5,8 +5,10 @@ Serving engines keep the state between decode steps in the cache dtype: each ste
 updates it in fp32, computes the layer's output from the fp32 value, and stores it back rounded
 (`--mamba-ssm-cache-dtype float16`, with `--enable-mamba-cache-stochastic-rounding` by
 `fp4kit.formats.fp16sr`, a fresh seed per layer and step). Here every variant is a row of one batch
-that steps through the same tokens; after each step the state rows are rounded as their variant
-says, so all variants see the same weights and inputs and differ only in the state.
+that steps through the same tokens in `fp4kit.decode`'s static step (one CUDA graph replayed per
+token on a GPU); after each step the state rows are rounded as their variant says (seeds as
+`fp4kit.generate` draws them), so all variants see the same weights and inputs and differ only in
+the state.
 
 - teacher-forced: the evaluation text is fed one token per step (as a decode would read it);
   against the fp32-state row: KL(fp32 || variant) per position bucket, top-1 agreement, and each
@@ -28,9 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .decode import ssm_states as state_tensors
-from .formats import fp16sr
 from .models import cache_argument
+from .models.roles import input_device
 
 STATE_FORMATS = ("fp32", "fp16", "fp16-sr")
 BUCKETS = ((0, 512), (512, 2048), (2048, 8192), (8192, None))
@@ -68,32 +69,6 @@ def parse_variants(formats: str, rounds: str = "5,10") -> list[Variant]:
     return list(dict.fromkeys(out))
 
 
-class StateRounder:
-    """Rounds each row of every SSM state as its variant says; stochastic rows draw one 32-bit
-    seed per layer and step from `generator`, as the engines draw theirs from torch's."""
-
-    def __init__(self, variants: list[Variant], seed: int, backend: str) -> None:
-        self.variants = variants
-        self.generator = torch.Generator().manual_seed(seed)
-        self.backend = backend
-
-    def __call__(self, cache, *, prefill: bool = False) -> None:
-        for state in state_tensors(cache):
-            seed = int(torch.randint(0, 2**32, (1,), generator=self.generator))
-            row = state[0].numel()
-            for b, v in enumerate(self.variants):
-                if v.fmt == "fp32":
-                    continue
-                if v.fmt == "fp16" or prefill:  # the engines store a prefill's state with a plain cast
-                    state[b].copy_(state[b].half().float())
-                elif self.backend == "triton":
-                    from .kernels.ssm_state import round_state
-
-                    round_state(state[b], seed, v.rounds, b * row, out=state[b])
-                else:
-                    state[b].copy_(fp16sr.round_state(state[b].contiguous(), seed, v.rounds, b * row).float())
-
-
 def _bucket(pos: int) -> str:
     for lo, hi in BUCKETS:
         if pos >= lo and (hi is None or pos < hi):
@@ -101,59 +76,90 @@ def _bucket(pos: int) -> str:
     raise AssertionError(pos)
 
 
-def _step(model, ids: torch.Tensor, cache):
-    out = model(input_ids=ids, **{cache_argument(model): cache}, use_cache=True)
-    return out.logits[:, -1].float(), out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+class _Record:
+    """Runs after every step's forward (inside the captured step): the per-position measures
+    against row 0 (the fp32 state) written at the position's index, and the next token of the
+    text fed to every row. Each write goes to its own slot, so the step can be replayed."""
+
+    FIELDS = ("nll", "kl", "top1", "err")
+
+    def __init__(self, tokens: torch.Tensor, rows: int, states: list[torch.Tensor] | None) -> None:
+        self.tokens = tokens
+        self.states = states  # the SSM states, for the state's relative error (None: not measured)
+        self.values = torch.zeros(tokens.numel() - 1, len(self.FIELDS), rows, dtype=torch.float64, device=tokens.device)
+
+    def __call__(self, s) -> None:
+        logits = s.logits[:, -1].float()
+        logp = F.log_softmax(logits, dim=-1)
+        nxt = self.tokens.index_select(0, s.column)  # the text's token at the next cache slot
+        nll = -logp.index_select(1, nxt).squeeze(1).double()
+        kl = (logp[0].exp() * (logp[0] - logp)).sum(-1).double()  # KL(fp32 row || row)
+        top1 = (logits.argmax(-1) == logits[0].argmax()).double()
+        err = torch.zeros_like(nll)
+        if self.states is not None:
+            num = torch.zeros_like(nll)
+            den = torch.zeros((), dtype=torch.float64, device=nll.device)
+            for st in self.states:
+                num += (st.double() - st[0:1].double()).flatten(1).pow(2).sum(1)
+                den += st[0].double().pow(2).sum()
+            err = (num / den.clamp_min(1e-300)).sqrt()
+        self.values.index_copy_(0, s.column - 1, torch.stack([nll, kl, top1, err])[None])
+        s.input_ids.copy_(nxt.view(1, 1).expand_as(s.input_ids))
 
 
 @torch.inference_mode()
 def teacher_forced(model: nn.Module, tokens: torch.Tensor, variants: list[Variant], *, seed: int = 0,
-                   backend: str = "torch", state_error: bool = False, progress=None) -> dict:
-    """tokens: [L] ids. Every row reads them one per step."""
-    device = next(model.parameters()).device
-    b = len(variants)
-    rounder = StateRounder(variants, seed, backend)
-    # Every sum stays on the device (float64 where it accumulates over positions), so a step never
-    # waits for the device; the sums are read once at the end.
-    sums: dict[str, dict] = {}
-    nll = torch.zeros(b, dtype=torch.float64, device=device)
-    ids_all = tokens.to(device)
-    cache = None
-    n = tokens.numel() - 1
-    for t in range(n):
-        ids = ids_all[t].view(1, 1).expand(b, 1)
-        logits, cache = _step(model, ids, cache)
-        rounder(cache)
-        logp = F.log_softmax(logits, dim=-1)
-        nll -= logp[:, ids_all[t + 1]].double()
-        kl = (logp[0].exp() * (logp[0] - logp)).sum(-1).double()  # KL(fp32 row || row)
-        top1 = logits.argmax(-1) == logits[0].argmax()
-        s = sums.setdefault(_bucket(t), {"n": 0, **{k: torch.zeros(b, dtype=torch.float64, device=device)
-                                                      for k in ("kl", "top1", "err")}})
-        s["n"] += 1
-        s["kl"] += kl
-        s["top1"] += top1.double()
-        if state_error:
-            num = torch.zeros(b, dtype=torch.float64, device=device)
-            den = torch.zeros((), dtype=torch.float64, device=device)
-            for st in state_tensors(cache):
-                d = (st.double() - st[0:1].double()).flatten(1)
-                num += d.pow(2).sum(1)
-                den += st[0].double().pow(2).sum()
-            s["err"] += (num / den.clamp_min(1e-300)).sqrt()
-        if progress is not None:
+                   backend: str | None = None, state_error: bool = False, progress=None, graph: bool | None = None) -> dict:
+    """tokens: [L] ids. Every row reads them one per step, each keeping its SSM state in its
+    variant's format (`fp4kit.decode`'s static step: the first token is a one-token prefill, then
+    one decode step per token, replayed from a CUDA graph on CUDA). Position t scores the
+    prediction of token t + 1."""
+    from . import decode
+
+    device = input_device(model)
+    graph = device.type == "cuda" if graph is None else graph
+    b, length = len(variants), tokens.numel()
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**30:
+        raise ValueError(f"the seed must be an integer in [0, 2^30), got {seed!r}")
+    if length < 2:
+        raise ValueError(f"teacher forcing needs at least 2 tokens, got {length}")
+    n = length - 1
+    feed = tokens.to(device=device, dtype=torch.long).contiguous()
+    s = decode._new_step(model, b, length, device, [], 0, greedy=False)
+    first = torch.ones(b, 1, dtype=torch.long, device=device)
+    s.logits = model(input_ids=feed[:1].view(1, 1).expand(b, 1), attention_mask=first, position_ids=first * 0,
+                     **{cache_argument(model): s.cache}, use_cache=True, logits_to_keep=1).logits
+    decode._open(s, first.bool())
+    s.position_ids.zero_()
+    s.column.fill_(1)
+    s.ssm = decode.hold_states(s.cache, [v.fmt for v in variants], [v.rounds or 1 for v in variants], seed, device)
+    if backend is not None:
+        s.ssm.backend = backend
+    record = _Record(feed, b, s.ssm.states if state_error else None)
+    record(s)  # position 0, from the prefill
+    s.after = record
+    if graph:
+        decode._capture(model, s)
+    for t in range(1, n):
+        if graph:
+            s.graph.replay()
+        else:
+            decode._step(model, s)
+        if progress is not None and (t + 1 == n or (t + 1) % 256 == 0):
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the rate is the device's, not the queue's
             progress(t + 1, n)
-    nll = nll.cpu()
-    for s in sums.values():
-        for k in ("kl", "top1", "err"):
-            s[k] = s[k].cpu()
+    values = record.values.cpu()
+    nll, kl, top1, err = values.unbind(1)  # [n, b] each
     rows = []
+    names = [_bucket(t) for t in range(n)]
     for i, v in enumerate(variants):
-        row = {"state": v.label, "perplexity": math.exp(nll[i].item() / n), "buckets": {}}
-        for name, s in sums.items():
-            entry = {"positions": s["n"], "kl_mean": s["kl"][i].item() / s["n"], "top1_agreement": s["top1"][i].item() / s["n"]}
+        row = {"state": v.label, "perplexity": math.exp(nll[:, i].mean().item()), "buckets": {}}
+        for name in dict.fromkeys(names):
+            at = torch.tensor([x == name for x in names])
+            entry = {"positions": int(at.sum()), "kl_mean": kl[at, i].mean().item(), "top1_agreement": top1[at, i].mean().item()}
             if state_error:
-                entry["state_rel_error"] = s["err"][i].item() / s["n"]
+                entry["state_rel_error"] = err[at, i].mean().item()
             row["buckets"][name] = entry
         rows.append(row)
     return {"positions": n, "rows": rows}
@@ -161,27 +167,27 @@ def teacher_forced(model: nn.Module, tokens: torch.Tensor, variants: list[Varian
 
 @torch.inference_mode()
 def free_generation(model: nn.Module, prompt: torch.Tensor, variants: list[Variant], new_tokens: int, *,
-                    seed: int = 0, backend: str = "torch", progress=None) -> dict:
-    """Greedy decoding of `new_tokens` per row from `prompt` ([P] ids); the first step where each
-    row's token differs from the fp32 row's (None: never)."""
-    device = next(model.parameters()).device
-    b = len(variants)
-    rounder = StateRounder(variants, seed, backend)
-    logits, cache = _step(model, prompt.view(1, -1).expand(b, -1).to(device), None)
-    rounder(cache, prefill=True)
-    first_diff: list[int | None] = [None] * b
-    out = []
-    for t in range(new_tokens):
-        nxt = logits.argmax(-1)
-        out.append(nxt.cpu())
-        for i in range(1, b):
-            if first_diff[i] is None and int(nxt[i]) != int(nxt[0]):
-                first_diff[i] = t
-        if t + 1 < new_tokens:
-            logits, cache = _step(model, nxt.view(b, 1), cache)
-            rounder(cache)
+                    seed: int = 0, progress=None, graph: bool | None = None) -> dict:
+    """Greedy decoding of `new_tokens` per row from `prompt` ([P] ids) by `fp4kit.generate`, every
+    row in its variant's state format and none stopping at EOS; the first step where each row's
+    token differs from the fp32 row's (None: never). The state is rounded by the Triton kernel on
+    CUDA and the emulator elsewhere: the two are bit-exact, so the choice changes no result."""
+    from . import decode
+
+    steps = [0]
+
+    def tick(_):
+        steps[0] += 1
         if progress is not None:
-            progress(t + 1, new_tokens)
+            progress(steps[0], new_tokens)
+
+    ids = [int(x) for x in prompt.tolist()]
+    out = decode.generate(model, None, [ids] * len(variants), new_tokens, graph=graph, stream=tick,
+                          ssm_state=[v.fmt for v in variants], philox_rounds=[v.rounds or 1 for v in variants],
+                          ssm_seed=seed, stop_at_eos=False).tokens
+    first_diff: list[int | None] = [None] * len(variants)
+    for i in range(1, len(variants)):
+        first_diff[i] = next((t for t, (a, b) in enumerate(zip(out[i], out[0])) if a != b), None)
     return {"new_tokens": new_tokens, "prompt_tokens": prompt.numel(),
             "rows": [{"state": v.label, "first_difference_step": first_diff[i]} for i, v in enumerate(variants)]}
 
@@ -251,7 +257,7 @@ def run(model: nn.Module, tokens: torch.Tensor, variants: list[Variant], *, gene
                                               progress=bar("teacher-forced"))
     if generate:
         result["free_generation"] = free_generation(model, tokens[:prompt_tokens], variants, generate, seed=seed,
-                                                    backend=backend, progress=bar("generation"))
+                                                    progress=bar("generation"))
     result["markdown"] = markdown(result)
     if out is not None:
         folder = Path(out)

@@ -214,6 +214,31 @@ def test_the_ssm_state_is_held_in_fp16_between_steps(monkeypatch, fmt):
     assert not all(torch.equal(a, a.half().float()) for a in seen[-1])
 
 
+def test_rows_in_different_state_formats_decode_as_each_alone(monkeypatch):
+    model = models.build_nemotron_h(hybrid_override_pattern="ME*M")
+    model.generation_config.eos_token_id = None
+    prompt = [5, 6, 7, 8, 9]
+    seen = []
+    forward = generate_module._forward
+
+    def recording(model, s):
+        seen[:] = [st.clone() for st in generate_module.ssm_states(s.cache)]
+        return forward(model, s)
+
+    monkeypatch.setattr(generate_module, "_forward", recording)
+    side = generate(model, None, [prompt] * 3, 10, ssm_state=["fp32", "fp16", "fp16-sr"], philox_rounds=[5, 5, 10], ssm_seed=2)
+    last = list(seen)
+    alone = [generate(model, None, [prompt], 10, ssm_state=f, philox_rounds=r, ssm_seed=2).tokens[0]
+             for f, r in (("fp32", 5), ("fp16", 5))]
+    assert side.tokens[:2] == alone
+    # the states the last step read: row 0 in fp32, rows 1 and 2 in fp16, each rounded its own way
+    assert all(torch.equal(st[i], st[i].half().float()) for st in last for i in (1, 2))
+    assert not all(torch.equal(st[0], st[0].half().float()) for st in last)
+    assert not all(torch.equal(st[1], st[2]) for st in last)
+    with pytest.raises(ValueError, match="one value or one per prompt"):
+        generate(model, None, [prompt] * 2, 2, ssm_state=["fp16"])
+
+
 def test_ssm_state_refusals():
     model = models.build_nemotron_h()
     with pytest.raises(ValueError, match="ssm_state must be one of fp32, fp16, fp16-sr"):

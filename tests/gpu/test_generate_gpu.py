@@ -84,3 +84,18 @@ def test_an_fp16_ssm_state_replays_as_it_runs_eagerly(tiny, fmt, rounds):
     eager = generate(model, tok, PROMPTS, NEW, graph=False, ssm_state=fmt, philox_rounds=rounds, ssm_seed=7)
     assert graphed.replays == graphed.steps > 0
     assert graphed.tokens == eager.tokens
+
+
+def test_the_ssm_state_eval_replays_as_it_runs_eagerly(tiny):
+    # `fp4kit eval --ssm-state` reads the text through the captured step: every per-position
+    # measure of the replayed graph equals the eager step's.
+    from fp4kit import ssm_eval
+
+    model, tok = tiny
+    text = corpus_path("eval").read_text()[:4000]
+    tokens = torch.tensor(tok(text)["input_ids"][:300])
+    variants = ssm_eval.parse_variants("fp16,fp16-sr", "5,10")
+    graphed = ssm_eval.teacher_forced(model, tokens, variants, seed=3, state_error=True, graph=True)
+    eager = ssm_eval.teacher_forced(model, tokens, variants, seed=3, state_error=True, graph=False)
+    assert graphed == eager
+    assert graphed["rows"][2]["buckets"]["0-512"]["state_rel_error"] > 0
