@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import statistics
 import tempfile
 import time
@@ -46,7 +45,7 @@ from benchlib.record import run_record, write_results
 from fp4kit.decode import generate as fp4kit_generate
 from fp4kit.export.load import load_quantized
 from fp4kit.export.modelopt import export_checkpoint
-from fp4kit.models.nemotron_h import NANO_WIDTHS
+from fp4kit.models.nemotron_h import NANO_WIDTHS, mamba_kernels
 from fp4kit.quantize import DEFAULT_RECIPE, quantize
 from fp4kit.recipe import load_recipe
 
@@ -284,11 +283,11 @@ def main() -> None:
         per_batch[str(b)] = r
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    # transformers runs the Mamba mixers with these packages when installed, else in plain torch.
-    mamba_kernels = {name: importlib.util.find_spec(name) is not None for name in ("mamba_ssm", "causal_conv1d")}
+    # transformers runs the Mamba mixers with these packages where they import, else in plain torch.
+    kernels = mamba_kernels()
     results = {
         **run_record(), "device": str(device), "quantize_backend": quantizer, "load_backend": backend, "decode": how,
-        "mamba_kernels_installed": mamba_kernels,
+        "mamba_kernels": kernels,
         "model": {
             "source": source, "pattern": cfg.hybrid_override_pattern, "params": params, "hidden_size": cfg.hidden_size,
             "n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
@@ -321,7 +320,9 @@ def main() -> None:
     if device.type == "cuda":
         print("weight memory: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in weight_bytes.items()))
 
-    out = write_results(results, "decode-graph", gpu, out=args.out, smoke=args.tiny)
+    # With mamba-ssm and causal-conv1d both models run other Mamba code: a results file of its own.
+    name = "decode-graph-mamba-kernels" if all(kernels.values()) else "decode-graph"
+    out = write_results(results, name, gpu, out=args.out, smoke=args.tiny)
     print(f"wrote {out}")
 
 

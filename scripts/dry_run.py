@@ -167,6 +167,7 @@ def profiled(fn, sink: dict, name: str):
 
 def library_run(args) -> dict:
     import fp4kit.quantize as pipeline
+    from fp4kit.models.nemotron_h import mamba_kernels
     from fp4kit.export.modelopt import export_checkpoint
     from fp4kit.quantize import quantize
     from fp4kit.recipe import load_recipe
@@ -221,7 +222,7 @@ def library_run(args) -> dict:
     projected["ratio_to_plain_without_load"] = projected["without_load_s"] / projected["plain_forward_s"]
     return {
         "layers": cfg.num_hidden_layers, "pattern": cfg.hybrid_override_pattern, "params": params,
-        "calib": f"{n}x{seq}", "batch_size": args.batch_size, "recipe": recipe.name,
+        "calib": f"{n}x{seq}", "batch_size": args.batch_size, "recipe": recipe.name, "mamba_kernels": mamba_kernels(),
         "build_s": build_s,
         "plain_forward_per_sample_s": per_sample_plain, "plain_forward_batches_s": plain,
         "calibrate_s": timings["calibrate"], "calibrate_batches_s": calib_batches,
@@ -336,27 +337,49 @@ def cli_run(args) -> dict:
     return result
 
 
+LIBRARY_SECTIONS = ("library", "library-mamba-kernels")
+
+
+def library_section() -> str:
+    """The section a library run goes to: transformers runs the Mamba mixers in plain torch
+    ("library") or with mamba-ssm's and causal-conv1d's kernels where both import."""
+    from fp4kit.models.nemotron_h import mamba_kernels
+
+    return LIBRARY_SECTIONS[1] if all(mamba_kernels().values()) else LIBRARY_SECTIONS[0]
+
+
+def mamba_path(kernels: dict | None) -> str:
+    if kernels and all(kernels.values()):
+        return ", ".join(f"{k.replace('_', '-')} {v}" for k, v in kernels.items())
+    missing = [k.replace("_", "-") for k, v in (kernels or {}).items() if not v] or ["mamba-ssm", "causal-conv1d"]
+    return f"transformers' plain-torch code ({' and '.join(missing)} not installed)"
+
+
 def merge_results(section: str, data: dict, command: str, path: str | None = None) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = Path(path) if path else RESULTS / f"dry-run-{gpu_tag()}.json"
     doc = json.loads(path.read_text()) if path.is_file() else {}
     doc[section] = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
                     "command": command, "versions": versions(), **data}
-    lib, cli = doc.get("library"), doc.get("cli")
-    if lib and cli and cli.get("load_gb_per_s"):
-        # The full model's load at the half model's measured rate: 2 bytes per BF16 parameter.
-        load = 2 * lib["params"] / (cli["load_gb_per_s"] * 1e9)
-        proj = lib["projected_1000x32k"]
-        proj["load_s"] = load
-        proj["end_to_end_s"] = proj["without_load_s"] + load
-        proj["ratio_to_plain"] = proj["end_to_end_s"] / proj["plain_forward_s"]
+    cli = doc.get("cli")
+    for lib in (doc.get(name) for name in LIBRARY_SECTIONS):
+        if lib and cli and cli.get("load_gb_per_s"):
+            # The full model's load at the half model's measured rate: 2 bytes per BF16 parameter.
+            load = 2 * lib["params"] / (cli["load_gb_per_s"] * 1e9)
+            proj = lib["projected_1000x32k"]
+            proj["load_s"] = load
+            proj["end_to_end_s"] = proj["without_load_s"] + load
+            proj["ratio_to_plain"] = proj["end_to_end_s"] / proj["plain_forward_s"]
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return path
 
 
 def table(doc: dict) -> None:
-    lib = doc.get("library")
-    if lib:
+    for name in LIBRARY_SECTIONS:
+        lib = doc.get(name)
+        if not lib:
+            continue
+        print(f"[{name}] Mamba mixers: {mamba_path(lib.get('mamba_kernels'))}")
         p = lib["projected_1000x32k"]
         rows = [
             ("model", f"{lib['layers']} layers, {lib['params'] / 1e9:.2f} B params, calib {lib['calib']}"),
@@ -377,11 +400,11 @@ def table(doc: dict) -> None:
         if "end_to_end_s" in p:
             rows.append(("1000x32k: fp4kit end to end", f"{p['end_to_end_s'] / 60:.1f} min ({p['ratio_to_plain']:.3f}x plain)"))
         for k, v in rows:
-            print(f"{k:<32}{v}")
+            print(f"{k:<36}{v}")
     cli = doc.get("cli")
     if cli:
-        print(f"{'CLI whole process':<32}{cli['wall_s']:.1f} s; stages {cli['stages_s']}")
-        print(f"{'CLI load vs from_pretrained':<32}{cli['stages_s'].get('load', float('nan')):.1f} s vs "
+        print(f"{'CLI whole process':<36}{cli['wall_s']:.1f} s; stages {cli['stages_s']}")
+        print(f"{'CLI load vs from_pretrained':<36}{cli['stages_s'].get('load', float('nan')):.1f} s vs "
               f"{cli['hf_from_pretrained_device_map_s']:.1f} s ({cli['load_over_hf']:.2f}x)")
 
 
@@ -411,7 +434,7 @@ def main(argv=None) -> int:
         info = save_bf16(args)
         print(f"saved {info['layers']} layers, {info['bytes'] / 1e9:.1f} GB in {info['save_s']:.1f} s to {args.save_bf16}")
         return 0
-    section, data = ("cli", cli_run(args)) if args.cli else ("library", library_run(args))
+    section, data = ("cli", cli_run(args)) if args.cli else (library_section(), library_run(args))
     path = merge_results(section, data, command, args.results)
     table(json.loads(path.read_text()))
     print(f"wrote {path}")

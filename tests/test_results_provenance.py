@@ -187,6 +187,11 @@ DECODE_ROWS = (
     ("16", "| 16 | - | 1540.4 | 2016.9 (1.31x) | 2032.6 (1.32x) |", _decode_cells("bf16_graph", *_CKPTS)),
     ("64", "| 64 | - | 3012.5 | 3477.5 (1.15x) | 3485.0 (1.16x) |", _decode_cells("bf16_graph", *_CKPTS)),
 )
+DECODE_ROWS_MAMBA = (
+    ("1", "| 1 | 28.8 | 276.5 | 347.3 (1.26x) | 356.4 (1.29x) |", _decode_cells("bf16_eager", "bf16_graph", *_CKPTS)),
+    ("16", "| 16 | - | 1970.4 | 2808.4 (1.43x) | 2893.8 (1.47x) |", _decode_cells("bf16_graph", *_CKPTS)),
+    ("64", "| 64 | - | 4775.2 | 6092.5 (1.28x) | 6013.5 (1.26x) |", _decode_cells("bf16_graph", *_CKPTS)),
+)
 # (document, quoted text, results file, path of the value, how the text rounds it)
 FIGURES = [
     # README: calibration, ModelOpt parity, verify
@@ -299,6 +304,35 @@ FIGURES = [
     (README, "takes 155.0 s against fp4kit's 33.8 s, 4.6x longer", "vs-modelopt-h200.json", ("half@8x32k", "modelopt", "wall_s"), _f(1)),
     (README, "takes 155.0 s against fp4kit's 33.8 s, 4.6x longer", "vs-modelopt-h200.json", ("half@8x32k", "fp4kit", "wall_s"), _f(1)),
     (README, "takes 155.0 s against fp4kit's 33.8 s, 4.6x longer", "vs-modelopt-h200.json", ("half@8x32k", "speedup_whole_process"), _f(1)),
+    (README, "ModelOpt takes 47.0 min\nagainst fp4kit's 14.0 min, 3.4x", "vs-modelopt-h200.json",
+     ("half@8x32k", "projected_1000_samples", "modelopt_s"), _f(1, 1 / 60)),
+    (README, "ModelOpt takes 47.0 min\nagainst fp4kit's 14.0 min, 3.4x", "vs-modelopt-h200.json",
+     ("half@8x32k", "projected_1000_samples", "fp4kit_s"), _f(1, 1 / 60)),
+    (README, "ModelOpt takes 47.0 min\nagainst fp4kit's 14.0 min, 3.4x", "vs-modelopt-h200.json",
+     ("half@8x32k", "projected_1000_samples", "speedup"), _f(1)),
+    (README, "ModelOpt takes 104.3 s against fp4kit's 23.1 s (4.5x; 7.2x projected to 1000 samples)", "vs-modelopt-h200.json",
+     ("slice7@32x4k", "modelopt", "wall_s"), _f(1)),
+    (README, "ModelOpt takes 104.3 s against fp4kit's 23.1 s (4.5x; 7.2x projected to 1000 samples)", "vs-modelopt-h200.json",
+     ("slice7@32x4k", "fp4kit", "wall_s"), _f(1)),
+    (README, "ModelOpt takes 104.3 s against fp4kit's 23.1 s (4.5x; 7.2x projected to 1000 samples)", "vs-modelopt-h200.json",
+     ("slice7@32x4k", "speedup_whole_process"), _f(1)),
+    (README, "ModelOpt takes 104.3 s against fp4kit's 23.1 s (4.5x; 7.2x projected to 1000 samples)", "vs-modelopt-h200.json",
+     ("slice7@32x4k", "projected_1000_samples", "speedup"), _f(1)),
+    (README, "| plain BF16 forward per 32K sample | 1.350 s | 0.722 s |", "dry-run-h200.json", ("library", "plain_forward_per_sample_s"), _f(3)),
+    (README, "| plain BF16 forward per 32K sample | 1.350 s | 0.722 s |", "dry-run-h200.json", ("library-mamba-kernels", "plain_forward_per_sample_s"), _f(3)),
+    (README, "| calibration forward per sample | 1.372 s (1.017x) | 0.735 s (1.018x) |", "dry-run-h200.json",
+     ("library-mamba-kernels", "calibrate_steady_per_sample_s"), _f(3)),
+    (README, "| calibration forward per sample | 1.372 s (1.017x) | 0.735 s (1.018x) |", "dry-run-h200.json",
+     ("library-mamba-kernels", "calibrate_over_plain"), _f(3)),
+    (README, "| 1000 x 32K end to end | 23.3 min | **12.6 min (1.049x the plain forward)** |", "dry-run-h200.json",
+     ("library-mamba-kernels", "projected_1000x32k", "end_to_end_s"), _f(1, 1 / 60)),
+    (README, "| 1000 x 32K end to end | 23.3 min | **12.6 min (1.049x the plain forward)** |", "dry-run-h200.json",
+     ("library-mamba-kernels", "projected_1000x32k", "ratio_to_plain"), _f(3)),
+    (BENCH, "takes 0.722 s per 32K sample (1.87x faster than plain torch's 1.350 s), calibration 0.735 s", "dry-run-h200.json",
+     ("library-mamba-kernels", "plain_forward_per_sample_s"), _f(3)),
+    (BENCH, "5.1 s (3.8 GB/s), the same bytes", "dry-run-h200.json", ("library-mamba-kernels", "export_gb_per_s"), _f(1)),
+    *[(README, row, "decode-graph-mamba-kernels-h200.json", ("batches", batch, *key), fmt)
+      for batch, row, keys in DECODE_ROWS_MAMBA for key, fmt in keys],
     # benchmarks/README: quantize
     (BENCH, "| one launch, `_stack_kernel` (the default for these stacks) | 2.30 TB/s, 0.70-0.72 ms | 1.51 TB/s, 1.09 ms |",
      KERNELS, ("quantize", "rows", 0, "ms_kernels_6"), _f(2, 1)),
@@ -384,13 +418,16 @@ def test_quoted_figure_is_its_results_value(doc, quoted, name, path, fmt):
     assert shown in _flat(quoted), f"{name} {path} is {shown}; {doc} says {quoted!r}"
 
 
-def test_ssm_state_markdown_is_its_json_and_the_readme_quotes_it():
+@pytest.mark.parametrize("folder,program", [("ssm-state-tiny", None), ("ssm-state-h200", "python scripts/ssm_state_slice.py")])
+def test_ssm_state_markdown_is_its_json_and_the_readme_quotes_it(folder, program):
     from fp4kit.ssm_eval import markdown
 
-    folder = RESULTS / "ssm-state-tiny"
+    folder = RESULTS / folder
     doc = json.loads((folder / "ssm-state.json").read_text())
     md = (folder / "ssm-state.md").read_text()
     assert md == markdown(doc) + "\n"
     readme = (ROOT / README).read_text()
     assert md.strip() in readme
-    assert _flat(doc["command"]) in _flat(readme)
+    # the command as the README gives it (the H200 run wrote to the device's own output folder)
+    assert _flat(program or doc["command"]) in _flat(readme)
+    assert doc["command"].startswith(program or doc["command"])

@@ -24,6 +24,28 @@ NANO_WIDTHS = dict(
 )
 
 
+# The packages transformers runs Nemotron-H's Mamba mixers with when they import (causal_conv1d_fn
+# and _update from causal-conv1d; the chunked scan and the single-step state update from
+# mamba-ssm); each part whose package is missing runs in transformers' plain-torch reference code.
+MAMBA_KERNEL_PACKAGES = ("mamba_ssm", "causal_conv1d")
+
+
+def mamba_kernels() -> dict[str, str | None]:
+    """{package: version} for the Mamba kernel packages, None for one that does not import here
+    (missing, or built for another torch), as transformers decides."""
+    import importlib
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in MAMBA_KERNEL_PACKAGES:
+        try:
+            importlib.import_module(name)
+            out[name] = metadata.version(name.replace("_", "-"))
+        except Exception:  # transformers falls back on any import failure, so this reports any as None
+            out[name] = None
+    return out
+
+
 def _classes():
     from transformers.models.nemotron_h import modeling_nemotron_h as m
 

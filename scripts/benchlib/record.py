@@ -1,7 +1,7 @@
 """The record every results file under benchmarks/results/ starts with: `date` (UTC), the
 `command` that wrote it (the script's path from the repository root and its arguments) and the
-`versions` of what it ran on (python, the installed torch, triton, transformers, nvidia-modelopt
-and fp4kit, CUDA, the GPU's name). tests/test_results_provenance.py checks every committed file
+`versions` of what it ran on (python, the installed torch, triton, transformers, nvidia-modelopt,
+fp4kit, mamba-ssm and causal-conv1d, CUDA, the GPU's name). tests/test_results_provenance.py checks every committed file
 for these three fields.
 """
 
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("torch", "triton", "transformers", "nvidia-modelopt", "fp4kit")
+PACKAGES = ("torch", "triton", "transformers", "nvidia-modelopt", "fp4kit", "mamba-ssm", "causal-conv1d")
 
 
 def command_line(argv: list[str] | None = None) -> str:
