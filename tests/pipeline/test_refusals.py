@@ -496,3 +496,20 @@ def test_readme_main_job_output_is_what_the_command_prints(tmp_path, capsys, mon
         return [re.sub(r"\d+\.\d+s", "#s", line) if line.startswith("time: ") else line for line in lines]
 
     assert numbers_out(printed) == numbers_out(_readme_main_job_block())
+
+
+def test_the_mamba_kernel_packages_are_reported_as_transformers_finds_them(monkeypatch):
+    import sys
+    import types
+    from importlib import metadata
+
+    from fp4kit.models.nemotron_h import mamba_kernels
+
+    real = metadata.version
+    monkeypatch.setitem(sys.modules, "causal_conv1d", types.ModuleType("causal_conv1d"))
+    monkeypatch.setattr(metadata, "version", lambda name: "1.7.0" if name == "causal-conv1d" else real(name))
+    monkeypatch.setitem(sys.modules, "mamba_ssm", None)  # its import fails (e.g. built for another torch)
+    assert mamba_kernels() == {"mamba_ssm": None, "causal_conv1d": "1.7.0"}
+    monkeypatch.setitem(sys.modules, "mamba_ssm", types.ModuleType("mamba_ssm"))
+    monkeypatch.setattr(metadata, "version", lambda name: {"causal-conv1d": "1.7.0", "mamba-ssm": "2.3.2"}[name])
+    assert mamba_kernels() == {"mamba_ssm": "2.3.2", "causal_conv1d": "1.7.0"}
