@@ -513,3 +513,23 @@ def test_the_mamba_kernel_packages_are_reported_as_transformers_finds_them(monke
     monkeypatch.setitem(sys.modules, "mamba_ssm", types.ModuleType("mamba_ssm"))
     monkeypatch.setattr(metadata, "version", lambda name: {"causal-conv1d": "1.7.0", "mamba-ssm": "2.3.2"}[name])
     assert mamba_kernels() == {"mamba_ssm": "2.3.2", "causal_conv1d": "1.7.0"}
+
+
+def test_a_nemotron_h_model_on_a_gpu_is_told_about_the_mamba_kernels_before_it_calibrates(monkeypatch):
+    import torch
+    from tiny_models import build_llama
+
+    import fp4kit.models.nemotron_h as nh
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    model = build_nemotron_h()
+    monkeypatch.setattr(nh, "mamba_kernels", lambda: {"mamba_ssm": None, "causal_conv1d": None})
+    note = q.mamba_kernel_note(model, cuda)
+    assert note.startswith("note: mamba-ssm and causal-conv1d not installed")
+    assert note.endswith("(pip install --no-build-isolation mamba-ssm causal-conv1d)")
+    assert q.mamba_kernel_note(model, cpu) is None  # nothing faster to install for the CPU
+    assert q.mamba_kernel_note(build_llama(), cuda) is None
+    monkeypatch.setattr(nh, "mamba_kernels", lambda: {"mamba_ssm": "2.3.2", "causal_conv1d": None})
+    assert "causal-conv1d not installed" in q.mamba_kernel_note(model, cuda)
+    monkeypatch.setattr(nh, "mamba_kernels", lambda: {"mamba_ssm": "2.3.2", "causal_conv1d": "1.7.0"})
+    assert q.mamba_kernel_note(model, cuda) is None
