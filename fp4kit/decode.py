@@ -116,7 +116,8 @@ class _StateFormat:
     def after_prefill(self) -> None:
         for st in self.states:
             if self.uniform:
-                st.copy_(st.half().float())
+                if self.formats[0] != "fp32":
+                    st.copy_(st.half().float())
                 continue
             for b, fmt in enumerate(self.formats):
                 if fmt != "fp32":
@@ -129,7 +130,7 @@ class _StateFormat:
             if self.uniform:  # one launch for the whole state: the same words as row by row
                 if self.formats[0] == "fp16":
                     st.copy_(st.half().float())
-                else:
+                elif self.formats[0] == "fp16-sr":
                     round_state(st, layer, self.rounds[0], out=st, backend=self.backend, base=self.seed)
                 continue
             row = st[0].numel()

@@ -56,6 +56,12 @@ def test_each_row_is_rounded_as_its_variant():
     states = [b.clone() for b in before]
     decode._StateFormat(*rows, states, torch.tensor([11 << 32]), "torch").after_prefill()
     assert all(torch.equal(s[0], b[0]) and torch.equal(s[2], b[2].half().float()) for s, b in zip(states, before))
+    # rows that all keep fp32 are left alone
+    states = [b.clone() for b in before]
+    held = decode._StateFormat(["fp32"] * 3, [5] * 3, states, torch.tensor([7]), "torch")
+    held.after_prefill()
+    held.after_step()
+    assert all(torch.equal(s, b) for s, b in zip(states, before))
     # rows of one format are rounded as one tensor, which draws the same words as row by row
     states = [b.clone() for b in before]
     decode._StateFormat(["fp16-sr"] * 3, [5] * 3, states, torch.tensor([7]), "torch").after_step()
