@@ -221,6 +221,12 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         return 0
     print(summary_table(role_rows(qm)))
     print("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in qm.timings.items()))
+    if qm.calibrate_s_per_sample:
+        from .calibration import parse_calib_spec
+
+        per = qm.calibrate_s_per_sample
+        seq = parse_calib_spec(qm.calibration["spec"]).seq_len
+        print(f"calibration: {per:.3f} s per sample after the first, {seq / per:,.0f} tokens/s")
     for w in qm.warnings:
         print(f"warning: {w}")
     print(f"wrote {path}")

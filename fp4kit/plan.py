@@ -62,6 +62,7 @@ class QuantizedModel:
     warnings: list[str] = field(default_factory=list)
     calibration: dict = field(default_factory=dict)
     arith: str = DEFAULT_ARITH
+    calibrate_s_per_sample: float | None = None  # steady calibration time per sample (quantize.BatchClock)
 
     def empty_experts(self) -> dict[str, list[int]]:
         """MoE layers whose experts received no calibration token."""

@@ -184,11 +184,58 @@ def _forward_shard(model: nn.Module, samples: torch.Tensor, batch_size: int | st
     return size
 
 
+class BatchClock:
+    """Each calibration batch's time without a wait for the device: CUDA events on a GPU (read
+    once, at the end), the host clock elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+        self.rows: list[int] = []
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self.marks = [self._mark()]
+
+    def lap(self, rows: int) -> None:
+        self.marks.append(self._mark())
+        self.rows.append(rows)
+
+    def per_sample(self) -> list[float]:
+        """Seconds per sample of each batch run."""
+        if self.cuda and len(self.marks) > 1:
+            self.marks[-1].synchronize()
+        pairs = zip(self.marks, self.marks[1:])
+        seconds = [a.elapsed_time(b) * 1e-3 if self.cuda else b - a for a, b in pairs]
+        return [t / r for t, r in zip(seconds, self.rows)]
+
+    def steady(self) -> float | None:
+        """The median seconds per sample after the first batch (its lazy compiles and allocations),
+        or of the one batch there was; None before any, or where the device cannot time them (the
+        figure is a report, never a reason for the job to fail)."""
+        try:
+            each = self.per_sample()
+        except RuntimeError:
+            return None
+        if not each:
+            return None
+        rest = sorted(each[1:] or each)
+        mid = len(rest) // 2
+        return rest[mid] if len(rest) % 2 else (rest[mid - 1] + rest[mid]) / 2
+
+
 def _forward_samples(model: nn.Module, samples: torch.Tensor, batch_size: int | str, progress: bool, stats: Statistics,
-                     start: int = 0, state: CalibState | None = None) -> int:
+                     start: int = 0, state: CalibState | None = None, clock: BatchClock | None = None) -> int:
     """Runs the calibration forward over samples[start:]; returns the batch size used. With
     batch_size "auto" on a CUDA device the first sample runs alone and its peak memory sets the
-    batch for the rest (`calibrate.fitting_batch`); on other devices "auto" is 1."""
+    batch for the rest (`calibrate.fitting_batch`); on other devices "auto" is 1. `clock` times
+    each batch."""
     device = input_device(model)
     n, seq = samples.shape
     auto = batch_size == AUTO_BATCH
@@ -197,6 +244,8 @@ def _forward_samples(model: nn.Module, samples: torch.Tensor, batch_size: int | 
     bar = tqdm(total=samples.numel(), initial=start * seq, desc=f"calibrate ({n} x {seq})", unit="tok",
                unit_scale=True, disable=not progress)
     batches, i = 0, start
+    if clock is not None:
+        clock.start()
     with torch.inference_mode():
         while i < n:
             batch = samples[i : i + size].to(device)
@@ -207,6 +256,8 @@ def _forward_samples(model: nn.Module, samples: torch.Tensor, batch_size: int | 
                     bar.write(f"batch size auto: {size} (one sample adds {added / 2**30:.2f} GiB at its peak; {free / 2**30:.1f} GiB free)")
             else:
                 model(input_ids=batch, use_cache=False, logits_to_keep=1)
+            if clock is not None:
+                clock.lap(batch.shape[0])
             bar.update(batch.numel())
             batches += 1
             i += batch.shape[0]
@@ -531,18 +582,20 @@ def quantize(
             stats, start = resumed
             warnings.append(f"resumed calibration after {start} of {samples.shape[0]} samples")
     needs_data = bool(need_amax or need_sq or kv_layers)
+    clock = BatchClock(device)
     if samples is not None and samples.numel():
         with Observers(model, amax_targets=need_amax, importance_targets=need_sq, kv_layers=kv_layers, moe_experts=moe, stats=stats):
             if world > 1:
                 _forward_shard(model, samples, batch_size, progress and rank == 0, stats, start, state, rank, world)
             else:
-                _forward_samples(model, samples, batch_size, progress, stats, start, state)
+                _forward_samples(model, samples, batch_size, progress, stats, start, state, clock)
         if world > 1:
             stats = parallel.reduce_statistics(stats, device)
         stats.expert_tokens = {k: v.cpu() for k, v in stats.expert_tokens.items()}
     elif needs_data:
         raise ValueError(f"recipe {recipe.name!r} needs calibration statistics, but no calibration samples were given")
     timings["calibrate"] = time.perf_counter() - t0
+    steady = clock.steady()
     if rank != 0:
         return None
 
@@ -563,7 +616,8 @@ def quantize(
             continue
         k, v = (a.detach().float().cpu() for a in stats.kv_amax[kv.name])
         kv_scales[kv.disk_name] = tuple(torch.where(a > 0, div_const(a, FP8_MAX, arith), torch.ones_like(a)) for a in (k, v))
-    qm = QuantizedModel(model, adapter, recipe, plan, quantized, kv_scales, stats, kv_layers, timings, warnings, arith=arith)
+    qm = QuantizedModel(model, adapter, recipe, plan, quantized, kv_scales, stats, kv_layers, timings, warnings, arith=arith,
+                        calibrate_s_per_sample=steady)
     empty = qm.empty_experts()
     for name, experts in empty.items():
         qm.warnings.append(f"{adapter.disk_name(name)}: {len(experts)} expert(s) received no calibration token: {experts[:16]}{' ...' if len(experts) > 16 else ''}")

@@ -171,3 +171,17 @@ def test_a_model_spread_over_the_gpu_and_the_cpu_gets_the_weights_of_one_on_the_
     assert sorted(a.names()) == sorted(b.names())
     differ = [n for n in a.names() if not torch.equal(_raw(a.get(n)), _raw(b.get(n)))]
     assert not [n for n in differ if not n.endswith(("input_scale", "k_scale", "v_scale"))], differ
+
+
+def test_the_calibration_rate_is_timed_on_the_gpu_without_a_wait_per_batch():
+    import fp4kit.quantize as q
+
+    model, _ = load_tiny_model(device="cuda")
+    samples = torch.randint(0, model.config.vocab_size, (6, 64), generator=torch.Generator().manual_seed(0))
+    clock = q.BatchClock(torch.device("cuda"))
+    q._forward_samples(model, samples, 2, False, q.Statistics(), clock=clock)
+    assert all(isinstance(m, torch.cuda.Event) for m in clock.marks) and clock.rows == [2, 2, 2]
+    each = clock.per_sample()
+    assert len(each) == 3 and all(t > 0 for t in each)
+    qm = q.quantize(model, load_recipe("nemotron-h-w4a16-4o6"), samples, progress=False)
+    assert qm.calibrate_s_per_sample > 0
