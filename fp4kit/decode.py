@@ -115,10 +115,6 @@ class _StateFormat:
 
     def after_prefill(self) -> None:
         for st in self.states:
-            if self.uniform:
-                if self.formats[0] != "fp32":
-                    st.copy_(st.half().float())
-                continue
             for b, fmt in enumerate(self.formats):
                 if fmt != "fp32":
                     st[b].copy_(st[b].half().float())

@@ -7,6 +7,7 @@ calibration set and the export for the CLI.
 from __future__ import annotations
 
 import re
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -223,11 +224,7 @@ class BatchClock:
             each = self.per_sample()
         except RuntimeError:
             return None
-        if not each:
-            return None
-        rest = sorted(each[1:] or each)
-        mid = len(rest) // 2
-        return rest[mid] if len(rest) % 2 else (rest[mid - 1] + rest[mid]) / 2
+        return statistics.median(each[1:] or each) if each else None
 
 
 def _forward_samples(model: nn.Module, samples: torch.Tensor, batch_size: int | str, progress: bool, stats: Statistics,

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import decode
 from .models import cache_argument
 from .models.roles import input_device
 
@@ -114,8 +115,6 @@ def teacher_forced(model: nn.Module, tokens: torch.Tensor, variants: list[Varian
     variant's format (`fp4kit.decode`'s static step: the first token is a one-token prefill, then
     one decode step per token, replayed from a CUDA graph on CUDA). Position t scores the
     prediction of token t + 1."""
-    from . import decode
-
     device = input_device(model)
     graph = device.type == "cuda" if graph is None else graph
     b, length = len(variants), tokens.numel()
@@ -172,8 +171,6 @@ def free_generation(model: nn.Module, prompt: torch.Tensor, variants: list[Varia
     row in its variant's state format and none stopping at EOS; the first step where each row's
     token differs from the fp32 row's (None: never). The state is rounded by the Triton kernel on
     CUDA and the emulator elsewhere: the two are bit-exact, so the choice changes no result."""
-    from . import decode
-
     steps = [0]
 
     def tick(_):
