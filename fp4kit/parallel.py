@@ -41,6 +41,17 @@ def rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _import_world_defaults() -> None:
+    """Imports, before the process group exists, the torch modules whose functions take
+    `group=group.WORLD` as a default argument. Imported later (transformers' modeling code imports
+    them while loading a model), they would bind the live group into those defaults: it would then
+    outlive `destroy_process_group`, its communication threads running on until the interpreter
+    tears it down at exit, where gloo's teardown can abort the process (SIGABRT), and torchrun
+    then stops every rank."""
+    import torch.distributed.fsdp  # noqa: F401  (its grad scaler's process_group default)
+    import torch.distributed.nn.functional  # noqa: F401  (ten collectives' group defaults)
+
+
 def init(device: str) -> str:
     """Joins torchrun's process group (NCCL on CUDA, gloo on the CPU) when there are 2+ ranks, and
     returns this rank's device: `cuda` becomes `cuda:<local rank>`."""
@@ -61,6 +72,7 @@ def init(device: str) -> str:
         device = f"cuda:{local}"
         torch.cuda.set_device(local)
     if not dist.is_initialized():
+        _import_world_defaults()
         dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT,
                                 **({"device_id": torch.device(device)} if cuda else {}))
     return device

@@ -24,7 +24,7 @@ ARGS = ["quantize", "--calib", "7x96", "--batch-size", "2", "--no-progress", "--
 def _env() -> dict:
     # torchrun gives each rank one thread; a CPU reduction may split differently on another
     # number of threads, so the one-process run gets one too.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 def _torchrun(ranks: int, argv: list[str], **kw) -> subprocess.Popen:
@@ -68,6 +68,33 @@ def test_any_number_of_ranks_writes_the_same_bytes(ranks, recipe, one_process, t
     if ranks > 1:
         assert f"in each of {ranks} ranks" in stderr
     assert not calib_state_dir(out).exists()
+
+
+GROUP_AFTER_FINISH = """
+import gc, os
+from fp4kit import parallel
+
+parallel.init("cpu")
+import transformers.modeling_utils  # noqa: E402,F401  (what loading a model imports, after the group exists)
+
+parallel.finish()
+gc.collect()
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("rank", os.environ["RANK"], "gloo threads", sorted(t for t in threads if "gloo" in t))
+"""
+
+
+def test_the_process_group_is_gone_after_finish_though_the_model_code_was_imported_after_it(tmp_path):
+    """torch modules that take group.WORLD as a default argument, imported once the group exists,
+    keep it alive past destroy_process_group; gloo's threads then run on into the interpreter's
+    teardown, where they can abort a rank that has done its work (and torchrun stops the rest)."""
+    script = tmp_path / "group.py"
+    script.write_text(GROUP_AFTER_FINISH)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("rank")) == [
+        "rank 0 gloo threads []", "rank 1 gloo threads []"], done.stdout
 
 
 def _workers(parent: int) -> dict[int, int]:
