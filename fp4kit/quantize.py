@@ -79,7 +79,12 @@ class CalibState:
         done = self.saved_samples()
         if done is None:
             return None
-        return Statistics.from_state_dict(load_file(str(self.folder / "stats.safetensors"))), done
+        name = self.read(self.folder).get("stats", "stats.safetensors")
+        try:
+            return Statistics.from_state_dict(load_file(str(self.folder / name))), done
+        except Exception as exc:  # safetensors raises an error type of its own for a damaged file
+            raise ValueError(f"--resume: the calibration snapshot in {self.folder} is damaged ({exc}); "
+                             "remove it and run without --resume") from None
 
     def for_rank(self, rank: int, world: int) -> "CalibState":
         """The snapshot of one rank of a data-parallel run: a folder of its own, and the number of
@@ -120,16 +125,22 @@ class CalibState:
 
         from safetensors.torch import save_file
 
+        # The statistics go to a file named by the sample count, and state.json, replaced last, names
+        # it: a run killed at any point leaves a record and statistics that belong together.
         self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.folder / "stats.safetensors.tmp"
+        name = f"stats-{done}.safetensors"
+        tmp = self.folder / (name + ".tmp")
         save_file(stats.state_dict(), str(tmp))
-        os.replace(tmp, self.folder / "stats.safetensors")
+        os.replace(tmp, self.folder / name)
         meta_tmp = self.folder / "state.json.tmp"
-        meta = {"fingerprint": self.fingerprint, "done": done}
+        meta = {"fingerprint": self.fingerprint, "done": done, "stats": name}
         if batch_size is not None:
             meta["batch_size"] = batch_size
         meta_tmp.write_text(json.dumps(meta))
         os.replace(meta_tmp, self.folder / "state.json")
+        for old in self.folder.glob("stats*.safetensors"):
+            if old.name != name:
+                old.unlink(missing_ok=True)
 
     def clear(self) -> None:
         import shutil

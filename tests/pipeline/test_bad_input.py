@@ -81,6 +81,47 @@ def test_resume_with_different_settings_is_refused(tmp_path):
         CalibState(tmp_path / "s", {"calib": "32x512", "seed": 1}).load()
 
 
+def test_a_run_killed_while_it_saves_a_snapshot_resumes_from_the_previous_one(tmp_path, monkeypatch):
+    """The statistics and the record naming them are written one after the other; a kill between
+    the two must leave the earlier pair, not new statistics under the old sample count (which a
+    resumed run would count twice)."""
+    import os
+
+    import torch
+
+    from fp4kit.calibrate import Statistics
+    from fp4kit.quantize import CalibState
+
+    state = CalibState(tmp_path / "s", {"calib": "32x512"})
+    state.save(Statistics(tokens_seen=64, input_amax={"a": torch.tensor([2.0])}), 2)
+    real = os.replace
+
+    def killed_at_the_record(src, dst):
+        if str(dst).endswith("state.json"):
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_at_the_record)
+    with pytest.raises(KeyboardInterrupt):
+        state.save(Statistics(tokens_seen=128, input_amax={"a": torch.tensor([4.0])}), 4)
+    monkeypatch.setattr(os, "replace", real)
+    stats, done = CalibState(tmp_path / "s", {"calib": "32x512"}).load()
+    assert done == 2 and stats.tokens_seen == 64 and stats.input_amax["a"].tolist() == [2.0]
+    state.save(Statistics(tokens_seen=192), 6)  # a completed save leaves one statistics file
+    assert sorted(p.name for p in (tmp_path / "s").glob("stats*")) == ["stats-6.safetensors"]
+
+
+def test_a_damaged_snapshot_is_refused_by_name(tmp_path):
+    from fp4kit.calibrate import Statistics
+    from fp4kit.quantize import CalibState
+
+    state = CalibState(tmp_path / "s", {"calib": "32x512"})
+    state.save(Statistics(tokens_seen=64), 2)
+    (tmp_path / "s" / "stats-2.safetensors").write_bytes(b"\x08\x00")
+    with pytest.raises(ValueError, match=r"snapshot in .*/s is damaged"):
+        state.load()
+
+
 def test_model_folder_without_config_is_refused(tmp_path):
     from fp4kit.quantize import QuantizeJob, validate_job
 
