@@ -105,7 +105,7 @@ def model_card(qm, nested_config: dict, total_bytes: int, extra: dict) -> str:
         "## Calibration",
         "",
         f"- samples: {calib.get('spec', 'none')} ({calib.get('tokens', 0):,} tokens) from {calib.get('source', 'n/a')}, seed {calib.get('seed', 'n/a')}",
-        f"- statistics: FP8 input amax, KV amax, per-expert token counts"
+        "- statistics: FP8 input amax, KV amax, per-expert token counts"
         + (", per-channel E[x^2]" if any(r.importance for r in recipe.rules) else ""),
     ]
     empty = qm.empty_experts()

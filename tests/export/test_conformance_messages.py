@@ -30,7 +30,6 @@ from test_conformance import (
     _fp8,
     _gated_experts,
     _nvfp4,
-    _raw_safetensors,
     _single_algo_parts,
     build_defect,
     make_configs,

@@ -235,7 +235,7 @@ def test_metadata_tokenizer_timing_and_progress(mamba_fp8, tmp_path, capfd):
     assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
     n = len(mamba_fp8.model.state_dict())
     err = capfd.readouterr().err
-    assert f"export: 100%" in err and f"| {n}/{n} [" in err and "tensor/s]" in err  # one tick per tensor
+    assert "export: 100%" in err and f"| {n}/{n} [" in err and "tensor/s]" in err  # one tick per tensor
 
 
 def test_no_progress_bar_when_asked(mamba_fp8, tmp_path, capfd):
