@@ -202,6 +202,7 @@ class BatchClock:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.device = device
         self.marks: list = []
         self.rows: list[int] = []
 
@@ -209,7 +210,7 @@ class BatchClock:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the model's GPU, which need not be the current one
         return event
 
     def start(self) -> None:
