@@ -447,7 +447,10 @@ def _cmd_eval_ssm_state(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
+    from .kernels.backend import make_current
+
     device = args.device
+    make_current(device)
     backend = args.backend or ("triton" if device.startswith("cuda") else "torch")
     if args.quantized:
         from .export.load import load_quantized
@@ -516,6 +519,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                      seq_len=args.seq_len, out=args.out)
     except (ValueError, OSError) as exc:
         return _err(str(exc), 2)
+    from .kernels.backend import make_current
+
+    make_current(args.device)
     try:
         result = evaluate(
             args.reference, args.quantized, data=args.data, tokens=args.tokens, seq_len=args.seq_len, device=args.device,
@@ -582,6 +588,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not _cuda():
         return _err(f"--device {args.device}: no CUDA device here", 2)
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .kernels.backend import make_current
+
+    make_current(args.device)
 
     from .decode import generate
     from .export.load import MODEL_DTYPE, load_quantized

@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch
 
 from .calibrate import Statistics
+from .kernels.backend import make_current
 
 # A rank waits this long for the others in a collective before it gives up (torchrun stops the
 # whole group as soon as one rank exits with an error).
@@ -59,6 +60,7 @@ def init(device: str) -> str:
 
     rank, world, local = env_world()
     if world <= 1:
+        make_current(device)
         return device
     if device == "auto":
         raise ValueError("--device auto spreads one model over the GPUs; with several ranks each rank holds "

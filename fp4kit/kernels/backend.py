@@ -84,6 +84,18 @@ def sm_count(device: torch.device) -> int:
     return 4
 
 
+def make_current(device: str | torch.device) -> None:
+    """Makes the GPU that `device` names (cuda:N) the current one: Triton launches its kernels on
+    the current GPU, and CUDA graphs and events take its streams, so a job on cuda:1 runs with
+    cuda:1 current. Other devices ("cpu", "auto", "cuda" without an index) leave it as it is."""
+    if isinstance(device, str):
+        if not device.startswith("cuda:"):
+            return
+        device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (n >= 1), in plain Python for the same reason as `cdiv`."""
     return 1 << (n - 1).bit_length()

@@ -209,3 +209,23 @@ def test_ctrl_c_counts_the_samples_in_every_ranks_snapshot(tmp_path, capsys, mon
     resume = f"{cli._prog()} {shlex.join([*argv, '--resume'])}"
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"error: interrupted; the calibration snapshot holds 6 of 7 samples; continue with: {resume}")
+
+
+def test_a_job_on_one_named_gpu_makes_it_the_current_one(monkeypatch):
+    """Triton launches on the current GPU, as CUDA graphs and events do: `--device cuda:1` in one
+    process makes cuda:1 current; other devices leave the current GPU alone."""
+    import torch
+
+    from fp4kit import parallel
+    from fp4kit.kernels.backend import make_current
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: made.append(str(d)))
+    for device in ("cpu", "cuda", "auto", torch.device("cpu"), torch.device("cuda")):
+        make_current(device)
+    assert made == []
+    make_current("cuda:1")
+    make_current(torch.device("cuda", 2))
+    assert made == ["cuda:1", "cuda:2"]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert parallel.init("cuda:3") == "cuda:3" and made[-1] == "cuda:3"
