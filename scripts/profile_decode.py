@@ -6,7 +6,8 @@ weights), quantizes it under `--recipe` on random tokens, loads the checkpoint b
 Triton kernels, and profiles `generate` of `--steps` + 1 new tokens and of 1 token for each model
 (torch.profiler, CUDA activity); the difference, divided by the steps, is one decode step. Its
 kernels are grouped by name: fp4kit's own Triton kernels, BF16 matrix products, copies,
-elementwise, reductions, top-k and sorting, and the rest.
+elementwise, reductions, top-k and sorting, and the rest; the kernels that take the most time
+per step are listed by name as well (`top_kernels_per_step`).
 
     python scripts/profile_decode.py [--layers 26] [--batch 1] [--steps 32]
 
@@ -42,6 +43,9 @@ KINDS = (
 )
 
 
+TOP = 25  # kernels listed by name per model
+
+
 def kind_of(name: str) -> str:
     for kind, pattern in KINDS:
         if re.search(pattern, name):
@@ -50,7 +54,7 @@ def kind_of(name: str) -> str:
 
 
 def profiled(model, prompt: list[list[int]], new: int, device: torch.device) -> dict[str, dict[str, float]]:
-    """{kind: {"us": time, "count": kernels}} over one generate of `new` tokens."""
+    """{kernel name: {"us": time, "count": launches}} over one generate of `new` tokens."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -69,10 +73,26 @@ def profiled(model, prompt: list[list[int]], new: int, device: torch.device) -> 
             if not e.key.startswith("aten::"):
                 continue
             us = e.self_cpu_time_total
-        row = out.setdefault(kind_of(e.key), {"us": 0.0, "count": 0})
+        row = out.setdefault(e.key, {"us": 0.0, "count": 0})
         row["us"] += us
         row["count"] += e.count
     return out
+
+
+def by_kind(per_name: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Kernel figures summed by kind (`kind_of`)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, v in per_name.items():
+        row = out.setdefault(kind_of(name), {"us": 0.0, "count": 0})
+        row["us"] += v["us"]
+        row["count"] += v["count"]
+    return out
+
+
+def top_kernels(per_name: dict[str, dict[str, float]], n: int = TOP) -> list[dict]:
+    """The `n` kernels that take the most time, each with its kind."""
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1]["us"])[:n]
+    return [{"kernel": name[:200], "kind": kind_of(name), "us": v["us"], "count": v["count"]} for name, v in rows]
 
 
 def per_step(full: dict, one: dict, steps: int) -> dict[str, dict[str, float]]:
@@ -121,19 +141,25 @@ def main() -> None:
     qmodel.generation_config.eos_token_id = None
 
     models = {"bf16": model, args.recipe: qmodel}
-    steps = {name: per_step(profiled(m, prompt, args.steps + 1, device), profiled(m, prompt, 1, device), args.steps)
+    named = {name: per_step(profiled(m, prompt, args.steps + 1, device), profiled(m, prompt, 1, device), args.steps)
              for name, m in models.items()}
+    steps = {name: by_kind(v) for name, v in named.items()}
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {**run_record(), "source": source, "pattern": model.config.hybrid_override_pattern, "recipe": args.recipe,
               "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps,
               "measure": "CUDA kernel time" if device.type == "cuda" else "CPU time of aten operators",
               "per_step": steps,
-              "per_step_total_us": {name: sum(v["us"] for v in s.values()) for name, s in steps.items()}}
+              "per_step_total_us": {name: sum(v["us"] for v in s.values()) for name, s in steps.items()},
+              "top_kernels_per_step": {name: top_kernels(v) for name, v in named.items()}}
     kinds = sorted({k for s in steps.values() for k in s}, key=lambda k: -max(s.get(k, {"us": 0})["us"] for s in steps.values()))
     print(f"{'per decode step':<18}" + "".join(f"{name + ' us':>26}{'kernels':>9}" for name in steps))
     for k in kinds:
         print(f"{k:<18}" + "".join(f"{s.get(k, {'us': 0})['us']:>26.1f}{s.get(k, {'count': 0})['count']:>9.0f}" for s in steps.values()))
     print(f"{'total':<18}" + "".join(f"{result['per_step_total_us'][name]:>26.1f}{'':>9}" for name in steps))
+    for name, rows in result["top_kernels_per_step"].items():
+        print(f"\n{name}: the {len(rows)} kernels that take the most time per step")
+        for r in rows:
+            print(f"{r['us']:>10.1f} us {r['count']:>6.1f}x  {r['kind']:<15} {r['kernel'][:90]}")
     out = write_results(result, "decode-profile", gpu, out=args.out, smoke=device.type != "cuda")
     print(f"wrote {out}")
 

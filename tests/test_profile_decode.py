@@ -42,3 +42,13 @@ def test_a_step_is_the_difference_of_two_runs_per_step():
     one = {"copy": {"us": 30.0, "count": 10}, "other": {"us": 5.0, "count": 1}}
     assert profile_decode.per_step(full, one, 10) == {
         "bf16 matmul": {"us": 7.0, "count": 1.2}, "copy": {"us": 10.0, "count": 3.0}, "other": {"us": -0.5, "count": -0.1}}
+
+
+def test_kernels_are_summed_by_kind_and_the_slowest_listed_by_name():
+    step = {"_gemv_kernel": {"us": 40.0, "count": 2}, "_moe_small_kernel": {"us": 25.0, "count": 1},
+            "Memcpy DtoD (Device -> Device)": {"us": 5.0, "count": 3}, "aten::mul": {"us": 50.0, "count": 4}}
+    assert profile_decode.by_kind(step) == {"fp4kit kernels": {"us": 65.0, "count": 3}, "copy": {"us": 5.0, "count": 3},
+                                            "elementwise": {"us": 50.0, "count": 4}}
+    assert profile_decode.top_kernels(step, 2) == [
+        {"kernel": "aten::mul", "kind": "elementwise", "us": 50.0, "count": 4},
+        {"kernel": "_gemv_kernel", "kind": "fp4kit kernels", "us": 40.0, "count": 2}]
