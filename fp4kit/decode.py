@@ -14,6 +14,7 @@ with `load_quantized`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -330,6 +331,22 @@ def _pick(logits: torch.Tensor, greedy: bool, generator: torch.Generator | None)
 
 
 @torch.inference_mode()
+def on_the_model_gpu(fn):
+    """Runs `fn(model, ...)` with the GPU that holds the model's input as the current one: CUDA
+    graphs capture and replay on the current GPU's streams, and Triton launches there."""
+
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        device = input_device(model)
+        if device.type != "cuda":
+            return fn(model, *args, **kwargs)
+        with torch.cuda.device(device):
+            return fn(model, *args, **kwargs)
+
+    return run
+
+
+@on_the_model_gpu
 def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greedy: bool = True,
              graph: bool | None = None, batch_buckets: Sequence[int] = DEFAULT_BUCKETS,
              stream: Callable[[list[int | None]], None] | None = None,

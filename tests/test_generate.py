@@ -266,3 +266,27 @@ def test_the_command_holds_the_state_as_asked():
     assert "4 tokens in" in run.stderr and "(eager, batch 1, SSM state fp16-sr R=10)" in run.stderr
     bad = subprocess.run(base + ["--ssm-state", "fp16-sr", "--philox-rounds", "0"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --philox-rounds must be at least 1")
+
+
+def test_decoding_runs_with_the_model_gpu_current(monkeypatch):
+    """CUDA graphs capture and replay on the current GPU's streams: a model on cuda:1 decodes with
+    cuda:1 current, and a model on the CPU leaves the current GPU alone."""
+    import contextlib
+
+    import torch
+
+    from fp4kit import decode
+
+    entered = []
+
+    @contextlib.contextmanager
+    def current(device):
+        entered.append(str(device))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", current)
+    seen = []
+    run = decode.on_the_model_gpu(lambda model, x, *, y: seen.append((model, x, y, list(entered))) or "out")
+    monkeypatch.setattr(decode, "input_device", lambda model: torch.device(model))
+    assert run("cpu", 1, y=2) == "out" and seen[-1] == ("cpu", 1, 2, [])
+    assert run("cuda:1", 3, y=4) == "out" and seen[-1] == ("cuda:1", 3, 4, ["cuda:1"])
