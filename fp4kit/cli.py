@@ -342,6 +342,18 @@ def _add_push(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", help="branch to upload to")
 
 
+def _push_fix(exc: Exception) -> str:
+    """What to do about a failed upload, from the kind of error the hub client raised."""
+    text = f"{type(exc).__name__} {exc}".lower()
+    if "offline" in text:
+        return "nothing was uploaded: HF_HUB_OFFLINE is set; unset it to upload"
+    if any(w in text for w in ("401", "403", "unauthorized", "forbidden", "token", "auth")):
+        return "nothing was uploaded: log in with `hf auth login` or set HF_TOKEN to a token that can write to the repository"
+    if any(w in text for w in ("connect", "timeout", "timed out", "name or service", "resolve", "network")):
+        return "nothing was uploaded: the hub could not be reached; check the network (or HF_ENDPOINT) and run it again"
+    return "nothing was uploaded (--debug shows the traceback)"
+
+
 def _cmd_push(args: argparse.Namespace) -> int:
     from .export.push import push
 
@@ -351,7 +363,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
         return _err(str(exc), 2)
     except Exception as exc:  # the hub client's network, auth and offline errors: nothing was uploaded
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return _err(f"push to {args.repo} failed ({type(exc).__name__}): {first}", 2)
+        return _err(f"push to {args.repo} failed ({type(exc).__name__}): {first}; {_push_fix(exc)}", 2)
     print(f"uploaded {args.checkpoint} to {url}")
     return 0
 

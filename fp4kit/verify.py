@@ -71,6 +71,7 @@ class VerifyReport:
                 tp = self.sections["tensor_parallel"]
                 summary = f"TP={tp['tp']}{' with expert parallelism' if tp['ep'] else ''}: " + (
                     "shards cleanly" if tp["ok"] else f"does NOT shard cleanly, {_count(tp['count'], 'problem')}"
+                    + (f" of {_count(len(tp['problems']), 'kind')}, the first of each shown" if len(tp["problems"]) < tp["count"] else "")
                 )
                 bad = [Check(name, False, "", reason) for reason in tp["problems"]]
             else:
@@ -352,7 +353,8 @@ def _mamba_in_proj(what: str, n: int, quantized: bool, config: dict, tp: int) ->
         return None
     return (
         f"{what}: Mamba in_proj N={n} = z {inner} + x {inner} + B {bc} + C {bc} + dt {heads}, each block split "
-        f"by tp={tp}: {', '.join(bad) or 'none'} not divisible; the engines need mamba_num_heads ({heads}) and "
+        f"by tp={tp}: " + (f"{', '.join(bad)} not divisible; the" if bad else "every block divides, but the")
+        + f" engines need mamba_num_heads ({heads}) and "
         f"n_groups ({groups}) divisible by tp" + ("" if quantized else " (or n_groups == 1)")
     )
 

@@ -69,7 +69,20 @@ def test_push_without_network_is_one_line_and_exit_2(ckpt):
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: push to me/tiny-nvfp4 failed ("), r.stderr
+    assert lines[0].endswith("nothing was uploaded: HF_HUB_OFFLINE is set; unset it to upload"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("exc, fix", [
+    (OSError("[Errno -2] Name or service not known"), "the hub could not be reached"),
+    (RuntimeError("401 Client Error: Unauthorized for url"), "hf auth login"),
+    (RuntimeError("Invalid user token."), "HF_TOKEN"),
+    (ValueError("something else"), "--debug shows the traceback"),
+])
+def test_a_failed_push_names_what_to_do(exc, fix):
+    from fp4kit.cli import _push_fix
+
+    assert _push_fix(exc).startswith("nothing was uploaded") and fix in _push_fix(exc)
 
 
 def test_checkpoint_files_readable_by_others(ckpt):

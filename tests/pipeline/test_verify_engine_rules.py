@@ -178,7 +178,7 @@ def test_tensor_parallel_checks_every_format(made):
     tp4 = tensor_parallel(made / "ckpt", 4)
     assert tp4["problems"] == [
         f"{IN_PROJ} (FP8): Mamba in_proj N=328 = z 128 + x 128 + B 32 + C 32 + dt 8, each block split by tp=4: "
-        "none not divisible; the engines need mamba_num_heads (8) and n_groups (2) divisible by tp",
+        "every block divides, but the engines need mamba_num_heads (8) and n_groups (2) divisible by tp",
         "backbone.layers.1.mixer.experts.0.down_proj (NVFP4): K=32 splits into 8 per rank, not a whole number of 16-element blocks",
         "backbone.layers.1.mixer.shared_experts.down_proj (NVFP4): K=48 splits into 12 per rank, not a whole number of 16-element blocks",
     ]
@@ -244,7 +244,7 @@ def test_summary_lines_say_what_is_counted(made, tie_as_4):
         f"  ok   rederive: 0 of {rederived} tensors differ",
     ]
     assert good[4:6] == [
-        "  FAIL tensor_parallel: TP=2 with expert parallelism: does NOT shard cleanly, 2 problems",
+        "  FAIL tensor_parallel: TP=2 with expert parallelism: does NOT shard cleanly, 2 problems of 1 kind, the first of each shown",
         "       backbone.layers.1.mixer.shared_experts.down_proj (NVFP4): K=48 splits into 24 per rank, not a whole number of 16-element blocks",
     ]
     bad = verify(tie_as_4, source=str(made / "source")).text().splitlines()

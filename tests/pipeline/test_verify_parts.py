@@ -242,7 +242,7 @@ def test_tensor_parallel_splits_a_mamba_in_proj_by_its_blocks(tmp_path):
     assert tensor_parallel(folder, 2)["ok"]
     assert tensor_parallel(folder, 4)["problems"] == [
         "backbone.layers.0.mixer.in_proj (BF16): Mamba in_proj N=88 = z 32 + x 32 + B 8 + C 8 + dt 8, each block split "
-        "by tp=4: none not divisible; the engines need mamba_num_heads (8) and n_groups (2) divisible by tp (or n_groups == 1)"
+        "by tp=4: every block divides, but the engines need mamba_num_heads (8) and n_groups (2) divisible by tp (or n_groups == 1)"
     ]
     # the same in_proj in a model that is not nemotron_h is a plain column-parallel layer
     folder = write_folder(tmp_path / "d", t, {**NEMOTRON, "model_type": "llama"})
@@ -258,7 +258,7 @@ def test_mamba_in_proj_rules():
     # complete: heads 8, head_dim 4 -> inner 32; groups 2, state 4 -> bc 8
     assert _mamba_in_proj(what, 88, True, NEMOTRON, 2) is None
     assert _mamba_in_proj(what, 88, True, NEMOTRON, 8) == (
-        "m (FP8): Mamba in_proj N=88 = z 32 + x 32 + B 8 + C 8 + dt 8, each block split by tp=8: none not divisible; "
+        "m (FP8): Mamba in_proj N=88 = z 32 + x 32 + B 8 + C 8 + dt 8, each block split by tp=8: every block divides, but "
         "the engines need mamba_num_heads (8) and n_groups (2) divisible by tp")
     odd = {**NEMOTRON, "mamba_num_heads": 6, "mamba_head_dim": 3, "ssm_state_size": 3}  # inner 18, bc 6, heads 6
     assert _mamba_in_proj(what, 54, False, odd, 4) == (
@@ -268,7 +268,7 @@ def test_mamba_in_proj_rules():
     one = {**NEMOTRON, "n_groups": 1}
     assert _mamba_in_proj(what, 80, False, one, 4) is None
     assert _mamba_in_proj(what, 80, True, one, 4) == (
-        "m (FP8): Mamba in_proj N=80 = z 32 + x 32 + B 4 + C 4 + dt 8, each block split by tp=4: none not divisible; "
+        "m (FP8): Mamba in_proj N=80 = z 32 + x 32 + B 4 + C 4 + dt 8, each block split by tp=4: every block divides, but "
         "the engines need mamba_num_heads (8) and n_groups (1) divisible by tp")
     assert _mamba_in_proj(what, 80, True, one, 1) is None
     # heads not divisible although every block is
@@ -645,7 +645,7 @@ def test_tensor_parallel_of_a_quantized_mamba_in_proj_refuses_one_group(tmp_path
         folder = write_folder(tmp_path / dtype, {"backbone.layers.0.mixer.in_proj.weight": weight}, one)
         assert tensor_parallel(folder, 4)["problems"] == [
             f"backbone.layers.0.mixer.in_proj ({'NVFP4' if dtype == 'U8' else 'FP8'}): Mamba in_proj N=80 = z 32 + x 32 + "
-            "B 4 + C 4 + dt 8, each block split by tp=4: none not divisible; the engines need mamba_num_heads (8) and "
+            "B 4 + C 4 + dt 8, each block split by tp=4: every block divides, but the engines need mamba_num_heads (8) and "
             "n_groups (1) divisible by tp"]
     folder = write_folder(tmp_path / "bf16", {"backbone.layers.0.mixer.in_proj.weight": bf16(n, 16)}, one)
     assert tensor_parallel(folder, 4)["ok"]
