@@ -330,7 +330,6 @@ def _pick(logits: torch.Tensor, greedy: bool, generator: torch.Generator | None)
     return torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=generator).squeeze(-1)
 
 
-@torch.inference_mode()
 def on_the_model_gpu(fn):
     """Runs `fn(model, ...)` with the GPU that holds the model's input as the current one: CUDA
     graphs capture and replay on the current GPU's streams, and Triton launches there."""
@@ -346,6 +345,7 @@ def on_the_model_gpu(fn):
     return run
 
 
+@torch.inference_mode()
 @on_the_model_gpu
 def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greedy: bool = True,
              graph: bool | None = None, batch_buckets: Sequence[int] = DEFAULT_BUCKETS,
