@@ -10,6 +10,13 @@ per batch bucket as a `torch.cuda.CUDAGraph` and replayed per token, with one re
 new tokens per step; on the CPU, or with graph=False, the same step runs eagerly. The tokens equal transformers' `model.generate(do_sample=False)` (left padding, EOS
 stopping and padding of finished rows as it does them), for BF16 models and for models loaded
 with `load_quantized`.
+
+With compile=True the step's forward is first compiled by `torch.compile` (TorchInductor), which
+fuses the hundreds of small element-wise, copy and reduction kernels of a decode step (norms,
+routers, the Mamba state update) into a few; fp4kit's own kernels stay as they are
+(`kernels.ops`). Inductor rounds to the activation dtype where the eager operators do
+(`emulate_precision_casts`), but it may sum in another order, so its logits can differ from
+eager ones in the last bit and a greedy token can flip where two logits tie that closely.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class _StaticStep:
     eos: torch.Tensor | None  # [E]: the model's EOS ids
     pad: torch.Tensor  # 0-d: the token finished rows are given
     greedy: bool  # the pick (argmax) runs inside the step, and so inside its graph
+    compiled: bool = False  # the forward runs through torch.compile
     ssm: _StateFormat | None = None  # the SSM state held in fp16 (None: fp32, the model's own)
     after: Callable[[_StaticStep], None] | None = None  # runs after the forward in place of the greedy pick
     graph: torch.cuda.CUDAGraph | None = None
@@ -213,7 +221,7 @@ def _eos_ids(model) -> list[int]:
 
 
 def _new_step(model, batch: int, max_len: int, device: torch.device, eos: list[int], pad: int,
-              greedy: bool) -> _StaticStep:
+              greedy: bool, compiled: bool = False) -> _StaticStep:
     from transformers import StaticCache
 
     impl = model.config._attn_implementation
@@ -236,6 +244,7 @@ def _new_step(model, batch: int, max_len: int, device: torch.device, eos: list[i
         eos=torch.tensor(eos, dtype=torch.long, device=device) if eos else None,
         pad=torch.tensor(pad, dtype=torch.long, device=device),
         greedy=greedy,
+        compiled=compiled,
     )
 
 
@@ -283,10 +292,40 @@ def _masks(model, s: _StaticStep):
     return {kind: (s.mask if kind == "full_attention" else None) for kind in set(kinds)}
 
 
-def _forward(model, s: _StaticStep) -> torch.Tensor:
-    out = model(input_ids=s.input_ids, position_ids=s.position_ids, attention_mask=_masks(model, s),
-                **{cache_argument(model): s.cache}, use_cache=True, logits_to_keep=1)
+def _call(model, input_ids, position_ids, mask, cache, cache_name: str) -> torch.Tensor:
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, **{cache_name: cache},
+                use_cache=True, logits_to_keep=1)
     return out.logits
+
+
+# Compiled code is kept per model class and input shape (torch.compile's own cache): allow one
+# entry per batch bucket and cache length for each of a few model kinds (BF16, several recipes).
+COMPILE_ENTRIES = 64
+# A compiled step's cache holds a whole number of these positions, so that prompts and
+# generation lengths of about the same size share one compiled step.
+CACHE_GRANULE = 1024
+
+
+@functools.cache
+def _compiled_call(device_type: str):
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), COMPILE_ENTRIES))
+            break
+    options = {"emulate_precision_casts": True}
+    if device_type == "cpu":
+        # Inductor's vectorized C++ (torch 2.13) fails to build the bit-level E4M3 emulation of
+        # FP8 layers (an int vector operator it does not define); scalar loops build and agree.
+        options["cpp.simdlen"] = 1
+    return torch.compile(_call, dynamic=False, options=options)
+
+
+def _forward(model, s: _StaticStep) -> torch.Tensor:
+    call = _compiled_call(s.input_ids.device.type) if s.compiled else _call
+    return call(model, s.input_ids, s.position_ids, _masks(model, s), s.cache, cache_argument(model))
 
 
 def _state_tensors(cache) -> list[torch.Tensor]:
@@ -351,7 +390,8 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
              graph: bool | None = None, batch_buckets: Sequence[int] = DEFAULT_BUCKETS,
              stream: Callable[[list[int | None]], None] | None = None,
              generator: torch.Generator | None = None, ssm_state: str | Sequence[str] = "fp32",
-             philox_rounds: int | Sequence[int] = 5, ssm_seed: int = 0, stop_at_eos: bool = True) -> Generation:
+             philox_rounds: int | Sequence[int] = 5, ssm_seed: int = 0, stop_at_eos: bool = True,
+             compile: bool = False) -> Generation:
     """Continue each prompt by up to `max_new_tokens` tokens; a row stops at the model's EOS.
 
     prompts: text (with a tokenizer) or lists of token ids; rows of different lengths are
@@ -367,6 +407,9 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
     on CUDA and the exact emulator elsewhere; either may also be a list with one value per prompt,
     to decode the same prompt in several state formats side by side.
     stop_at_eos: a row stops at the model's EOS (True), or every row runs `max_new_tokens`.
+    compile: run the decode step's forward through `torch.compile` (see the module docstring); the
+    first call for a model and batch bucket compiles it (minutes for a large model), later calls
+    reuse it. The prefill runs eagerly.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -387,12 +430,14 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
         if held is not None:
             held = (held[0] + held[0][-1:] * (rows - n), held[1] + held[1][-1:] * (rows - n))
     max_len = width + max_new_tokens
+    if compile:
+        max_len = -(-max_len // CACHE_GRANULE) * CACHE_GRANULE
     eos = _eos_ids(model) if stop_at_eos else []
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)
 
     start = time.perf_counter()
-    s = _new_step(model, rows, max_len, device, eos, pad, greedy)
+    s = _new_step(model, rows, max_len, device, eos, pad, greedy, compile)
     # Prefill: the model's forward over the prompts, positions counted over the real tokens.
     positions = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)
     logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, **{cache_argument(model): s.cache},

@@ -33,6 +33,7 @@ with them; `export.load.load_quantized` puts them into a transformers model.
 
 backend "torch" (the default on CPU) is the reference: exact emulation, any device. "triton"
 (the default on CUDA) is the fast path; a layer it cannot serve raises, nothing falls back.
+Under `torch.compile` the Triton kernels are called as the operators of `kernels.ops`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from torch import nn
 from .export.checkpoint import CheckpointError
 from .formats import e4m3, nvfp4
 from .kernels.backend import BACKENDS
+from .kernels import ops as kernel_ops
 
 # How an NVFP4Linear holds its weight: as stored, or re-laid out for `kernels.packed_matmul`.
 LAYOUTS = ("checkpoint", "packed")
@@ -143,24 +145,26 @@ class NVFP4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "packed":
             return self._packed_forward(x)
-        w = self.qweight
         if self.act_quant:
             xq = fake_quant_nvfp4(x, self.input_scale)
             if self.backend == "triton":
-                from .kernels.w4a16_gemm import w4a16_matmul
-
-                y = w4a16_matmul(xq, w, backend="triton")
+                y = self._w4a16(xq)
             else:
-                y = F.linear(xq, w.dequantize(torch.float32))
+                y = F.linear(xq, self.qweight.dequantize(torch.float32))
             if self.bias is not None:
                 y = y + self.bias.float()
             return y.to(x.dtype)
         if self.backend == "triton":
-            from .kernels.w4a16_gemm import w4a16_matmul
-
-            y = w4a16_matmul(x, w, backend="triton")
+            y = self._w4a16(x)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, w.dequantize(x.dtype), self.bias)
+        return F.linear(x, self.qweight.dequantize(x.dtype), self.bias)
+
+    def _w4a16(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # an operator the compiler sees as one opaque call
+            return kernel_ops.w4a16_matmul(x, self.weight, self.weight_scale, self.weight_scale_2)
+        from .kernels.w4a16_gemm import w4a16_matmul
+
+        return w4a16_matmul(x, self.qweight, backend="triton")
 
     def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         from .kernels.packed_gemm import packed_matmul
@@ -170,7 +174,11 @@ class NVFP4Linear(nn.Module):
                 f"{self.name}: the weight was packed for {self.packed_scales.dtype} activations, got {x.dtype}; "
                 "load with layout='checkpoint' to run other activation dtypes"
             )
-        y = packed_matmul(x, self.packed(), backend=self.backend)
+        if self.backend == "triton" and torch.compiler.is_compiling():
+            y = kernel_ops.packed_matmul(x, self.packed_words, self.packed_scales, self.weight_scale_2,
+                                         self.out_features, self.in_features)
+        else:
+            y = packed_matmul(x, self.packed(), backend=self.backend)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -283,6 +291,10 @@ class NVFP4Experts(nn.Module):
                                  getattr(self, f"{proj}_weight_scale_2"))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton" and torch.compiler.is_compiling():  # one opaque operator to the compiler
+            return kernel_ops.moe_experts(hidden_states, top_k_index, top_k_weights, self.up_proj_weight,
+                                          self.up_proj_weight_scale, self.up_proj_weight_scale_2, self.down_proj_weight,
+                                          self.down_proj_weight_scale, self.down_proj_weight_scale_2)
         up, down = self.stack("up_proj"), self.stack("down_proj")
         if self.backend == "triton":
             from .kernels.moe_gemm import moe_experts

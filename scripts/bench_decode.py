@@ -12,17 +12,18 @@ CUDA). Then, per batch size, side by side in one process, interleaved:
   tokens/s    = batch * (N - 1) / decode time  (the N - 1 tokens that come from decode steps;
                 prefill, cache allocation and graph capture are in both timings and cancel)
 
-for `graph` (fp4kit.generate, captured step) and, for BF16 at `--eager-batches`, `eager`
+for `graph` (fp4kit.generate, captured step; with --compile, the step's forward compiled by
+torch.compile first, for every model alike) and, for BF16 at `--eager-batches`, `eager`
 (transformers' model.generate). Every row runs the full N tokens (EOS is switched off). GPU memory
 is measured, not computed: the weights (allocated bytes added by building or loading a model) and
 the peak a generate adds over them (static caches, activations, the graph's pool). Also checks
 that the checkpoint generates: row 0's tokens against BF16's, the agreeing prefix, and the
 teacher-forced agreement; and records the host time of one eager W4A16 call (M = 1).
 
-Writes benchmarks/results/decode-graph-<gpu>.json (with its date, command and versions) and prints
-a table.
+Writes benchmarks/results/decode-graph[-compiled][-mamba-kernels]-<gpu>.json (with its date,
+command and versions) and prints a table.
 
-    python scripts/bench_decode.py [--layers 26] [--batches 1,16,64] [--prompt-len 512] [--new-tokens 256]
+    python scripts/bench_decode.py [--layers 26] [--batches 1,16,64] [--prompt-len 512] [--new-tokens 256] [--compile]
 
 Smoke run of the same flow on the embedded tiny model (trained, 4096-token vocabulary), on the CPU
 with fp4kit's exact emulation and no graph; writes to a temporary file unless --out is given:
@@ -94,7 +95,8 @@ def build_nano_layers(layers: int, device: torch.device, seed: int):
     return build_model(nano_config(layers), device=str(device), seed=seed)
 
 
-def timed_generate(model, prompts: torch.Tensor, new_tokens: int, how: str) -> tuple[float, list[list[int]]]:
+def timed_generate(model, prompts: torch.Tensor, new_tokens: int, how: str,
+                   compile: bool = False) -> tuple[float, list[list[int]]]:
     """Seconds for one greedy generate of exactly `new_tokens` tokens per row, and the tokens."""
     sync(prompts.device)
     t0 = time.perf_counter()
@@ -104,7 +106,8 @@ def timed_generate(model, prompts: torch.Tensor, new_tokens: int, how: str) -> t
             min_new_tokens=new_tokens, do_sample=False, pad_token_id=model.generation_config.pad_token_id or 0,
         )[:, prompts.shape[1]:].tolist()
     else:
-        out = fp4kit_generate(model, None, prompts.tolist(), new_tokens, graph=how == "graph").tokens
+        out = fp4kit_generate(model, None, prompts.tolist(), new_tokens, graph=how == "graph",
+                              compile=compile).tokens
     sync(prompts.device)
     seconds = time.perf_counter() - t0
     if [len(r) for r in out] != [new_tokens] * prompts.shape[0]:
@@ -128,8 +131,9 @@ def agreement(ref: list[list[int]], test: list[list[int]]) -> dict:
     }
 
 
-def bench_batch(runs: dict, prompts: torch.Tensor, new_tokens: int, reps: int) -> dict:
-    """runs: {label: (model, "graph" | "eager" | "step")}. Timings, memory and tokens per label."""
+def bench_batch(runs: dict, prompts: torch.Tensor, new_tokens: int, reps: int, compile: bool = False) -> dict:
+    """runs: {label: (model, "graph" | "eager" | "step")}. Timings, memory and tokens per label;
+    compile: fp4kit.generate compiles its step (the first generate per label includes the compile)."""
     device = prompts.device
     out: dict = {}
     tokens = {}
@@ -137,14 +141,15 @@ def bench_batch(runs: dict, prompts: torch.Tensor, new_tokens: int, reps: int) -
         base = allocated(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        tokens[label] = timed_generate(model, prompts, new_tokens, how)[1]
+        first_s, tokens[label] = timed_generate(model, prompts, new_tokens, how, compile)
+        out[f"first_generate_s_{label}"] = first_s
         if device.type == "cuda":
             out[f"generate_peak_extra_bytes_{label}"] = torch.cuda.max_memory_allocated(device) - base
     times = {label: {"one": [], "all": []} for label in runs}
     for _ in range(reps):  # interleaved, so drift hits all alike
         for label, (model, how) in runs.items():
-            times[label]["one"].append(timed_generate(model, prompts, 1, how)[0])
-            times[label]["all"].append(timed_generate(model, prompts, new_tokens, how)[0])
+            times[label]["one"].append(timed_generate(model, prompts, 1, how, compile)[0])
+            times[label]["all"].append(timed_generate(model, prompts, new_tokens, how, compile)[0])
     decoded = prompts.shape[0] * (new_tokens - 1)
     for label, t in times.items():
         one, full = statistics.median(t["one"]), statistics.median(t["all"])
@@ -184,6 +189,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", help="folder for the temporary checkpoints (default: the system temp folder)")
     ap.add_argument("--out", help="JSON file (default: benchmarks/results/decode-graph-<gpu>.json; --tiny: a temporary file)")
+    ap.add_argument("--compile", action="store_true",
+                    help="fp4kit.generate compiles its decode step (torch.compile) for every model alike")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args()
     for key, value in DEFAULTS["tiny" if args.tiny else "slice"].items():
@@ -275,7 +282,7 @@ def main() -> None:
             runs["bf16_eager"] = (model, "eager")
         runs.update({f"{recipe}_{how}": (m, how) for recipe, m in loaded.items()})
         print(f"batch {b}: timing {', '.join(runs)} ...", flush=True)
-        r = bench_batch(runs, prompts[:b], args.new_tokens, args.reps)
+        r = bench_batch(runs, prompts[:b], args.new_tokens, args.reps, args.compile)
         ref = r[f"tokens_per_s_bf16_{how}"]
         r["speedup_over_bf16_" + how] = {label: r[f"tokens_per_s_{label}"] / ref for label in runs}
         if "bf16_eager" in runs:
@@ -287,7 +294,7 @@ def main() -> None:
     kernels = mamba_kernels()
     results = {
         **run_record(), "device": str(device), "quantize_backend": quantizer, "load_backend": backend, "decode": how,
-        "mamba_kernels": kernels,
+        "compile": args.compile, "mamba_kernels": kernels,
         "model": {
             "source": source, "pattern": cfg.hybrid_override_pattern, "params": params, "hidden_size": cfg.hidden_size,
             "n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
@@ -321,7 +328,7 @@ def main() -> None:
         print("weight memory: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in weight_bytes.items()))
 
     # With mamba-ssm and causal-conv1d both models run other Mamba code: a results file of its own.
-    name = "decode-graph-mamba-kernels" if all(kernels.values()) else "decode-graph"
+    name = "decode-graph" + ("-compiled" if args.compile else "") + ("-mamba-kernels" if all(kernels.values()) else "")
     out = write_results(results, name, gpu, out=args.out, smoke=args.tiny)
     print(f"wrote {out}")
 

@@ -9,7 +9,7 @@ kernels are grouped by name: fp4kit's own Triton kernels, BF16 matrix products, 
 elementwise, reductions, top-k and sorting, and the rest; the kernels that take the most time
 per step are listed by name as well (`top_kernels_per_step`).
 
-    python scripts/profile_decode.py [--layers 26] [--batch 1] [--steps 32]
+    python scripts/profile_decode.py [--layers 26] [--batch 1] [--steps 32] [--compile]
 
 Writes benchmarks/results/decode-profile-<gpu>.json (with its date, command and versions) and
 prints a table. `--device cpu --tiny` profiles the embedded model's aten operators on the CPU
@@ -53,14 +53,15 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def profiled(model, prompt: list[list[int]], new: int, device: torch.device) -> dict[str, dict[str, float]]:
+def profiled(model, prompt: list[list[int]], new: int, device: torch.device,
+             compile: bool = False) -> dict[str, dict[str, float]]:
     """{kernel name: {"us": time, "count": launches}} over one generate of `new` tokens."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
-    generate(model, None, prompt, new)  # warm-up: compiles kernels
+    generate(model, None, prompt, new, compile=compile)  # warm-up: compiles kernels
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        generate(model, None, prompt, new)
+        generate(model, None, prompt, new, compile=compile)
         if cuda:
             torch.cuda.synchronize(device)
     out: dict[str, dict[str, float]] = {}
@@ -111,6 +112,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="decode steps profiled (default 32)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (for a CPU smoke run)")
+    ap.add_argument("--compile", action="store_true", help="generate compiles its decode step (torch.compile)")
     ap.add_argument("--out", help="JSON file (default benchmarks/results/decode-profile-<gpu>.json)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -141,12 +143,13 @@ def main() -> None:
     qmodel.generation_config.eos_token_id = None
 
     models = {"bf16": model, args.recipe: qmodel}
-    named = {name: per_step(profiled(m, prompt, args.steps + 1, device), profiled(m, prompt, 1, device), args.steps)
+    named = {name: per_step(profiled(m, prompt, args.steps + 1, device, args.compile),
+                            profiled(m, prompt, 1, device, args.compile), args.steps)
              for name, m in models.items()}
     steps = {name: by_kind(v) for name, v in named.items()}
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {**run_record(), "source": source, "pattern": model.config.hybrid_override_pattern, "recipe": args.recipe,
-              "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps,
+              "compile": args.compile, "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps,
               "measure": "CUDA kernel time" if device.type == "cuda" else "CPU time of aten operators",
               "per_step": steps,
               "per_step_total_us": {name: sum(v["us"] for v in s.values()) for name, s in steps.items()},

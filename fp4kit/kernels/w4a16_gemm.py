@@ -26,7 +26,9 @@ benchmarks/README.md.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import triton
@@ -320,6 +322,31 @@ def path(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torc
     return "mma" if cfg.get("mma") else "gemv" if cfg.get("gemv") else "fused"
 
 
+def _plan(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, t: Mapping, cfg: Mapping | None):
+    """One problem's launch: (launch shape, SPLIT, k_per_split, lut, gemv, mma, grid, EVEN_N/EVEN_K),
+    or None where the rows are past LARGE_M (dequantize, then torch.matmul)."""
+    if cfg is None and m > t["LARGE_M"]:
+        return None
+    cfg = dict(cfg or config(m, n, k, device, dtype, t))
+    split, k_per_split = cfg.pop("SPLIT"), cfg.pop("k_per_split")
+    lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(dtype, _w4a16_kernel, t["DEQUANT"]["lut"])
+    gemv = cfg.pop("gemv", False)
+    if gemv:
+        lut = t["DEQUANT"]["lut"] and not interpreted(_gemv_kernel)  # the block-dot PTX takes any dtype
+    mma = cfg.pop("mma", False)
+    if mma and dtype == torch.float32:
+        raise ValueError(f"{_WHAT}: the register-fed matrix-unit kernel takes bf16/fp16 activations, got {dtype}")
+    grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
+    even = MappingProxyType(dict(EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0))
+    return MappingProxyType(cfg), split, k_per_split, lut, gemv, mma, grid, even
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_plan(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype):
+    """`_plan` under the device's own launch table (frozen for the process), kept per shape."""
+    return _plan(m, n, k, device, dtype, _table(None, device), None)
+
+
 def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "triton", cfg: dict | None = None,
                  tables: Mapping | None = None):
     """y = x @ W.dequantize(x.dtype)^T, fp32 accumulation, output in x's dtype (bf16 for bf16).
@@ -336,26 +363,21 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     check_backend(backend, _w4a16_kernel, x, w.packed, w.block_scale, w.global_scale, what=_WHAT)
     if backend == "torch":
         return torch.nn.functional.linear(x, w.dequantize(x.dtype))
-    t = _table(tables, x.device)
     lead, x2, out = activation_rows(x, k, n)
     m = x2.shape[0]
     if m == 0:
         return out.reshape(*lead, n)
-    if cfg is None and m > t["LARGE_M"]:
-        return torch.matmul(x2, dequantize(w, x.dtype, tables=t).T).reshape(*lead, n)
-    cfg = dict(cfg or config(m, n, k, x.device, x.dtype, t))
-    split, k_per_split = cfg.pop("SPLIT"), cfg.pop("k_per_split")
-    lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(x.dtype, _w4a16_kernel, t["DEQUANT"]["lut"])
-    gemv = cfg.pop("gemv", False)
-    mma = cfg.pop("mma", False)
-    if mma and x.dtype == torch.float32:
-        raise ValueError(f"{_WHAT}: the register-fed matrix-unit kernel takes bf16/fp16 activations, got {x.dtype}")
-    grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
+    if cfg is None and tables is None:
+        plan = _default_plan(m, n, k, x.device, x.dtype)  # computed once per problem shape
+    else:
+        plan = _plan(m, n, k, x.device, x.dtype, _table(tables, x.device), cfg)
+    if plan is None:
+        return torch.matmul(x2, dequantize(w, x.dtype, tables=tables).T).reshape(*lead, n)
+    cfg, split, k_per_split, lut, gemv, mma, grid, even = plan
     part, counters = out, out  # unused unless split > 1
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, grid[0] * grid[1])
-    even = dict(EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0)
     if mma:
         x2, x4 = int64_activations(x2)
         scales, pairs = mma_scales(w)
@@ -371,7 +393,6 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
                           num_stages=1, **launch_options())
     elif gemv:
         x2, x4 = int64_activations(x2)
-        lut = t["DEQUANT"]["lut"] and not interpreted(_gemv_kernel)  # the block-dot PTX takes any dtype
         _gemv_kernel[grid](x2, x4, w.packed.view(torch.int64), w.block_scale.view(torch.uint8), w.global_scale,
                            out, part, counters, m, n, k, x2.stride(0), k_per_split, SPLIT=split, LUT=lut, KB=k // 16,
                            **even, **cfg, **launch_options())

@@ -67,6 +67,16 @@ def test_graph_replay_equals_eager_and_model_generate_quantized_triton(quantized
     check(quantized, tiny[1], prompts)
 
 
+@pytest.mark.parametrize("which", ["bf16", "quantized-triton"])
+def test_a_compiled_graph_gives_the_tokens_of_the_eager_step(tiny, quantized, which):
+    """compile=True: Inductor's fused kernels round where the eager operators do, and the
+    trained model's greedy margins are wide, so the tokens are the same."""
+    model, tok = (tiny[0], tiny[1]) if which == "bf16" else (quantized, tiny[1])
+    compiled = generate(model, tok, PROMPTS, NEW, graph=True, compile=True)
+    assert compiled.graph and compiled.captures == 1
+    assert compiled.tokens == generate(model, tok, PROMPTS, NEW, graph=False).tokens
+
+
 def test_a_batch_is_padded_up_to_its_bucket(tiny):
     model, tok = tiny
     three = PROMPTS + PROMPTS[:1]

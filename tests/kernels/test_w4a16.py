@@ -333,3 +333,16 @@ def test_gemv_k_tile_pads_k_least():
     assert got == {8192: (2048, 4), 2688: (1024, 2), 3712: (2048, 4), 1856: (2048, 4), 4112: (512, 1)}
     assert tiles.gemv_k_tile(2688, tile)["BLOCK_N"] == 8
     assert [w4a16_gemm.gemv_block_m(m) for m in (1, 2, 3, 4)] == [1, 2, 4, 4]
+
+
+def test_the_launch_shape_is_chosen_once_per_problem_shape(monkeypatch):
+    w = nvfp4.quantize(_rand(48, 64))
+    chosen = []
+    real = w4a16_gemm.config
+    monkeypatch.setattr(w4a16_gemm, "config", lambda *a, **k: chosen.append(a[:3]) or real(*a, **k))
+    w4a16_gemm._default_plan.cache_clear()
+    first = w4a16_gemm.w4a16_matmul(_rand(2, 64, seed=1), w)
+    again = w4a16_gemm.w4a16_matmul(_rand(2, 64, seed=1), w)
+    w4a16_gemm.w4a16_matmul(_rand(3, 64, seed=2), w)
+    assert chosen == [(2, 48, 64), (3, 48, 64)]
+    assert torch.equal(first, again)

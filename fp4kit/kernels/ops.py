@@ -1,0 +1,63 @@
+"""fp4kit's Triton GEMMs as torch operators (`torch.ops.fp4kit.*`), for code that `torch.compile` traces.
+
+Dynamo cannot see through a launcher (launch tables, checks, host-side routing), so a compiled
+model calls these operators instead: each is opaque to the compiler, which fuses the code around
+it, and says only what it returns (shape and dtype) to the tracer. Eager code calls the launchers
+directly: the dispatcher adds host time to every call.
+
+    w4a16_matmul(x, packed, block_scale, global_scale)           kernels.w4a16_gemm.w4a16_matmul
+    packed_matmul(x, words, scales, global_scale, n, k)           kernels.packed_gemm.packed_matmul
+    moe_experts(hidden, top_k_index, top_k_weights, up_packed, up_block_scale, up_global_scale,
+                down_packed, down_block_scale, down_global_scale)  kernels.moe_gemm.moe_experts
+
+Each runs the Triton backend (compiled on a GPU, interpreted on the CPU under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import nvfp4
+
+
+@torch.library.custom_op("fp4kit::w4a16_matmul", mutates_args=())
+def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
+                 global_scale: torch.Tensor) -> torch.Tensor:
+    from .w4a16_gemm import w4a16_matmul as launch
+
+    return launch(x, nvfp4.NVFP4Tensor(packed, block_scale, global_scale), backend="triton")
+
+
+@w4a16_matmul.register_fake
+def _(x, packed, block_scale, global_scale):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+@torch.library.custom_op("fp4kit::packed_matmul", mutates_args=())
+def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                  n: int, k: int) -> torch.Tensor:
+    from .packed_gemm import PackedNVFP4, packed_matmul as launch
+
+    return launch(x, PackedNVFP4(words, scales, global_scale, n, k), backend="triton")
+
+
+@packed_matmul.register_fake
+def _(x, words, scales, global_scale, n, k):
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.custom_op("fp4kit::moe_experts", mutates_args=())
+def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                up_packed: torch.Tensor, up_block_scale: torch.Tensor, up_global_scale: torch.Tensor,
+                down_packed: torch.Tensor, down_block_scale: torch.Tensor, down_global_scale: torch.Tensor) -> torch.Tensor:
+    from .moe_gemm import moe_experts as launch
+
+    return launch(hidden_states, top_k_index, top_k_weights,
+                  nvfp4.NVFP4Tensor(up_packed, up_block_scale, up_global_scale),
+                  nvfp4.NVFP4Tensor(down_packed, down_block_scale, down_global_scale), backend="triton")
+
+
+@moe_experts.register_fake
+def _(hidden_states, top_k_index, top_k_weights, up_packed, up_block_scale, up_global_scale,
+      down_packed, down_block_scale, down_global_scale):
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
