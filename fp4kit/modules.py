@@ -44,8 +44,8 @@ from torch import nn
 
 from .export.checkpoint import CheckpointError
 from .formats import e4m3, nvfp4
-from .kernels.backend import BACKENDS
 from .kernels import ops as kernel_ops
+from .kernels.backend import BACKENDS
 
 # How an NVFP4Linear holds its weight: as stored, or re-laid out for `kernels.packed_matmul`.
 LAYOUTS = ("checkpoint", "packed")
