@@ -218,7 +218,7 @@ def stored_scale_rule(w: torch.Tensor, qt: nvfp4.NVFP4Tensor, global_amax=None) 
         chose4, explained = nvfp4.four_over_six_choice(stored, block_amax, g_b, mode)
         count = int((explained & live_b).sum())
         if best is None or count > best[0]:
-            best = (count, float((chose4 & live_b).float().mean()))
+            best = (count, float((chose4 & live_b).double().mean()))
     return "4o6", best[1]
 
 

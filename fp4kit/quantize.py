@@ -10,6 +10,7 @@ import re
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -278,32 +279,56 @@ def _forward_samples(model: nn.Module, samples: torch.Tensor, batch_size: int | 
     return size
 
 
-def _nvfp4(w, rule: Rule, global_amax, importance, backend: str, arith: str, deferred: list):
-    """(NVFP4Tensor, 4/6 choice); on the GPU the data checks go to `deferred` (see
-    kernels.quantize.quantize), so no weight waits on the host."""
+def _nvfp4(w, rule: Rule, global_amax, importance, backend: str, arith: str, deferred: list, terms: list):
+    """The NVFP4Tensor; (sum w^2, sum (w - dequantized)^2, fraction of blocks on the 4 candidate)
+    appended to `terms`. On the GPU the kernel sums those as it quantizes and the data checks go
+    to `deferred` (see kernels.quantize.quantize), so no weight waits on the host."""
     if backend == "triton":
         from .kernels import quantize as kq
 
-        return kq.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, importance=importance, return_choice=True,
-                           arith=arith, deferred=deferred)
-    return nvfp4.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, importance=importance, return_choice=True, arith=arith)
+        return kq.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, importance=importance,
+                           arith=arith, deferred=deferred, terms=terms)
+    qt, choice = nvfp4.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, importance=importance,
+                                return_choice=True, arith=arith)
+    terms.append((*_nvfp4_error(w, qt), choice.double().mean()))
+    return qt
 
 
-def _fp8(w: torch.Tensor, arith: str, search, backend: str, deferred: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 per-tensor (bytes, scale); on the GPU without a host wait (kernels.fp8), the
-    finiteness check going to `deferred`."""
+def _fp8(w: torch.Tensor, arith: str, search, backend: str, deferred: list, terms: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 per-tensor (bytes, scale), its (sum w^2, sum (w - dequantized)^2) appended to `terms`;
+    on the GPU in one pass without a host wait (kernels.fp8), the finiteness check going to
+    `deferred`."""
     if backend == "triton":
         from .kernels import fp8 as kfp8
 
-        return kfp8.quantize_per_tensor(w, arith, amax_multipliers=search, deferred=deferred)
-    return fp8.quantize_per_tensor(w, arith, amax_multipliers=search)
+        return kfp8.quantize_per_tensor(w, arith, amax_multipliers=search, deferred=deferred, terms=terms)
+    q, scale = fp8.quantize_per_tensor(w, arith, amax_multipliers=search)
+    terms.append(sqnr_terms(w, fp8.dequantize_per_tensor(q, scale)))
+    return q, scale
 
 
-def _split(t: torch.Tensor, stack: bool) -> list[torch.Tensor]:
+class _Members(Sequence):
+    """The members of an expert stack as a sequence of views, each made when it is asked for: a
+    stack of hundreds of experts is not split in the quantize stage, the export takes them one
+    at a time."""
+
+    def __init__(self, stack: torch.Tensor) -> None:
+        self.stack = stack
+
+    def __len__(self) -> int:
+        return self.stack.shape[0]
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.stack[j] for j in range(*i.indices(len(self)))]
+        return self.stack[i]
+
+
+def _split(t: torch.Tensor, stack: bool) -> Sequence:
     """One checkpoint tensor per expert of a stack (views; they stay on the weight's device until
     the export streams them out)."""
     t = t.detach()
-    return list(t.unbind(0)) if stack else [t]
+    return _Members(t) if stack else [t]
 
 
 def _non_finite_error(t, w: torch.Tensor) -> FormatError:
@@ -353,13 +378,9 @@ def _chunks(n: int, per_item: int) -> list[slice]:
     return [slice(i, min(n, i + step)) for i in range(0, n, step)]
 
 
-def _nvfp4_error(w: torch.Tensor, qt: nvfp4.NVFP4Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """sqnr_terms of w against qt's dequantized values: on the GPU in one pass of
-    kernels.error, else a few members (or rows) at a time."""
-    if backend == "triton":
-        from .kernels.error import nvfp4_error_terms
-
-        return nvfp4_error_terms(w, qt)
+def _nvfp4_error(w: torch.Tensor, qt: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """sqnr_terms of w against qt's dequantized values, a few members (or rows) at a time (the
+    torch backend; the GPU kernels sum them as they quantize)."""
     if w.dim() < 2:
         return sqnr_terms(w, qt.dequantize())
     stack = w.dim() > 2  # one global scale per member, else one for all rows
@@ -448,10 +469,12 @@ def queue_weights(
                 if rule.importance and importance is None:
                     warnings.append(f"{t.disk_names[0]}: no E[x^2] was collected; 4/6 uses the plain squared error")
                 deferred: list = []
+                terms: list = []
                 shared = group_amax.get(t.fuse_group)
-                qt, choice = _nvfp4(w, rule, None if shared is None else shared.to(w.device), importance, backend, arith, deferred)
+                qt = _nvfp4(w, rule, None if shared is None else shared.to(w.device), importance, backend, arith, deferred,
+                            terms)
                 checks.append((p, deferred))
-                signal, noise = _nvfp4_error(w, qt, backend)
+                (signal, noise, frac4), = terms
                 tensors = {
                     "weight": _split(qt.packed, stack),
                     "weight_scale": _split(qt.block_scale, stack),
@@ -460,17 +483,17 @@ def queue_weights(
                 if rule.format == "nvfp4":
                     tensors["input_scale"] = []  # filled after the loop (`input_scales`)
                     input_scales.append((tensors["input_scale"], stats.input_amax.get(t.key), NVFP4_GLOBAL_DENOM, n, t.disk_names[0]))
-                frac4 = choice.float().mean() if rule.scale_rule == "4o6" else None
+                frac4 = frac4 if rule.scale_rule == "4o6" else None
                 after = qt.packed.numel() + qt.block_scale.numel() + 4 * qt.global_scale.numel()
             else:
                 search = rule.amax_search or None
                 members = w.unbind(0) if stack else [w]
                 deferred = []
-                parts = [_fp8(x, arith, search, backend, deferred) for x in members]
+                terms = []
+                parts = [_fp8(x, arith, search, backend, deferred, terms) for x in members]
                 checks.append((p, deferred))
                 tensors = {"weight": [q for q, _ in parts], "weight_scale": [s for _, s in parts], "input_scale": []}
                 input_scales.append((tensors["input_scale"], stats.input_amax.get(t.key), FP8_MAX, n, t.disk_names[0]))
-                terms = [sqnr_terms(x, fp8.dequantize_per_tensor(q, s)) for x, (q, s) in zip(members, parts)]
                 signal, noise = sum(a for a, _ in terms), sum(b for _, b in terms)
                 frac4 = None
                 after = w.numel() + 4 * n
@@ -526,21 +549,28 @@ class _KernelWarmUp(threading.Thread):
     def run(self) -> None:
         t0 = time.perf_counter()
         try:
-            from .kernels.error import nvfp4_error_terms
-
             seen = set()
-            stream = torch.cuda.Stream(self.plan[0].target.weight.device)
+            gpu = next((p.target.weight.device for p in self.plan if p.target.weight.device.type == "cuda"), None)
+            if gpu is None:
+                return
+            stream = torch.cuda.Stream(gpu)
             with torch.cuda.stream(stream):
                 for p in self.plan:
                     w, rule = p.target.weight.detach(), p.rule
-                    key = (tuple(w.shape), w.dtype, rule.scale_rule, bool(rule.importance), bool(p.target.fuse_group))
+                    if w.device.type != "cuda":
+                        continue  # placed on the CPU by `--device auto`: quantized on the GPU in its turn
+                    key = (tuple(w.shape), w.dtype, rule.format, rule.scale_rule, bool(rule.importance),
+                           bool(p.target.fuse_group), p.target.is_stack)
                     if key in seen:
                         continue
                     seen.add(key)
+                    if rule.format == "fp8":
+                        member = w[0] if p.target.is_stack else w
+                        _fp8(member, self.arith, rule.amax_search or None, "triton", [], [])
+                        continue
                     g = w.abs().amax().float() if p.target.fuse_group else None
                     imp = torch.ones((*w.shape[:-2], w.shape[-1]), device=w.device) if rule.importance else None
-                    qt, _ = _nvfp4(w, rule, g, imp, "triton", self.arith, [])
-                    nvfp4_error_terms(w, qt)
+                    _nvfp4(w, rule, g, imp, "triton", self.arith, [], [])
             stream.synchronize()
         except Exception:
             pass
@@ -576,8 +606,8 @@ def quantize(
     need_sq = [p.target for p in plan if p.rule is not None and p.rule.importance]
     moe = {p.target.name: p.target.module for p in plan if p.target.role == Role.ROUTED_EXPERTS}
     timings: dict[str, float] = {}
-    nvfp4_plan = [p for p in plan if p.rule is not None and p.rule.format.startswith("nvfp4")]
-    warm_up = _KernelWarmUp(nvfp4_plan, arith) if backend == "triton" and nvfp4_plan and rank == 0 else None
+    kernel_plan = [p for p in plan if p.rule is not None and (p.rule.format.startswith("nvfp4") or p.rule.format == "fp8")]
+    warm_up = _KernelWarmUp(kernel_plan, arith) if backend == "triton" and kernel_plan and rank == 0 else None
     if warm_up is not None:
         warm_up.start()
 

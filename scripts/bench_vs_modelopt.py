@@ -8,7 +8,8 @@ is exactly ModelOpt 0.47's `w4a16_nvfp4_4o6`); ModelOpt runs that recipe in a ch
 forward loop over the same calibration tokens (fp4kit's calibration set for the same spec, source
 and seed), `export_hf_checkpoint`. Both are timed as whole processes and by stage; then every
 tensor name the two checkpoints share is compared byte for byte, by tensor class. Writes
-benchmarks/results/vs-modelopt-<gpu>.json (a section per model folder) and prints a table.
+benchmarks/results/vs-modelopt-<gpu>.json (a section per model folder, calibration and Mamba path:
+"+mamba-kernels" where mamba-ssm and causal-conv1d import) and prints a table.
 """
 
 from __future__ import annotations
@@ -153,6 +154,9 @@ def main(argv=None) -> int:
         return 0
     import torch
 
+    from fp4kit.models.nemotron_h import mamba_kernels
+
+    kernels = mamba_kernels()  # both processes run in this environment: the same Mamba path
     out = Path(args.out_dir or tempfile.mkdtemp(prefix="fp4kit-vs-modelopt-"))
     fk_dir, mo_dir = out / "fp4kit", out / "modelopt"
     cmd = ["fp4kit", "quantize", "--model", args.model, "--recipe", "modelopt-lightning", "--calib", args.calib,
@@ -174,7 +178,7 @@ def main(argv=None) -> int:
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         "command": "python scripts/bench_vs_modelopt.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "fp4kit_command": " ".join(cmd), "calib": args.calib,
+        "fp4kit_command": " ".join(cmd), "calib": args.calib, "mamba_kernels": kernels,
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "modelopt": __import__("modelopt").__version__, "gpu": torch.cuda.get_device_name()},
         "fp4kit": {"wall_s": fk_wall, "stages_s": fk_stages, "calibrate_s_per_sample": float(steady[1]) if steady else None},
@@ -191,7 +195,10 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
     path = ROOT / "benchmarks" / "results" / f"vs-modelopt-{gpu}.json"
     doc = json.loads(path.read_text()) if path.is_file() else {}
-    doc[Path(args.model).name + "@" + args.calib] = result
+    # One section per folder and calibration, and per Mamba path (transformers' plain torch, or
+    # mamba-ssm's and causal-conv1d's kernels where both import).
+    section = Path(args.model).name + "@" + args.calib + ("+mamba-kernels" if all(kernels.values()) else "")
+    doc[section] = result
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"{'':<10}{'whole s':>9}  stages")
     print(f"{'fp4kit':<10}{fk_wall:>9.1f}  {fk_stages}")

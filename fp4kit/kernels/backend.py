@@ -9,6 +9,7 @@ variable TRITON_INTERPRET=1 when the `@triton.jit` decorators run (at import of 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -108,3 +109,95 @@ def launch_options() -> dict:
     on its own, in the order the source states, exactly as the torch reference does.
     """
     return {"enable_fp_fusion": False}
+
+
+# --- launching a compiled kernel without Triton's per-call dispatch ---------------------------
+
+_COMPILED: dict = {}  # (kernel, device, constants, argument classes) -> (compiled kernel, constant tail)
+_TOKENS = itertools.count()
+
+
+class Constants(dict):
+    """A kernel's constexprs and launch options, made once for many launches (a launch plan keeps
+    them): `launch_cached` keys them by a number of their own instead of by their items."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.token = ("constants", next(_TOKENS))
+
+    def __setitem__(self, key, value):
+        raise TypeError("Constants are fixed once made")
+
+
+def _arg_class(a):
+    """What Triton's specialisation can tell apart in a runtime argument, or a finer class: a
+    tensor's dtype and 16-byte alignment; an int's equality to 1, divisibility by 16 and width;
+    a bool's value; a float or None as such. Unknown kinds give None (no cached launch)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, bool) or a is None:
+        return a, 0
+    if isinstance(a, int):
+        return a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a >= 2**63
+    if isinstance(a, float):
+        return float
+    return None
+
+
+@functools.cache
+def _runtime():
+    """(current CUDA device, current raw stream of a device, Triton's launch hooks)."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    active = driver.active
+    return active.get_current_device, active.get_current_stream, knobs.runtime
+
+
+def launch_cached(kernel, grid: tuple, *args, constants: Constants | None = None, **consts) -> None:
+    """`kernel[grid](*args, **consts)`, with Triton's per-call dispatch done once per class of call.
+
+    args: the kernel's runtime arguments, in order; consts: its constexprs and launch options, by
+    name, or all of them as one `Constants` (`constants=`). A call's class is the kernel, the
+    current device, the constants, and each argument's
+    `_arg_class`, which separates at least what Triton specialises a compiled binary on (dtypes,
+    16-byte alignment of pointers, integers equal to 1 or divisible by 16, integer widths). The
+    first call of a class goes through Triton (compiling if it must) and keeps the compiled
+    kernel; later calls of that class launch it directly with the same argument list Triton
+    would pass (the constexprs in the kernel's order, defaults filled in), skipping Triton's
+    argument binding and cache key. Under Triton's interpreter, or for an argument of another
+    kind, every call goes through Triton."""
+    if constants is not None:
+        consts, which = constants, constants.token
+    else:
+        which = None
+    if interpreted(kernel):
+        kernel[grid](*args, **consts)
+        return
+    classes = tuple(map(_arg_class, args))
+    current_device, current_stream, hooks = _runtime()
+    device = current_device()
+    try:
+        key = (kernel, device, which or tuple(consts.items()), classes)
+        hit = _COMPILED.get(key) if None not in classes else None
+    except TypeError:  # an unhashable constant
+        key, hit = None, None
+    if hit is None:
+        compiled = kernel[grid](*args, **consts)
+        if key is not None and None not in classes and compiled is not None:
+            if hasattr(compiled, "result"):  # a compile future
+                compiled = compiled.result()
+            params = kernel.signature.parameters
+            tail = tuple(consts[name] if name in consts else params[name].default
+                         for name in list(params)[len(args):])
+            compiled.run  # loads the binary (sets `function`) if the launch above did not
+            _COMPILED[key] = (compiled, tail)
+        return
+    compiled, tail = hit
+    stream = current_stream(device)
+    g = (*grid, 1, 1)
+    full = (*args, *tail)
+    enter = hooks.launch_enter_hook
+    meta = compiled.launch_metadata(grid, stream, *full) if enter is not None else None
+    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, meta, enter,
+                 hooks.launch_exit_hook, *full)

@@ -2,25 +2,34 @@
 
 Contract: `fp4kit.formats.fp8.quantize_per_tensor`: same arguments, same bytes, same errors. The
 reference rounds to E4M3 on the bits in float64 (`e4m3.encode`), exact on every device but a
-dozen passes over a float64 copy of the weight; here the quotient, clamped to +-448, goes through
-torch's own float8_e4m3fn cast, which rounds to nearest-even exactly as `e4m3.encode` does for
-every finite fp32/fp16/bf16 value inside +-448 (tests/kernels/test_fp8.py: every bf16 and fp16
-value, and fp32 around every E4M3 midpoint; tests/gpu for the CUDA cast). Clamping first gives
-`encode`'s saturation, which older torch casts do not. The finiteness check reads one scalar
-(max|W| is NaN or Inf exactly when W holds a NaN or an Inf), and can be deferred like
-`kernels.quantize.quantize`'s.
+dozen passes over a float64 copy of the weight. Here the quantization is one Triton pass
+(`_fp8_kernel`: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1): the quotient by the scale
+(IEEE division, rounded to the weight's dtype as torch rounds it), the clamp to +-448 (which gives
+`encode`'s saturation), and the E4M3 rounding on the bits (`_e4m3_signed`). It equals
+`cast_e4m3(div_by_scale(w, scale))`, torch's own float8_e4m3fn cast after the clamp, which in turn
+equals `e4m3.encode` (tests/kernels/test_fp8.py: every bf16 and fp16 value at many scales, fp32
+around every E4M3 midpoint; tests/gpu for the CUDA cast). With a `terms` list the pass also sums
+the two SQNR terms of its result (`fp4kit.formats.metrics.sqnr_terms(w,
+fp8.dequantize_per_tensor(q, scale))`, fp32 partial sums added in float64, as `kernels.error`), so
+one read of the weight serves both. The range is max|W| from `kernels.quantize.member_amax` (+Inf
+where W holds a NaN or an Inf), or the reference's search (`search_amax`, in torch); the
+finiteness check reads that one scalar and can be deferred like `kernels.quantize.quantize`'s.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from fp4kit.formats import fp8
-from fp4kit.formats.arith import DEFAULT_ARITH, check_mode, div_by_scale, div_const
+from fp4kit.formats.arith import DEFAULT_ARITH, check_mode, div_const
 from fp4kit.formats.constants import FP8_MAX
 from fp4kit.formats.errors import check_finite, check_float_tensor
 
+from .backend import cdiv, launch_options
 from .deferred import DeferredCheck
+from .quantize import member_amax
 
 _WHAT = "kernels.fp8.quantize_per_tensor"
 
@@ -53,21 +62,108 @@ def search_amax(w: torch.Tensor, multipliers) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), chosen, amax)
 
 
+@triton.jit
+def _round_half(x, HALF: tl.constexpr):
+    """fp32 x rounded to the 16-bit dtype (HALF 1: bf16, on the bits, half to even; 2: fp16) and
+    back; HALF 0 leaves it. NaN stays NaN."""
+    if HALF == 1:
+        b = x.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        out = tl.where(x != x, x, r)
+    elif HALF == 2:
+        out = x.to(tl.float16).to(tl.float32)
+    else:
+        out = x
+    return out
+
+
+@triton.jit
+def _e4m3_signed(q):
+    """(fp32 value, E4M3 byte as int32) of e4m3(q) for |q| <= 448 or NaN: round to nearest, ties
+    to even; the sign kept on zeros (-0.0 and negatives that round to 0 give 0x80), as torch's
+    cast and `e4m3.encode`."""
+    b = q.to(tl.int32, bitcast=True)
+    m = tl.abs(q)
+    mb = m.to(tl.int32, bitcast=True)
+    normal = ((mb + 0x7FFFF + ((mb >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    sub = ((m * 512.0 + 8388608.0) - 8388608.0) * 0.001953125  # quantum 2^-9 below 2^-6
+    mag = tl.where(m < 0.015625, sub, normal)
+    code_n = (mag.to(tl.int32, bitcast=True) >> 20) - 960
+    code_s = (mag * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    code = tl.where(mag < 0.015625, code_s, code_n)
+    code = tl.where(m != m, 0x7F, code) | ((b >> 24) & 0x80)
+    return tl.where(b < 0, -mag, mag), code
+
+
+@triton.jit
+def _fp8_kernel(w_ptr, scale_ptr, q_ptr, part_ptr, n, HALF: tl.constexpr, ROUND_SCALE: tl.constexpr,
+                ERROR: tl.constexpr, OFFSET_DTYPE: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    """q = e4m3(clamp(round_w(w / s), -448, 448)) over TILES runs of BLOCK elements; s = the fp32
+    scale, first rounded to w's dtype where ROUND_SCALE (CUDA's 0-d operand cast). ERROR: this
+    program's sums of w^2 and (w - e4m3 value * scale)^2 (the unrounded fp32 scale, as
+    `fp8.dequantize_per_tensor`) to part_ptr[pid, 0:2]."""
+    pid = tl.program_id(0)
+    s_deq = tl.load(scale_ptr)
+    s = _round_half(s_deq, HALF) if ROUND_SCALE else s_deq
+    signal = tl.zeros((BLOCK,), dtype=tl.float32)
+    noise = tl.zeros((BLOCK,), dtype=tl.float32)
+    for t in range(TILES):
+        offs = (pid * TILES + t).to(OFFSET_DTYPE) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        x = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        q = _round_half(tl.math.div_rn(x, s), HALF)
+        q = tl.where(q < -448.0, -448.0, tl.where(q > 448.0, 448.0, q))  # NaN passes, as torch.clamp
+        v, code = _e4m3_signed(q)
+        tl.store(q_ptr + offs, code.to(tl.uint8), mask=ok)
+        if ERROR:
+            d = x - v * s_deq
+            signal += x * x
+            noise += d * d
+    if ERROR:
+        tl.store(part_ptr + pid * 2, tl.sum(signal, axis=0))
+        tl.store(part_ptr + pid * 2 + 1, tl.sum(noise, axis=0))
+
+
+_BLOCK = 1024
+_TILES = 8
+
+
+def _quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, arith: str, terms: list | None) -> torch.Tensor:
+    """`cast_e4m3(div_by_scale(w, scale, arith))` in one pass (w contiguous); with `terms`, the
+    SQNR terms of the result appended to it."""
+    n = w.numel()
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    programs = max(1, cdiv(n, _BLOCK * _TILES))
+    part = torch.empty((programs, 2), dtype=torch.float32, device=w.device) if terms is not None else q
+    half = {torch.bfloat16: 1, torch.float16: 2}.get(w.dtype, 0)
+    _fp8_kernel[(programs,)](
+        w, scale.reshape(1), q.view(torch.uint8), part, n, HALF=half, ROUND_SCALE=arith == "cuda",
+        ERROR=terms is not None, OFFSET_DTYPE=tl.int32 if n < 2**31 - 2**20 else tl.int64,
+        BLOCK=_BLOCK, TILES=_TILES, num_warps=4, **launch_options())
+    if terms is not None:
+        total = part.double().sum(0)
+        terms.append((total[0], total[1]))
+    return q
+
+
 def quantize_per_tensor(w: torch.Tensor, arith: str = DEFAULT_ARITH, *, amax_multipliers: tuple[float, ...] | None = None,
-                        deferred: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        deferred: list | None = None, terms: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """W -> (float8_e4m3fn tensor of W's shape, fp32 0-d weight_scale), as the reference.
 
     amax_multipliers: the reference's range search (`search_amax`: `fp8.search_amax` without
     reading its errors back). deferred: a list the finiteness check is appended to (a callable that
-    raises the reference's error) instead of running now."""
+    raises the reference's error) instead of running now. terms: a list that receives
+    (sum w^2, sum (w - dequantized)^2) as float64 0-d tensors on w's device, summed in the
+    quantizing pass (no host wait)."""
     check_float_tensor(w, _WHAT)
     check_mode(arith)
+    w = w.contiguous()
     if amax_multipliers is not None:
         if deferred is None:
             check_finite(w, _WHAT)
         amax = search_amax(w, amax_multipliers)
     else:
-        amax = w.abs().amax().float()
+        amax = member_amax(w)  # +Inf where w holds a NaN or an Inf
 
     def check() -> None:
         if not bool(torch.isfinite(amax)):
@@ -78,4 +174,4 @@ def quantize_per_tensor(w: torch.Tensor, arith: str = DEFAULT_ARITH, *, amax_mul
     else:
         deferred.append(DeferredCheck(~torch.isfinite(amax), check))
     scale = torch.where(amax == 0, torch.ones_like(amax), div_const(amax, FP8_MAX, arith))
-    return cast_e4m3(div_by_scale(w, scale, arith)), scale
+    return _quantize_with_scale(w, scale, arith, terms), scale

@@ -33,7 +33,8 @@ from fp4kit.formats import nvfp4
 from fp4kit.formats.errors import FormatError
 
 from . import backend, launch
-from .backend import ACT_DTYPES, cdiv, check_backend, check_weight, interpreted, launch_options, next_power_of_2
+from .backend import (ACT_DTYPES, cdiv, check_backend, check_weight, interpreted, launch_cached, launch_options,
+                      next_power_of_2)
 from .mma import MMA_UNSCALE, mma_accumulate, mma_fragments, mma_lanes, mma_rows, mma_scales, mma_vec
 from .tiles import accumulate, gemv_accumulate, gemv_k_tile, int64_activations, lut_tile, relu2, use_lut
 
@@ -477,21 +478,21 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
     else:
         part_up = torch.empty((s_up, a, inter), dtype=torch.float32, device=device)
     x, x4 = int64_activations(x) if gemv else (x, x)
-    _moe_small_kernel[(slots, cdiv(inter, bn), s_up)](
+    launch_cached(_moe_small_kernel, (slots, cdiv(inter, bn), s_up),
         x, x4, ids, up.packed.view(view), up.block_scale.view(torch.uint8),
         up.global_scale, part_up, a, n_exp, inter, hid, top_k, kps_up, 0, UP=True, X_PARTS=0, RELU2_OUT=s_up == 1,
         EVEN_N=inter % bn == 0, EVEN_K=hid % cfg_up["BLOCK_K"] == 0, **cfg_up, **common)
     s_dn, kps_dn = _split_k(slots * cdiv(hid, bn), inter, cfg_dn["BLOCK_K"], device, tables["SMALL"])
     part_dn = torch.empty((s_dn, a, hid), dtype=torch.float32, device=device)
     part_up, part_up4 = int64_activations(part_up) if gemv else (part_up, part_up)
-    _moe_small_kernel[(slots, cdiv(hid, bn), s_dn)](
+    launch_cached(_moe_small_kernel, (slots, cdiv(hid, bn), s_dn),
         part_up, part_up4, ids, down.packed.view(view),
         down.block_scale.view(torch.uint8), down.global_scale, part_dn, a, n_exp, hid, inter, top_k, kps_dn,
         a * inter, UP=False, X_PARTS=0 if s_up == 1 else s_up, RELU2_OUT=False, EVEN_N=hid % bn == 0,
         EVEN_K=inter % cfg_dn["BLOCK_K"] == 0, **cfg_dn, **common)
     out = torch.empty((t, hid), dtype=dtype, device=device)
     block = min(1024, next_power_of_2(hid))
-    _moe_combine_kernel[(t, cdiv(hid, block))](
+    launch_cached(_moe_combine_kernel, (t, cdiv(hid, block)),
         part_dn, ids, weights, out, a, n_exp, hid, PARTS=s_dn, TOPK=top_k, ACT=_TL_DTYPES[dtype], BLOCK=block,
         **launch_options())
     return out
@@ -511,12 +512,12 @@ def _moe_sorted(x, top_k_index, weights, up, down, cfg, lut, tables):
     inter_act = torch.empty((a, inter), dtype=dtype, device=device)
     if cfg.get("mma"):
         return _moe_sorted_mma(x, top_k, weights, up, down, cfg, order, offsets, inter_act)
-    _moe_up_kernel[(n_exp, cdiv(inter, cfg["BLOCK_N"]))](
+    launch_cached(_moe_up_kernel, (n_exp, cdiv(inter, cfg["BLOCK_N"])),
         x, order, offsets, up.packed.view(torch.int32), up.block_scale.view(torch.uint8), up.global_scale,
         inter_act, hid, inter, top_k, IEEE=ieee, LUT=lut,
         EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=hid % cfg["BLOCK_K"] == 0, **cfg, **launch_options())
     per_slot = torch.empty((a, hid), dtype=torch.float32, device=device)
-    _moe_down_kernel[(n_exp, cdiv(hid, cfg["BLOCK_N"]))](
+    launch_cached(_moe_down_kernel, (n_exp, cdiv(hid, cfg["BLOCK_N"])),
         inter_act, order, offsets, weights, down.packed.view(torch.int32), down.block_scale.view(torch.uint8),
         down.global_scale, per_slot, hid, inter, IEEE=ieee, LUT=lut,
         EVEN_N=hid % cfg["BLOCK_N"] == 0, EVEN_K=inter % cfg["BLOCK_K"] == 0, ACT_DTYPE=_TL_DTYPES[dtype],
@@ -534,13 +535,13 @@ def _moe_sorted_mma(x, top_k, weights, up, down, cfg, order, offsets, inter_act)
                 EMULATE=interpreted(_moe_up_mma_kernel), num_warps=cfg["num_warps"], num_stages=1,
                 **launch_options())
     up_scales, up_pairs = mma_scales(up)
-    _moe_up_mma_kernel[(n_exp, cdiv(inter, cfg["BLOCK_N"]))](
+    launch_cached(_moe_up_mma_kernel, (n_exp, cdiv(inter, cfg["BLOCK_N"])),
         x4, order, offsets, up.packed.view(torch.int64), up_scales, up.global_scale, inter_act, hid, inter, top_k,
         x.stride(0) // 4, EVEN_K=hid % 128 == 0, SCALE_PAIRS=up_pairs,
         VEC=mma_vec(up.packed, x4, x.stride(0) // 4, hid, _moe_up_mma_kernel), **opts)
     per_slot = torch.empty((a, hid), dtype=torch.float32, device=x.device)
     down_scales, down_pairs = mma_scales(down)
-    _moe_down_mma_kernel[(n_exp, cdiv(hid, cfg["BLOCK_N"]))](
+    launch_cached(_moe_down_mma_kernel, (n_exp, cdiv(hid, cfg["BLOCK_N"])),
         inter_act.view(torch.int64), order, offsets, weights, down.packed.view(torch.int64), down_scales,
         down.global_scale, per_slot, hid, inter, inter // 4, EVEN_K=inter % 128 == 0, SCALE_PAIRS=down_pairs,
         VEC=mma_vec(down.packed, inter_act, inter // 4, inter, _moe_down_mma_kernel), ACT_DTYPE=_TL_DTYPES[x.dtype],

@@ -16,7 +16,11 @@ the max items `lag` members ahead, so the DRAM-bound max pass runs beside the is
 quantization. Otherwise `_amax_kernel` (max|w| per member, NaN and Inf flagged), then
 `_quantize_kernel`; with a given global amax that one alone, folding in the member maxima the
 checks need. Launch shapes: the "quantize" launch table (`fp4kit.kernels.launch`), or `tables`.
-Tests: tests/kernels/test_quantize.py, tests/gpu/test_quantize_gpu.py; speed: benchmarks/README.md.
+With a `terms` list the same launches also sum what the quantize stage reports of each weight
+(TERMS): sum x^2, sum (x - dequantized)^2 and the blocks on the 4 candidate, per program in fp32,
+added in float64 (`_tile_terms`; the stack kernel sums x^2 in its max items), so the stage needs
+no other pass over a weight. Tests: tests/kernels/test_quantize.py, tests/gpu/test_quantize_gpu.py; speed:
+benchmarks/README.md.
 
 Known limit, shared with nothing real: an fp32 weight so small that its global scale underflows
 (max|w| < ~2e-42) makes the reference's block scales NaN with a platform-dependent sign bit;
@@ -43,9 +47,11 @@ from fp4kit.formats.constants import (
 )
 from fp4kit.formats.arith import DEFAULT_ARITH, check_mode, fp32_reciprocal
 from fp4kit.formats.errors import FormatError, check_finite, check_float_tensor
+from fp4kit.formats.metrics import sqnr_terms
 
 from .backend import cdiv, check_backend, interpreted, launch_options, sm_count
 from .deferred import DeferredCheck
+from .error import _e2m1_value
 from .launch import table as launch_table
 
 _WHAT = "kernels.quantize"
@@ -397,6 +403,7 @@ def _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo,
                             _sq_error(v4_hi, step4, a_hi, imp_hi, HAS_IMP), BLOCKS)
         choose4 = (err4 < err6) & live  # strict: a tie keeps 6
         scale = tl.where(choose4, scale4, scale6)
+        noise = tl.where(choose4, err4, err6)  # the result's squared error where unweighted (HAS_IMP off)
         if FAST:  # every quotient of a nonzero |x| is > 0 here (`_fast_range`): sign from x
             i_lo = tl.where(choose4, v4_lo, v6_lo)  # the values: `_index_word` reads them
             i_hi = tl.where(choose4, v4_hi, v6_hi)
@@ -427,12 +434,14 @@ def _tile_core(x_lo, x_hi, a_lo, a_hi, block_amax, g, y_den, zero, live, imp_lo,
             sgn_lo = tl.where((x_lo < 0.0) & pos_lo, 8, 0)
             sgn_hi = tl.where((x_hi < 0.0) & pos_hi, 8, 0)
         choose4 = (block_amax < 0.0) & live  # all False, one per block
+        noise = 0.0 * block_amax  # not known here (`_tile_terms` decodes the codes)
     # All-zero member: scales 1.0 and global scale 1.0; its elements are 0, so the codes are 0
     # whichever step they were divided by.
     scale = tl.where(zero, 1.0, scale)
     code_lo = _codes(x_lo, i_lo, FAST, sgn_lo, ASM, BLOCKS, SAT=FAST, VALUES=FAST and RULE_4O6)
     code_hi = _codes(x_hi, i_hi, FAST, sgn_hi, ASM, BLOCKS, SAT=FAST, VALUES=FAST and RULE_4O6)
-    return code_lo, code_hi, _e4m3_code(scale).to(tl.uint8), choose4, tl.where(zero, 1.0, gs + 0.0 * block_amax)
+    return (code_lo, code_hi, _e4m3_code(scale).to(tl.uint8), choose4, tl.where(zero, 1.0, gs + 0.0 * block_amax),
+            scale, noise)
 
 
 @triton.jit
@@ -495,7 +504,8 @@ def _quantize_tile(x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688,
     x_hi; fp32); g: the global amax of the blocks' member, a scalar if UNIFORM (the whole tile in
     one member), else one per block ([BLOCKS, 1]). Returns the packed codes (lo, hi: one int32
     word each, `_code_word`), E4M3 scale bytes, the 4/6 choice and the global scale ([BLOCKS, 1]
-    each; the last a scalar if UNIFORM). A thread owns whole blocks, so maxima, error sums and
+    each; the last a scalar if UNIFORM), then for `_tile_terms` the block scales' fp32 values and,
+    under 4/6, the chosen candidate's squared error per block. A thread owns whole blocks, so maxima, error sums and
     packing never cross threads. The arithmetic path is chosen once per tile (`_fast_range`);
     every path gives the reference's bytes."""
     if UNIFORM:
@@ -508,6 +518,27 @@ def _quantize_tile(x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688,
         out = _tile_path(x_lo, x_hi, g, fast, den, den, imp_lo, imp_hi, r6, r1536, r2688,
                          RECIP, RULE_4O6, HAS_IMP, False, ASM, BLOCKS)
     return out
+
+
+@triton.jit
+def _tile_terms(x_lo, x_hi, code_lo, code_hi, scale, gs, noise, choose4, ok,
+                RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr):
+    """Per block ([BLOCKS, 1] each): the sum of x^2, the sum of (x - dequantized)^2 and whether it
+    took the 4 candidate, the values formed as `NVFP4Tensor.dequantize` forms them (fp32 step =
+    block scale * global scale, value = E2M1 value * step). Under unweighted 4/6 the quantizer's
+    own error of the chosen candidate is that squared error already (|value - |x|| per element,
+    the sign cancels); else the stored codes are decoded. Blocks outside the tensor hold zeros
+    and count nothing."""
+    signal = tl.sum(x_lo * x_lo + x_hi * x_hi, axis=1, keep_dims=True)
+    if RULE_4O6 and not HAS_IMP:
+        err = noise
+    else:
+        step = scale * gs
+        j = tl.arange(0, 8)[None, :] * 4
+        d_lo = x_lo - _e2m1_value((code_lo >> j) & 15) * step
+        d_hi = x_hi - _e2m1_value((code_hi >> j) & 15) * step
+        err = tl.sum(d_lo * d_lo + d_hi * d_hi, axis=1, keep_dims=True)
+    return signal, tl.where(ok, err, 0.0), (choose4 & ok).to(tl.int32)
 
 
 @triton.jit
@@ -567,11 +598,11 @@ def _load_importance(imp_ptr, member, blk, ok, blocks_per_row, imp_stride, HAS_I
 
 @triton.jit
 def _quantize_kernel(
-    w_ptr, g_ptr, own_ptr, imp_ptr, packed_ptr, scale_ptr, gs_ptr, choice_ptr,
+    w_ptr, g_ptr, own_ptr, imp_ptr, packed_ptr, scale_ptr, gs_ptr, choice_ptr, terms_ptr,
     n_blocks, blocks_per_member, blocks_per_row, imp_stride, r6, r1536, r2688,
     RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr, WRITE_CHOICE: tl.constexpr,
     OWN_MAX: tl.constexpr, MEMBERS: tl.constexpr, OFFSET_DTYPE: tl.constexpr,
-    STEP_MAX: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr,
+    STEP_MAX: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr, TERMS: tl.constexpr = False,
 ):
     """Quantizes BLOCKS consecutive 16-element blocks of the flattened weight, each member's
     global amax read from g_ptr. K % 16 == 0, so the weight is a flat run of blocks: block b
@@ -580,7 +611,7 @@ def _quantize_kernel(
     MEMBERS: 0 = one member, 1 = members of a multiple of BLOCKS blocks (a program's global amax
     is one scalar), 2 = any (a member per block). OWN_MAX: also fold max|x| of the blocks into
     own_ptr[member] (atomic max; NaN as +Inf), the maxima the caller checks a given global amax
-    against, so the weight is read once."""
+    against, so the weight is read once. TERMS: the tile's `_tile_terms` to terms_ptr[pid, 0:3]."""
     pid = tl.program_id(0)
     blk = (pid * BLOCKS + tl.arange(0, BLOCKS)[:, None]).to(OFFSET_DTYPE)  # [BLOCKS, 1]
     ok = blk < n_blocks
@@ -597,11 +628,17 @@ def _quantize_kernel(
         g = tl.load(g_ptr + member)
         uniform: tl.constexpr = True
     imp_lo, imp_hi = _load_importance(imp_ptr, member, blk, ok, blocks_per_row, imp_stride, HAS_IMP)
-    code_lo, code_hi, scale_code, choose4, gs = _quantize_tile(
+    code_lo, code_hi, scale_code, choose4, gs, scale, noise = _quantize_tile(
         x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688, RECIP, RULE_4O6, HAS_IMP, uniform,
         STEP_MAX, ASM, BLOCKS)
     _store_tile(packed_ptr, scale_ptr, choice_ptr, blk, ok, code_lo, code_hi, scale_code, choose4,
                 WRITE_CHOICE)
+    if TERMS:
+        signal, err, count4 = _tile_terms(x_lo, x_hi, code_lo, code_hi, scale, gs, noise, choose4, ok,
+                                          RULE_4O6, HAS_IMP)
+        tl.store(terms_ptr + pid * 3, tl.sum(tl.sum(signal, axis=1), axis=0))
+        tl.store(terms_ptr + pid * 3 + 1, tl.sum(tl.sum(err, axis=1), axis=0))
+        tl.store(terms_ptr + pid * 3 + 2, tl.sum(tl.sum(count4, axis=1), axis=0).to(tl.float32))
     # Each member's first block writes its global scale (a member may be shorter than a program).
     tl.store(gs_ptr + member + blk * 0, gs, mask=ok & (blk % blocks_per_member == 0))
     if OWN_MAX:
@@ -664,6 +701,18 @@ def _pair_max_value(acc, HALF: tl.constexpr):
 
 
 @triton.jit
+def _pair_squares(w, HALF: tl.constexpr):
+    """x^2 + y^2 (fp32) for the two 16-bit floats x, y of each int32 word (HALF 1: bf16, 2: fp16)."""
+    if HALF == 1:
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo * lo + hi * hi
+
+
+@triton.jit
 def _load_words(w_ptr, blk, ok):
     """The 8 int32 words (two 16-bit elements each) of the blocks `blk` ([BLOCKS, 1]) of a 16-bit
     weight, [BLOCKS, 8]."""
@@ -680,12 +729,13 @@ def _stack_tile(e, tile, tiles_per_member, OFFSET_DTYPE: tl.constexpr, BLOCKS: t
 
 @triton.jit
 def _stack_kernel(
-    w_ptr, own_ptr, done_ptr, ticket_ptr, imp_ptr, packed_ptr, scale_ptr, gs_ptr, choice_ptr,
+    w_ptr, own_ptr, done_ptr, ticket_ptr, imp_ptr, packed_ptr, scale_ptr, gs_ptr, choice_ptr, terms_ptr,
     n_members, tiles_per_member, blocks_per_row, imp_stride, max_items, quant_items, r6, r1536, r2688,
     LAG: tl.constexpr, MAX_TILES: tl.constexpr, QUANT_TILES: tl.constexpr, PREFETCH: tl.constexpr,
     HALF: tl.constexpr,
     RECIP: tl.constexpr, RULE_4O6: tl.constexpr, HAS_IMP: tl.constexpr, WRITE_CHOICE: tl.constexpr,
     OFFSET_DTYPE: tl.constexpr, STEP_MAX: tl.constexpr, ASM: tl.constexpr, BLOCKS: tl.constexpr,
+    TERMS: tl.constexpr = False,
 ):
     """A whole [E, N, K] stack in one launch: the max pass and the quantization as one queue of
     work items, which the programs take in ticket order until it runs out.
@@ -699,8 +749,14 @@ def _stack_kernel(
     hold: no program waits on one that has not started, whatever the grid or the scheduling.
     HALF (1 bf16, 2 fp16, 0 fp32): 16-bit max items work on bit patterns, two elements per
     instruction (`_max_pair`). A quantize item prepares its member once (`_member_prep`).
+    TERMS: the program's sums of x^2 (over its max items: the max pass reads each element once,
+    and has the arithmetic to spare), of the squared error and of the blocks on the 4 candidate
+    (over its quantize items, `_tile_terms`) to terms_ptr[pid, 0:3].
     """
     R: tl.constexpr = MAX_TILES // QUANT_TILES
+    signal_sum = tl.zeros((BLOCKS, 8), dtype=tl.float32)
+    err_sum = tl.zeros((BLOCKS, 1), dtype=tl.float32)
+    count_sum = tl.zeros((BLOCKS, 1), dtype=tl.int32)
     per_slot = max_items * (R + 1)
     total = (n_members + LAG) * per_slot
     t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
@@ -730,6 +786,9 @@ def _stack_kernel(
                         acc_w = _max_pair(acc_w, b_w, ASM)
                         acc_w = _max_pair(acc_w, c_w, ASM)
                         acc_w = _max_pair(acc_w, d_w, ASM)
+                        if TERMS:
+                            signal_sum += _pair_squares(a_w, HALF) + _pair_squares(b_w, HALF)
+                            signal_sum += _pair_squares(c_w, HALF) + _pair_squares(d_w, HALF)
                     else:
                         a_lo, a_hi = _load_blocks(w_ptr, blk0, ok0)
                         b_lo, b_hi = _load_blocks(w_ptr, blk1, ok1)
@@ -739,6 +798,9 @@ def _stack_kernel(
                         acc = _max_abs(acc, b_lo, b_hi)
                         acc = _max_abs(acc, c_lo, c_hi)
                         acc = _max_abs(acc, d_lo, d_hi)
+                        if TERMS:
+                            signal_sum += (a_lo * a_lo + a_hi * a_hi) + (b_lo * b_lo + b_hi * b_hi)
+                            signal_sum += (c_lo * c_lo + c_hi * c_hi) + (d_lo * d_lo + d_hi * d_hi)
                 if HALF != 0:
                     m = _pair_max_value(acc_w, HALF)
                 else:
@@ -765,22 +827,32 @@ def _stack_kernel(
                         blk, ok = _stack_tile(e, item * QUANT_TILES + j, tiles_per_member, OFFSET_DTYPE, BLOCKS)
                         x_lo, x_hi = _load_blocks(w_ptr, blk, ok)
                     imp_lo, imp_hi = _load_importance(imp_ptr, e, blk, ok, blocks_per_row, imp_stride, HAS_IMP)
-                    code_lo, code_hi, scale_code, choose4, gs = _tile_path(
+                    code_lo, code_hi, scale_code, choose4, gs, scale, noise = _tile_path(
                         x_lo, x_hi, g, fast, y_den, den, imp_lo, imp_hi, r6, r1536, r2688, RECIP, RULE_4O6,
                         HAS_IMP, True, ASM, BLOCKS)
                     _store_tile(packed_ptr, scale_ptr, choice_ptr, blk, ok, code_lo, code_hi, scale_code,
                                 choose4, WRITE_CHOICE)
+                    if TERMS:  # the signal is summed in the max items, which read every element once
+                        _, err, count4 = _tile_terms(x_lo, x_hi, code_lo, code_hi, scale, gs, noise, choose4,
+                                                     ok, RULE_4O6, HAS_IMP)
+                        err_sum += err
+                        count_sum += count4
                     tl.store(gs_ptr + e + blk * 0, gs, mask=blk == (e * tiles_per_member).to(OFFSET_DTYPE) * BLOCKS)
                     if PREFETCH:
                         blk, ok, x_lo, x_hi = n_blk, n_ok, n_lo, n_hi
         t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+    if TERMS:
+        pid = tl.program_id(0)
+        tl.store(terms_ptr + pid * 3, tl.sum(tl.sum(signal_sum, axis=1), axis=0))
+        tl.store(terms_ptr + pid * 3 + 1, tl.sum(tl.sum(err_sum, axis=1), axis=0))
+        tl.store(terms_ptr + pid * 3 + 2, tl.sum(tl.sum(count_sum, axis=1), axis=0).to(tl.float32))
 
 
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
 _AMAX_BLOCK = 4096
-_AMAX_CHUNK = 32 * _AMAX_BLOCK
+_AMAX_CHUNK = 8 * _AMAX_BLOCK  # 32K elements a program: a 10M-element weight fills the GPU
 
 # The launch table ("quantize"), by entry:
 #   TUNING  {"blocks", "num_warps"}: 16-element blocks per program (a tile) and warps per program.
@@ -849,13 +921,15 @@ _STEP_MAX = {torch.bfloat16: 2.0**17, torch.float16: 2.0**126, torch.float32: 2.
 
 def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = None,
            importance: torch.Tensor | None = None, return_choice: bool = False,
-           arith: str = DEFAULT_ARITH, *, tables: Mapping | None = None):
+           arith: str = DEFAULT_ARITH, *, tables: Mapping | None = None, terms: list | None = None):
     """The launches and nothing else: no validation, no host synchronisation.
 
     w contiguous, already validated; global_amax None or an fp32 tensor of the batch shape;
     importance None or fp32 [1 or batch members, K]; tables: the launch table (default: the
     device's, `launch.table("quantize", w.device)`). Returns (NVFP4Tensor, choice uint8 or None,
-    own max|w| per member). `quantize` is this plus the reference's checks.
+    own max|w| per member). `quantize` is this plus the reference's checks. terms: a list that
+    receives (sum w^2, sum (w - dequantized)^2, fraction of blocks on the 4 candidate) as float64
+    0-d tensors, summed in the quantizing pass (`_tile_terms`).
     """
     t = _tables(tables, w.device)
     tuning, stack = t["TUNING"], t["STACK"]
@@ -890,11 +964,13 @@ def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = 
             raise ValueError(f"{_WHAT}: STACK needs max_tiles a multiple of 4 and of quant_tiles, lag >= 1: "
                              f"{dict(stack)}")
         programs = 1 if interpreted(_stack_kernel) else stack["programs_per_sm"] * sm_count(w.device)
+        part = _terms_buffer(programs, terms, w.device)
         _stack_kernel[(programs,)](
-            w, own, done, ticket, imp, packed, scale, gs, choice, n_members, tiles, blocks_per_row, imp_stride,
+            w, own, done, ticket, imp, packed, scale, gs, choice, part, n_members, tiles, blocks_per_row, imp_stride,
             cdiv(tiles, max_tiles), cdiv(tiles, quant_tiles), *recips, LAG=stack["lag"], MAX_TILES=max_tiles,
             QUANT_TILES=quant_tiles, PREFETCH=stack["prefetch"],
-            HALF={torch.bfloat16: 1, torch.float16: 2}.get(w.dtype, 0), **consts, **opts)
+            HALF={torch.bfloat16: 1, torch.float16: 2}.get(w.dtype, 0), TERMS=terms is not None, **consts, **opts)
+        _add_terms(part, terms, n_blocks)
         qt = nvfp4.NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs)
         return qt, (choice if return_choice else None), own.reshape(batch)
     if global_amax is None:
@@ -903,13 +979,28 @@ def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = 
     else:
         own = torch.zeros(n_members, dtype=torch.float32, device=w.device)
         g, own_max = global_amax.reshape(-1), True
-    _quantize_kernel[(cdiv(n_blocks, consts["BLOCKS"]),)](
-        w, g, own, imp, packed, scale, gs, choice, n_blocks, blocks_per_member, blocks_per_row,
+    programs = cdiv(n_blocks, consts["BLOCKS"])
+    part = _terms_buffer(programs, terms, w.device)
+    _quantize_kernel[(programs,)](
+        w, g, own, imp, packed, scale, gs, choice, part, n_blocks, blocks_per_member, blocks_per_row,
         imp_stride, *recips, OWN_MAX=own_max,
         MEMBERS=0 if n_members == 1 else (1 if blocks_per_member % consts["BLOCKS"] == 0 else 2),
-        **consts, **opts)
+        TERMS=terms is not None, **consts, **opts)
+    _add_terms(part, terms, n_blocks)
     qt = nvfp4.NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs)
     return qt, (choice if return_choice else None), own.reshape(batch)
+
+
+def _terms_buffer(programs: int, terms: list | None, device: torch.device) -> torch.Tensor:
+    """Each program's three `_tile_terms` sums (fp32), or a placeholder the kernel never touches."""
+    return torch.empty((programs if terms is not None else 1, 3), dtype=torch.float32, device=device)
+
+
+def _add_terms(part: torch.Tensor, terms: list | None, n_blocks: int) -> None:
+    """The programs' sums added in float64, appended to `terms` as (signal, noise, 4/6 fraction)."""
+    if terms is not None:
+        total = part.double().sum(0)
+        terms.append((total[0], total[1], total[2] / n_blocks))
 
 
 def _importance_rows(importance, w: torch.Tensor, eager: bool) -> torch.Tensor:
@@ -936,6 +1027,7 @@ def quantize(
     backend: str = "triton",
     tables: Mapping | None = None,
     deferred: list | None = None,
+    terms: list | None = None,
 ):
     """`fp4kit.formats.nvfp4.quantize` on the GPU: same arguments, same errors, same bytes.
 
@@ -947,12 +1039,17 @@ def quantize(
     after both kernels are queued, so the GPU never waits on the host between them; with a
     `deferred` list they are appended to it as a `DeferredCheck` instead (a flag on the device and
     the function that raises the same error; `deferred.run_all` reads many back at once), so that
-    a caller quantizing many tensors waits on the GPU once.
+    a caller quantizing many tensors waits on the GPU once. terms (this backend): a list that
+    receives (sum w^2, sum (w - dequantized)^2, fraction of blocks on the 4 candidate), float64
+    0-d tensors on w's device, summed as the kernel quantizes (`launch`).
     """
     check_backend(backend, _quantize_kernel, w, what=_WHAT)
     if backend == "torch":
-        return nvfp4.quantize(w, scale_rule=scale_rule, global_amax=global_amax,
-                              importance=importance, return_choice=return_choice, arith=arith)
+        qt, choice = nvfp4.quantize(w, scale_rule=scale_rule, global_amax=global_amax,
+                                    importance=importance, return_choice=True, arith=arith)
+        if terms is not None:
+            terms.append((*sqnr_terms(w, qt.dequantize()), choice.double().mean()))
+        return (qt, choice) if return_choice else qt
     check_mode(arith)
     if scale_rule not in nvfp4.SCALE_RULES:
         raise FormatError(f"{_WHAT}: scale_rule must be one of {nvfp4.SCALE_RULES}, got {scale_rule!r}")
@@ -970,7 +1067,7 @@ def quantize(
     imp = None
     if importance is not None:
         imp = _importance_rows(importance, w, eager=deferred is None)
-    qt, choice, own = launch(w, scale_rule, g, imp, return_choice, arith, tables=tables)
+    qt, choice, own = launch(w, scale_rule, g, imp, return_choice, arith, tables=tables, terms=terms)
 
     def check() -> None:
         if importance is not None and deferred is not None:

@@ -37,7 +37,8 @@ import triton.language as tl
 from fp4kit.formats import nvfp4
 
 from . import backend, launch
-from .backend import cdiv, check_activations, check_backend, check_weight, interpreted, launch_options
+from .backend import (Constants, cdiv, check_activations, check_backend, check_weight, interpreted, launch_cached,
+                      launch_options)
 from .mma import (first_group, mma_accumulate, mma_fragments, mma_lanes, mma_rows, mma_scales, mma_vec,
                   store_unscaled, sum_groups)
 from .tiles import (accumulate, activation_rows, dequant_tile, gemv_accumulate, gemv_k_tile, int64_activations,
@@ -323,8 +324,9 @@ def path(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torc
 
 
 def _plan(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, t: Mapping, cfg: Mapping | None):
-    """One problem's launch: (launch shape, SPLIT, k_per_split, lut, gemv, mma, grid, EVEN_N/EVEN_K),
-    or None where the rows are past LARGE_M (dequantize, then torch.matmul)."""
+    """One problem's launch: (launch shape, SPLIT, k_per_split, lut, gemv, mma, grid, EVEN_N/EVEN_K,
+    the kernel's `Constants`: for the mma kernel one per (VEC, SCALE_PAIRS), which depend on the
+    operands' alignment), or None where the rows are past LARGE_M (dequantize, then torch.matmul)."""
     if cfg is None and m > t["LARGE_M"]:
         return None
     cfg = dict(cfg or config(m, n, k, device, dtype, t))
@@ -338,7 +340,18 @@ def _plan(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, t: M
         raise ValueError(f"{_WHAT}: the register-fed matrix-unit kernel takes bf16/fp16 activations, got {dtype}")
     grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
     even = MappingProxyType(dict(EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0))
-    return MappingProxyType(cfg), split, k_per_split, lut, gemv, mma, grid, even
+    if mma:
+        kwarps = cfg.get("KWARPS", 1)
+        consts = {(vec, pairs): Constants(
+            VEC=vec, TILES=cfg["BLOCK_M"] // 8, ROWS=cfg["BLOCK_N"] // (16 * cfg["num_warps"]), WARPS=cfg["num_warps"],
+            SPLIT=split, F16=dtype == torch.float16, EVEN_K=k % 128 == 0, SCALE_PAIRS=pairs, PREFETCH=cfg["PREFETCH"],
+            EMULATE=interpreted(_mma_kernel), KWARPS=kwarps, num_warps=cfg["num_warps"] * kwarps, num_stages=1,
+            **launch_options()) for vec in (False, True) for pairs in (False, True)}
+    elif gemv:
+        consts = Constants(SPLIT=split, LUT=lut, KB=k // 16, **even, **cfg, **launch_options())
+    else:
+        consts = Constants(SPLIT=split, IEEE=dtype == torch.float32, LUT=lut, **even, **cfg, **launch_options())
+    return MappingProxyType(cfg), split, k_per_split, lut, gemv, mma, grid, even, consts
 
 
 @functools.lru_cache(maxsize=4096)
@@ -373,7 +386,7 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
         plan = _plan(m, n, k, x.device, x.dtype, _table(tables, x.device), cfg)
     if plan is None:
         return torch.matmul(x2, dequantize(w, x.dtype, tables=tables).T).reshape(*lead, n)
-    cfg, split, k_per_split, lut, gemv, mma, grid, even = plan
+    cfg, split, k_per_split, lut, gemv, mma, grid, even, consts = plan
     part, counters = out, out  # unused unless split > 1
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
@@ -381,25 +394,16 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     if mma:
         x2, x4 = int64_activations(x2)
         scales, pairs = mma_scales(w)
-        kwarps = cfg.get("KWARPS", 1)
-        _mma_kernel[grid](x4, w.packed.view(torch.int64), scales,
-                          w.global_scale, out, part, counters, m, n, k, x2.stride(0) // 4, k_per_split,
-                          VEC=mma_vec(w.packed, x4, x2.stride(0) // 4, k, _mma_kernel),
-                          TILES=cfg["BLOCK_M"] // 8, ROWS=cfg["BLOCK_N"] // (16 * cfg["num_warps"]),
-                          WARPS=cfg["num_warps"], SPLIT=split,
-                          F16=x.dtype == torch.float16, EVEN_K=k % 128 == 0, SCALE_PAIRS=pairs,
-                          PREFETCH=cfg["PREFETCH"], EMULATE=interpreted(_mma_kernel), KWARPS=kwarps,
-                          num_warps=cfg["num_warps"] * kwarps,
-                          num_stages=1, **launch_options())
+        vec = mma_vec(w.packed, x4, x2.stride(0) // 4, k, _mma_kernel)
+        launch_cached(_mma_kernel, grid, x4, w.packed.view(torch.int64), scales, w.global_scale, out, part, counters,
+                      m, n, k, x2.stride(0) // 4, k_per_split, constants=consts[vec, pairs])
     elif gemv:
         x2, x4 = int64_activations(x2)
-        _gemv_kernel[grid](x2, x4, w.packed.view(torch.int64), w.block_scale.view(torch.uint8), w.global_scale,
-                           out, part, counters, m, n, k, x2.stride(0), k_per_split, SPLIT=split, LUT=lut, KB=k // 16,
-                           **even, **cfg, **launch_options())
+        launch_cached(_gemv_kernel, grid, x2, x4, w.packed.view(torch.int64), w.block_scale.view(torch.uint8),
+                      w.global_scale, out, part, counters, m, n, k, x2.stride(0), k_per_split, constants=consts)
     else:
-        _w4a16_kernel[grid](x2, w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.global_scale, out,
-                            part, counters, m, n, k, x2.stride(0), k_per_split, SPLIT=split,
-                            IEEE=x.dtype == torch.float32, LUT=lut, **even, **cfg, **launch_options())
+        launch_cached(_w4a16_kernel, grid, x2, w.packed.view(torch.int32), w.block_scale.view(torch.uint8),
+                      w.global_scale, out, part, counters, m, n, k, x2.stride(0), k_per_split, constants=consts)
     return out.reshape(*lead, n)
 
 

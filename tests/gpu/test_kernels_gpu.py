@@ -304,6 +304,52 @@ def test_moe_mma_fp16_ragged_shapes(launch):
     assert float((got.float() - ref).norm() / ref.norm()) < 5e-3
 
 
+def _through_triton(kernel, grid, *args, constants=None, **consts):
+    kernel[grid](*args, **(consts if constants is None else constants))
+
+
+def test_cached_launches_equal_tritons_own(monkeypatch):
+    # backend.launch_cached keeps the compiled binary of each class of call; its launches give
+    # the bytes Triton's own dispatch gives, on every W4A16 route and the in-kernel-routing MoE,
+    # with the activations 16-byte aligned and only 8-byte aligned, called in turn (so a binary
+    # kept for one alignment is never reused for the other).
+    from fp4kit.kernels import backend
+
+    n, k = 512, 2688
+    wq = kquant.quantize(_randn(n, k, seed=70), scale_rule="4o6")
+    xs = []
+    for m in (1, 6, 40, 64):
+        x = _randn(m, k, seed=71 + m, scale=1.0)
+        x8 = torch.empty(m * k + 4, dtype=x.dtype, device=DEV)[4:].view(m, k)
+        x8.copy_(x)
+        xs += [x, x8]
+    routes = {w4a16_gemm.path(x.shape[0], n, k, x.device) for x in xs}
+    assert {"gemv", "mma", "fused"} <= routes, routes
+    n_exp, hid, inter, top_k = 16, 2688, 1856, 6
+    up = kquant.quantize(_randn(n_exp, inter, hid, seed=80), scale_rule="4o6")
+    down = kquant.quantize(_randn(n_exp, hid, inter, seed=81), scale_rule="4o6")
+    g = torch.Generator(device=DEV).manual_seed(82)
+    ids = torch.stack([torch.randperm(n_exp, device=DEV, generator=g)[:top_k] for _ in range(2)])
+    weights = torch.rand((2, top_k), device=DEV, generator=g)
+    moe_x = _randn(2, hid, seed=83, scale=1.0)
+
+    def run():
+        dense = [w4a16_gemm.w4a16_matmul(x, wq) for x in xs]
+        return dense + [moe_gemm.moe_experts(moe_x, ids, weights, up, down)]
+
+    backend._COMPILED.clear()
+    fast = [run() for _ in range(3)]  # the first through Triton, the others from the kept binaries
+    kept = {key[0] for key in backend._COMPILED}
+    assert {w4a16_gemm._gemv_kernel, w4a16_gemm._mma_kernel, w4a16_gemm._w4a16_kernel,
+            moe_gemm._moe_small_kernel} <= kept
+    monkeypatch.setattr(w4a16_gemm, "launch_cached", _through_triton)
+    monkeypatch.setattr(moe_gemm, "launch_cached", _through_triton)
+    ref = run()
+    for again in fast:
+        for got, want in zip(again, ref):
+            assert torch.equal(_bits(got), _bits(want))
+
+
 # --------------------------------------------------------------------------------------------
 # Split-K summed in the launch: deterministic, counters reset, CUDA-graph capture
 # --------------------------------------------------------------------------------------------

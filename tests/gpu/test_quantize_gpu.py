@@ -296,3 +296,26 @@ def test_error_terms_on_expert_shapes(shape):
     assert signal.device.type == "cuda" and signal.dtype == torch.float64
     assert float(signal) == pytest.approx(float(ref_signal), rel=2e-6)
     assert float(noise) == pytest.approx(float(ref_noise), rel=2e-6)
+
+
+@pytest.mark.parametrize("rule,importance", [("4o6", False), ("4o6", True), ("6", False)])
+@pytest.mark.parametrize("shape", [(16, 1856, 2688), (2688, 1856), (3, 48)])
+def test_terms_summed_while_quantizing_on_expert_shapes(rule, importance, shape):
+    # The quantize stage's SQNR terms and 4/6 fraction, summed by the quantizing kernels (the
+    # stack kernel's max pass for the signal, its quantize items for the error): the bytes of
+    # the plain launch, and the reference's float64 sums of the result within fp32's partial sums.
+    from fp4kit.formats.metrics import sqnr_terms
+
+    w = _randn(*shape, seed=6)
+    imp = torch.rand(shape[-1], device=DEV, generator=torch.Generator(device=DEV).manual_seed(7)) if importance else None
+    terms: list = []
+    qt, choice = kquant.quantize(w, scale_rule=rule, importance=imp, return_choice=True, terms=terms)
+    plain = kquant.quantize(w, scale_rule=rule, importance=imp)
+    assert _same(qt, plain)
+    (signal, noise, frac4), = terms
+    ref_signal, ref_noise = sqnr_terms(w.cpu(), qt.to("cpu").dequantize())
+    assert float(signal) == pytest.approx(float(ref_signal), rel=1e-5)
+    assert float(noise) == pytest.approx(float(ref_noise), rel=1e-5)
+    assert float(frac4) == float(choice.double().mean())
+    if rule == "4o6":
+        assert 0 < float(frac4) < 1

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from fp4kit.formats import FormatError, e4m3, fp8
+from fp4kit.formats.arith import div_by_scale
+from fp4kit.formats.metrics import sqnr_terms
 from fp4kit.kernels import fp8 as kfp8
 
 
@@ -119,3 +121,43 @@ def test_a_searched_range_of_a_non_finite_weight_fails_its_deferred_check(bad):
     kfp8.quantize_per_tensor(w, amax_multipliers=(1.0, 1.5), deferred=deferred)
     with pytest.raises(FormatError, match=r"first at index \(2, 7\)"):
         deferred[0]()
+
+
+# Scales that put every E4M3 binade, the subnormals and the saturation under the values: powers
+# of two, and scales whose 16-bit roundings differ from them (`arith="cuda"` divides by those).
+_SCALES = (1.0, 2.0**-10, 2.0**12, 0.7, 3.14159, 1.0 / 448, 1e-3, 123.456)
+
+
+@pytest.mark.parametrize("arith", ["cuda", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernel_rounds_every_16_bit_value_as_torch(arith, dtype):
+    x = _all_finite(dtype)
+    for s in _SCALES:
+        scale = torch.tensor(s, dtype=torch.float32)
+        want = kfp8.cast_e4m3(div_by_scale(x, scale, arith)).view(torch.uint8)
+        got = kfp8._quantize_with_scale(x, scale, arith, None).view(torch.uint8)
+        assert torch.equal(got, want), (s, int((got != want).sum()))
+
+
+@pytest.mark.parametrize("arith", ["cuda", "cpu"])
+def test_the_kernel_rounds_fp32_around_every_midpoint_as_torch(arith):
+    x = _around_midpoints()
+    for s in (1.0, 0.75, 2.0**-20):
+        scale = torch.tensor(s, dtype=torch.float32)
+        want = kfp8.cast_e4m3(div_by_scale(x, scale, arith)).view(torch.uint8)
+        assert torch.equal(kfp8._quantize_with_scale(x, scale, arith, None).view(torch.uint8), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("mults", [None, (1.0, 1.5)])
+def test_the_error_terms_of_the_quantizing_pass_are_the_references(dtype, mults):
+    # fp32 partial sums added in float64: within 1e-6 of the reference's float64 sums.
+    w = _weight((300, 96), dtype, seed=11)  # 28,800 elements: the last program's tile is partial
+    terms: list = []
+    q, s = kfp8.quantize_per_tensor(w, amax_multipliers=mults, terms=terms)
+    (signal, noise), = terms
+    ref_signal, ref_noise = sqnr_terms(w, fp8.dequantize_per_tensor(q, s))
+    assert signal.dtype == noise.dtype == torch.float64 and signal.dim() == noise.dim() == 0
+    assert float(noise) > 0
+    assert abs(float(signal) / float(ref_signal) - 1) < 1e-6
+    assert abs(float(noise) / float(ref_noise) - 1) < 1e-6

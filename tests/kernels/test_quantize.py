@@ -15,6 +15,7 @@ tl = pytest.importorskip("triton.language")
 from fp4kit.formats import nvfp4  # noqa: E402
 from fp4kit.formats.constants import E2M1_MAGNITUDES  # noqa: E402
 from fp4kit.formats.errors import FormatError  # noqa: E402
+from fp4kit.formats.metrics import sqnr_terms  # noqa: E402
 from fp4kit.kernels import backend, launch, quantize as kquant  # noqa: E402
 
 from .helpers import DEVICE, _bits, _rand, assert_same_nvfp4  # noqa: E402
@@ -32,12 +33,28 @@ LEAN = stack_table(lag=1, max_tiles=4, quant_tiles=1)
 
 def check_quantize(w: torch.Tensor, tables=LEAN, **kw) -> tuple[nvfp4.NVFP4Tensor, torch.Tensor]:
     """Kernel on DEVICE (with launch table `tables`) vs reference on CPU: identical bytes and 4/6
-    choices. Returns the kernel's result and choice."""
-    got, got_choice = kquant.quantize(w.to(DEVICE), return_choice=True, tables=tables, **kw)
+    choices, and the error terms summed in the quantizing pass (as the quantize stage asks for
+    them) those of the reference's result. Returns the kernel's result and choice."""
+    terms: list = []
+    got, got_choice = kquant.quantize(w.to(DEVICE), return_choice=True, tables=tables, terms=terms, **kw)
     ref, ref_choice = nvfp4.quantize(w, return_choice=True, **kw)
     assert_same_nvfp4(got, ref)
     assert torch.equal(got_choice.cpu(), ref_choice)
+    check_terms(terms, w, ref, ref_choice)
     return got, ref_choice
+
+
+def check_terms(terms: list, w: torch.Tensor, ref: nvfp4.NVFP4Tensor, ref_choice: torch.Tensor) -> None:
+    """One (signal, noise, 4/6 fraction) entry: the fraction exact, the sums within 2e-6 of the
+    reference's float64 sums (fp32 partial sums), where those lie inside fp32's range."""
+    (signal, noise, frac4), = terms
+    assert all(t.dtype == torch.float64 and t.dim() == 0 for t in (signal, noise, frac4))
+    assert float(frac4) == float(ref_choice.double().mean())
+    want_signal, want_noise = sqnr_terms(w, ref.dequantize())
+    for got, want in ((signal, want_signal), (noise, want_noise)):
+        want = float(want)
+        if want == 0 or 1e-30 < want < 1e30:
+            assert abs(float(got) - want) <= 2e-6 * want, (float(got), want)
 
 
 # --------------------------------------------------------------------------------------------
