@@ -125,8 +125,10 @@ class Constants(dict):
         super().__init__(*args, **kwargs)
         self.token = ("constants", next(_TOKENS))
 
-    def __setitem__(self, key, value):
+    def _fixed(self, *args, **kwargs):
         raise TypeError("Constants are fixed once made")
+
+    __setitem__ = __delitem__ = update = pop = popitem = setdefault = clear = __ior__ = _fixed
 
 
 def _arg_class(a):

@@ -173,8 +173,11 @@ def test_constants_made_once_are_keyed_by_their_own_number(runtime):
     k = Kernel()
     x, y = tensors()
     plan = backend.Constants(BLOCK=16, num_warps=4)
-    with pytest.raises(TypeError):
-        plan["BLOCK"] = 32  # a kept plan's constants cannot drift from the binary kept for them
+    for change in (lambda: plan.__setitem__("BLOCK", 32), lambda: plan.update(BLOCK=32), lambda: plan.pop("BLOCK"),
+                   lambda: plan.setdefault("MODE", 4), plan.clear, plan.popitem, lambda: plan.__delitem__("BLOCK")):
+        with pytest.raises(TypeError):
+            change()  # a kept plan's constants cannot drift from the binary kept for them
+    assert plan == {"BLOCK": 16, "num_warps": 4}
     backend.launch_cached(k, (1,), x, y, 64, 32, constants=plan)
     assert k.jit_calls[0][2] == {"BLOCK": 16, "num_warps": 4}
     backend.launch_cached(k, (1,), x, y, 64, 32, constants=plan)
