@@ -9,15 +9,20 @@ forward loop over the same calibration tokens (fp4kit's calibration set for the 
 and seed), `export_hf_checkpoint`. Both are timed as whole processes and by stage; then every
 tensor name the two checkpoints share is compared byte for byte, by tensor class. Writes
 benchmarks/results/vs-modelopt-<gpu>.json (a section per model folder, calibration and Mamba path:
-"+mamba-kernels" where mamba-ssm and causal-conv1d import) and prints a table.
+"+mamba-kernels" where mamba-ssm and causal-conv1d import; "+fresh-triton-cache" with
+`--triton-cache fresh`, each process then compiling its Triton kernels from an empty cache
+instead of sharing the environment's) and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
+import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,6 +36,20 @@ LIGHTNING_RECIPE = "models/nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16/ptq
 
 
 TARGET_SAMPLES = 1000  # the user's --calib 1000x32k
+
+
+def child_env(triton_cache: str) -> dict | None:
+    """The environment of one tool's process: this one's ("shared": Triton's compiled kernels on
+    disk serve both, so the tool run second finds what the first compiled, mamba-ssm's kernels
+    among them), or with an empty Triton cache of its own ("fresh": each tool compiles what it
+    runs, as on a machine that has never run either)."""
+    if triton_cache == "shared":
+        return None
+    if triton_cache != "fresh":
+        raise ValueError(f"--triton-cache must be 'shared' or 'fresh', got {triton_cache!r}")
+    cache = tempfile.mkdtemp(prefix="fp4kit-vs-modelopt-triton-")
+    atexit.register(shutil.rmtree, cache, True)  # removed however the comparison ends
+    return {**os.environ, "TRITON_CACHE_DIR": cache}
 
 
 def projected(result: dict) -> dict:
@@ -147,6 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calib", default="8x32k")
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--keep", action="store_true", help="keep both checkpoints (default: removed after the comparison)")
+    ap.add_argument("--triton-cache", choices=("shared", "fresh"), default="shared",
+                    help="shared: both processes use the environment's Triton cache; fresh: each gets an empty one")
     ap.add_argument("--modelopt-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.modelopt_child:
@@ -161,8 +182,9 @@ def main(argv=None) -> int:
     fk_dir, mo_dir = out / "fp4kit", out / "modelopt"
     cmd = ["fp4kit", "quantize", "--model", args.model, "--recipe", "modelopt-lightning", "--calib", args.calib,
            "--device", "cuda", "-o", str(fk_dir), "--overwrite", "--allow-repeat", "--no-progress"]
+    envs = [child_env(args.triton_cache) for _ in range(2)]
     t0 = time.perf_counter()
-    fk = subprocess.run(cmd, capture_output=True, text=True)
+    fk = subprocess.run(cmd, capture_output=True, text=True, env=envs[0])
     fk_wall = time.perf_counter() - t0
     if fk.returncode:
         raise SystemExit(f"fp4kit failed:\n{fk.stdout[-3000:]}\n{fk.stderr[-3000:]}")
@@ -170,7 +192,7 @@ def main(argv=None) -> int:
     steady = re.search(r"^calibration: ([0-9.]+) s per sample after the first", fk.stdout, re.M)
     t0 = time.perf_counter()
     mo = subprocess.run([sys.executable, __file__, args.model, "--calib", args.calib, "--modelopt-child", str(mo_dir)],
-                        capture_output=True, text=True)
+                        capture_output=True, text=True, env=envs[1])
     mo_wall = time.perf_counter() - t0
     if mo.returncode:
         raise SystemExit(f"modelopt failed:\n{mo.stdout[-3000:]}\n{mo.stderr[-3000:]}")
@@ -178,7 +200,7 @@ def main(argv=None) -> int:
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         "command": "python scripts/bench_vs_modelopt.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "fp4kit_command": " ".join(cmd), "calib": args.calib, "mamba_kernels": kernels,
+        "fp4kit_command": " ".join(cmd), "calib": args.calib, "mamba_kernels": kernels, "triton_cache": args.triton_cache,
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "modelopt": __import__("modelopt").__version__, "gpu": torch.cuda.get_device_name()},
         "fp4kit": {"wall_s": fk_wall, "stages_s": fk_stages, "calibrate_s_per_sample": float(steady[1]) if steady else None},
@@ -188,16 +210,15 @@ def main(argv=None) -> int:
     }
     result["projected_1000_samples"] = projected(result)
     if not args.keep:
-        import shutil
-
         shutil.rmtree(fk_dir, ignore_errors=True)
         shutil.rmtree(mo_dir, ignore_errors=True)
     gpu = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
     path = ROOT / "benchmarks" / "results" / f"vs-modelopt-{gpu}.json"
     doc = json.loads(path.read_text()) if path.is_file() else {}
-    # One section per folder and calibration, and per Mamba path (transformers' plain torch, or
-    # mamba-ssm's and causal-conv1d's kernels where both import).
-    section = Path(args.model).name + "@" + args.calib + ("+mamba-kernels" if all(kernels.values()) else "")
+    # One section per folder and calibration, per Mamba path (transformers' plain torch, or
+    # mamba-ssm's and causal-conv1d's kernels where both import) and per Triton cache.
+    section = (Path(args.model).name + "@" + args.calib + ("+mamba-kernels" if all(kernels.values()) else "")
+               + ("+fresh-triton-cache" if args.triton_cache == "fresh" else ""))
     doc[section] = result
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"{'':<10}{'whole s':>9}  stages")
