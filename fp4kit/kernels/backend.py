@@ -161,9 +161,9 @@ def launch_cached(kernel, grid: tuple, *args, constants: Constants | None = None
 
     args: the kernel's runtime arguments, in order; consts: its constexprs and launch options, by
     name, or all of them as one `Constants` (`constants=`). A call's class is the kernel, the
-    current device, the constants, and each argument's
-    `_arg_class`, which separates at least what Triton specialises a compiled binary on (dtypes,
-    16-byte alignment of pointers, integers equal to 1 or divisible by 16, integer widths). The
+    current device, the constants, and each argument's `_arg_class`, which separates at least
+    what Triton specialises a compiled binary on (dtypes, 16-byte alignment of pointers, integers
+    equal to 1 or divisible by 16, integer widths). The
     first call of a class goes through Triton (compiling if it must) and keeps the compiled
     kernel; later calls of that class launch it directly with the same argument list Triton
     would pass (the constexprs in the kernel's order, defaults filled in), skipping Triton's
@@ -179,14 +179,16 @@ def launch_cached(kernel, grid: tuple, *args, constants: Constants | None = None
     classes = tuple(map(_arg_class, args))
     current_device, current_stream, hooks = _runtime()
     device = current_device()
-    try:
-        key = (kernel, device, which or tuple(consts.items()), classes)
-        hit = _COMPILED.get(key) if None not in classes else None
-    except TypeError:  # an unhashable constant
-        key, hit = None, None
-    if hit is None:
+    key = None
+    if None not in classes:
+        try:
+            key = (kernel, device, which or tuple(consts.items()), classes)
+            hit = _COMPILED.get(key)
+        except TypeError:  # an unhashable constant
+            key = None
+    if key is None or hit is None:
         compiled = kernel[grid](*args, **consts)
-        if key is not None and None not in classes and compiled is not None:
+        if key is not None and compiled is not None:
             if hasattr(compiled, "result"):  # a compile future
                 compiled = compiled.result()
             params = kernel.signature.parameters

@@ -29,7 +29,7 @@ from fp4kit.formats.errors import check_finite, check_float_tensor
 
 from .backend import cdiv, launch_options
 from .deferred import DeferredCheck
-from .quantize import member_amax
+from .quantize import _e4m3_code, _e4m3_round, member_amax
 
 _WHAT = "kernels.fp8.quantize_per_tensor"
 
@@ -81,17 +81,11 @@ def _round_half(x, HALF: tl.constexpr):
 def _e4m3_signed(q):
     """(fp32 value, E4M3 byte as int32) of e4m3(q) for |q| <= 448 or NaN: round to nearest, ties
     to even; the sign kept on zeros (-0.0 and negatives that round to 0 give 0x80), as torch's
-    cast and `e4m3.encode`."""
+    cast and `e4m3.encode`. The magnitude is rounded and coded as the block scales are
+    (`kernels.quantize._e4m3_round`, which also takes |q| below 2^-9, and `_e4m3_code`)."""
     b = q.to(tl.int32, bitcast=True)
-    m = tl.abs(q)
-    mb = m.to(tl.int32, bitcast=True)
-    normal = ((mb + 0x7FFFF + ((mb >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    sub = ((m * 512.0 + 8388608.0) - 8388608.0) * 0.001953125  # quantum 2^-9 below 2^-6
-    mag = tl.where(m < 0.015625, sub, normal)
-    code_n = (mag.to(tl.int32, bitcast=True) >> 20) - 960
-    code_s = (mag * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-    code = tl.where(mag < 0.015625, code_s, code_n)
-    code = tl.where(m != m, 0x7F, code) | ((b >> 24) & 0x80)
+    mag = _e4m3_round(tl.abs(q))
+    code = _e4m3_code(mag) | ((b >> 24) & 0x80)
     return tl.where(b < 0, -mag, mag), code
 
 

@@ -19,8 +19,8 @@ checks need. Launch shapes: the "quantize" launch table (`fp4kit.kernels.launch`
 With a `terms` list the same launches also sum what the quantize stage reports of each weight
 (TERMS): sum x^2, sum (x - dequantized)^2 and the blocks on the 4 candidate, per program in fp32,
 added in float64 (`_tile_terms`; the stack kernel sums x^2 in its max items), so the stage needs
-no other pass over a weight. Tests: tests/kernels/test_quantize.py, tests/gpu/test_quantize_gpu.py; speed:
-benchmarks/README.md.
+no other pass over a weight. Tests: tests/kernels/test_quantize.py,
+tests/gpu/test_quantize_gpu.py; speed: benchmarks/README.md.
 
 Known limit, shared with nothing real: an fp32 weight so small that its global scale underflows
 (max|w| < ~2e-42) makes the reference's block scales NaN with a platform-dependent sign bit;
@@ -505,8 +505,8 @@ def _quantize_tile(x_lo, x_hi, g, imp_lo, imp_hi, r6, r1536, r2688,
     one member), else one per block ([BLOCKS, 1]). Returns the packed codes (lo, hi: one int32
     word each, `_code_word`), E4M3 scale bytes, the 4/6 choice and the global scale ([BLOCKS, 1]
     each; the last a scalar if UNIFORM), then for `_tile_terms` the block scales' fp32 values and,
-    under 4/6, the chosen candidate's squared error per block. A thread owns whole blocks, so maxima, error sums and
-    packing never cross threads. The arithmetic path is chosen once per tile (`_fast_range`);
+    under 4/6, the chosen candidate's squared error per block. A thread owns whole blocks, so
+    maxima, error sums and packing never cross threads. The arithmetic path is chosen once per tile (`_fast_range`);
     every path gives the reference's bytes."""
     if UNIFORM:
         den, y_den, fast = _member_prep(g, r6, r1536, r2688, RECIP, RULE_4O6, STEP_MAX)
@@ -539,6 +539,14 @@ def _tile_terms(x_lo, x_hi, code_lo, code_hi, scale, gs, noise, choose4, ok,
         d_hi = x_hi - _e2m1_value((code_hi >> j) & 15) * step
         err = tl.sum(d_lo * d_lo + d_hi * d_hi, axis=1, keep_dims=True)
     return signal, tl.where(ok, err, 0.0), (choose4 & ok).to(tl.int32)
+
+
+@triton.jit
+def _store_terms(terms_ptr, pid, signal, err, count4):
+    """A program's sums of `_tile_terms` ([BLOCKS, ...] each) to terms_ptr[pid, 0:3] (fp32)."""
+    tl.store(terms_ptr + pid * 3, tl.sum(tl.sum(signal, axis=1), axis=0))
+    tl.store(terms_ptr + pid * 3 + 1, tl.sum(tl.sum(err, axis=1), axis=0))
+    tl.store(terms_ptr + pid * 3 + 2, tl.sum(tl.sum(count4, axis=1), axis=0).to(tl.float32))
 
 
 @triton.jit
@@ -636,9 +644,7 @@ def _quantize_kernel(
     if TERMS:
         signal, err, count4 = _tile_terms(x_lo, x_hi, code_lo, code_hi, scale, gs, noise, choose4, ok,
                                           RULE_4O6, HAS_IMP)
-        tl.store(terms_ptr + pid * 3, tl.sum(tl.sum(signal, axis=1), axis=0))
-        tl.store(terms_ptr + pid * 3 + 1, tl.sum(tl.sum(err, axis=1), axis=0))
-        tl.store(terms_ptr + pid * 3 + 2, tl.sum(tl.sum(count4, axis=1), axis=0).to(tl.float32))
+        _store_terms(terms_ptr, pid, signal, err, count4)
     # Each member's first block writes its global scale (a member may be shorter than a program).
     tl.store(gs_ptr + member + blk * 0, gs, mask=ok & (blk % blocks_per_member == 0))
     if OWN_MAX:
@@ -842,10 +848,7 @@ def _stack_kernel(
                         blk, ok, x_lo, x_hi = n_blk, n_ok, n_lo, n_hi
         t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
     if TERMS:
-        pid = tl.program_id(0)
-        tl.store(terms_ptr + pid * 3, tl.sum(tl.sum(signal_sum, axis=1), axis=0))
-        tl.store(terms_ptr + pid * 3 + 1, tl.sum(tl.sum(err_sum, axis=1), axis=0))
-        tl.store(terms_ptr + pid * 3 + 2, tl.sum(tl.sum(count_sum, axis=1), axis=0).to(tl.float32))
+        _store_terms(terms_ptr, tl.program_id(0), signal_sum, err_sum, count_sum)
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from types import MappingProxyType
 
 import torch
 import triton
@@ -324,9 +323,9 @@ def path(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torc
 
 
 def _plan(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, t: Mapping, cfg: Mapping | None):
-    """One problem's launch: (launch shape, SPLIT, k_per_split, lut, gemv, mma, grid, EVEN_N/EVEN_K,
-    the kernel's `Constants`: for the mma kernel one per (VEC, SCALE_PAIRS), which depend on the
-    operands' alignment), or None where the rows are past LARGE_M (dequantize, then torch.matmul)."""
+    """One problem's launch: (SPLIT, k_per_split, gemv, mma, grid, the kernel's `Constants`: for
+    the mma kernel one per (VEC, SCALE_PAIRS), which depend on the operands' alignment), or None
+    where the rows are past LARGE_M (dequantize, then torch.matmul)."""
     if cfg is None and m > t["LARGE_M"]:
         return None
     cfg = dict(cfg or config(m, n, k, device, dtype, t))
@@ -339,7 +338,7 @@ def _plan(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, t: M
     if mma and dtype == torch.float32:
         raise ValueError(f"{_WHAT}: the register-fed matrix-unit kernel takes bf16/fp16 activations, got {dtype}")
     grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
-    even = MappingProxyType(dict(EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0))
+    even = dict(EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0)
     if mma:
         kwarps = cfg.get("KWARPS", 1)
         consts = {(vec, pairs): Constants(
@@ -351,7 +350,7 @@ def _plan(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, t: M
         consts = Constants(SPLIT=split, LUT=lut, KB=k // 16, **even, **cfg, **launch_options())
     else:
         consts = Constants(SPLIT=split, IEEE=dtype == torch.float32, LUT=lut, **even, **cfg, **launch_options())
-    return MappingProxyType(cfg), split, k_per_split, lut, gemv, mma, grid, even, consts
+    return split, k_per_split, gemv, mma, grid, consts
 
 
 @functools.lru_cache(maxsize=4096)
@@ -386,7 +385,7 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
         plan = _plan(m, n, k, x.device, x.dtype, _table(tables, x.device), cfg)
     if plan is None:
         return torch.matmul(x2, dequantize(w, x.dtype, tables=tables).T).reshape(*lead, n)
-    cfg, split, k_per_split, lut, gemv, mma, grid, even, consts = plan
+    split, k_per_split, gemv, mma, grid, consts = plan
     part, counters = out, out  # unused unless split > 1
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
