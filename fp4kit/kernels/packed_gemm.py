@@ -34,6 +34,7 @@ tests cover the layout, loads, masks and epilogue. Measured times: benchmarks/RE
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -46,7 +47,8 @@ from fp4kit.formats import nvfp4
 from fp4kit.formats.errors import FormatError
 
 from . import backend, launch
-from .backend import cdiv, check_activations, check_backend, check_weight, interpreted, launch_options, next_power_of_2
+from .backend import (Constants, cdiv, check_activations, check_backend, check_weight, interpreted, launch_cached,
+                      launch_options, next_power_of_2)
 from .mma import prefetch_l2, store_unscaled
 from .tiles import activation_rows, split_counters
 
@@ -484,19 +486,39 @@ def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", c
     m = x2.shape[0]
     if m == 0:
         return out.reshape(*lead, n)
-    c = config(m, n, k, x.device, cfg, tables)
-    n16, kt = w.words.shape[:2]
-    grid = (cdiv(n16, c["num_warps"]), cdiv(m, c["BLOCK_M"]), c["SPLIT"])
+    if cfg is None and tables is None:
+        grid, split, kt_per_split, consts = _default_plan(m, n, k, x.device, x.dtype)  # once per problem shape
+    else:
+        grid, split, kt_per_split, consts = _plan(m, n, k, x.device, x.dtype, cfg, tables)
     part, counters = out, out  # unused unless split
-    if c["SPLIT"] > 1:
-        part = torch.empty((c["SPLIT"], m, n), dtype=torch.float32, device=x.device)
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, grid[0] * grid[1])
-    emulate = interpreted(_packed_kernel)
-    tma = c["TMA"] and not emulate and tma_ready(x2)
-    x_desc = TensorDescriptor.from_tensor(x2, [c["BLOCK_M"], TILE_K]) if tma else x2
-    _packed_kernel[grid](x2, x_desc, w.words, w.scales, w.global_scale, out, part, counters, m, n, k, n16, kt,
-                         x2.stride(0), c["kt_per_split"], BLOCK_M=c["BLOCK_M"], W=c["num_warps"], SPLIT=c["SPLIT"],
-                         UNROLL=c["UNROLL"], PREFETCH=c["PREFETCH"], F16=x.dtype == torch.float16, EVEN_K=k % TILE_K == 0,
-                         EMULATE=emulate, TMA=tma, num_warps=c["num_warps"], num_stages=c["num_stages"],
-                         **launch_options())
+    tma = consts[True] is not None and tma_ready(x2)
+    x_desc = TensorDescriptor.from_tensor(x2, [consts[True]["BLOCK_M"], TILE_K]) if tma else x2
+    launch_cached(_packed_kernel, grid, x2, x_desc, w.words, w.scales, w.global_scale, out, part, counters, m, n, k,
+                  *w.words.shape[:2], x2.stride(0), kt_per_split, constants=consts[tma])
     return out.reshape(*lead, n)
+
+
+def _plan(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, cfg: dict | None,
+          tables: Mapping | None) -> tuple:
+    """One problem's launch: (grid, SPLIT, K tiles per split, {tma: the kernel's `Constants`}),
+    the TMA entry None where the launch shape or the interpreter rules the TMA read out (whether
+    it is used also depends on the activations' alignment, `tma_ready`)."""
+    c = config(m, n, k, device, cfg, tables)
+    grid = (cdiv(cdiv(n, SLAB), c["num_warps"]), cdiv(m, c["BLOCK_M"]), c["SPLIT"])
+    emulate = interpreted(_packed_kernel)
+    fixed = dict(BLOCK_M=c["BLOCK_M"], W=c["num_warps"], SPLIT=c["SPLIT"], UNROLL=c["UNROLL"], PREFETCH=c["PREFETCH"],
+                 F16=dtype == torch.float16, EVEN_K=k % TILE_K == 0, EMULATE=emulate, num_warps=c["num_warps"],
+                 num_stages=c["num_stages"], **launch_options())
+    consts = {False: Constants(TMA=False, **fixed), True: None}
+    if c["TMA"] and not emulate:
+        consts[True] = Constants(TMA=True, **fixed)
+    return grid, c["SPLIT"], c["kt_per_split"], consts
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_plan(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype) -> tuple:
+    """`_plan` under the device's own launch table (frozen for the process), kept per shape."""
+    return _plan(m, n, k, device, dtype, None, None)

@@ -310,9 +310,9 @@ def _through_triton(kernel, grid, *args, constants=None, **consts):
 
 def test_cached_launches_equal_tritons_own(monkeypatch):
     # backend.launch_cached keeps the compiled binary of each class of call; its launches give
-    # the bytes Triton's own dispatch gives, on every W4A16 route and the in-kernel-routing MoE,
-    # with the activations 16-byte aligned and only 8-byte aligned, called in turn (so a binary
-    # kept for one alignment is never reused for the other).
+    # the bytes Triton's own dispatch gives, on every W4A16 route, the pre-packed layout's kernel
+    # and the in-kernel-routing MoE, with the activations 16-byte aligned and only 8-byte
+    # aligned, called in turn (so a binary kept for one alignment is never reused for the other).
     from fp4kit.kernels import backend
 
     n, k = 512, 2688
@@ -332,17 +332,20 @@ def test_cached_launches_equal_tritons_own(monkeypatch):
     ids = torch.stack([torch.randperm(n_exp, device=DEV, generator=g)[:top_k] for _ in range(2)])
     weights = torch.rand((2, top_k), device=DEV, generator=g)
     moe_x = _randn(2, hid, seed=83, scale=1.0)
+    pk = packed_gemm.pack(wq, xs[0].dtype)
 
     def run():
         dense = [w4a16_gemm.w4a16_matmul(x, wq) for x in xs]
-        return dense + [moe_gemm.moe_experts(moe_x, ids, weights, up, down)]
+        packed = [packed_gemm.packed_matmul(x, pk) for x in xs]
+        return dense + packed + [moe_gemm.moe_experts(moe_x, ids, weights, up, down)]
 
     backend._COMPILED.clear()
     fast = [run() for _ in range(3)]  # the first through Triton, the others from the kept binaries
     kept = {key[0] for key in backend._COMPILED}
     assert {w4a16_gemm._gemv_kernel, w4a16_gemm._mma_kernel, w4a16_gemm._w4a16_kernel,
-            moe_gemm._moe_small_kernel} <= kept
+            moe_gemm._moe_small_kernel, packed_gemm._packed_kernel} <= kept
     monkeypatch.setattr(w4a16_gemm, "launch_cached", _through_triton)
+    monkeypatch.setattr(packed_gemm, "launch_cached", _through_triton)
     monkeypatch.setattr(moe_gemm, "launch_cached", _through_triton)
     ref = run()
     for again in fast:

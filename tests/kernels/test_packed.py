@@ -157,3 +157,20 @@ def test_packed_config():
     assert packed_gemm.config(64, 8192, 8192, dev, tables=launch.override(PACKED, LARGE_WEIGHTS=1 << 40))["BLOCK_M"] == \
         PACKED["PACKED"]["64"]["small"]["BLOCK_M"]
 
+
+
+def test_the_launch_shape_is_chosen_once_per_problem_shape(monkeypatch):
+    n, k = 40, 272
+    p = packed_gemm.pack(nvfp4.quantize(_rand(n, k, seed=15)), torch.float16)
+    chosen = []
+    real = packed_gemm.config
+    monkeypatch.setattr(packed_gemm, "config", lambda *a, **kw: chosen.append(a[:3]) or real(*a, **kw))
+    packed_gemm._default_plan.cache_clear()
+    x = _rand(5, k, seed=16, dtype=torch.float16)
+    first = packed_gemm.packed_matmul(x, p)
+    again = packed_gemm.packed_matmul(x, p)
+    packed_gemm.packed_matmul(x[:3], p)
+    packed_gemm.packed_matmul(x, p, cfg={"SPLIT": 1})  # a forced launch shape is never kept
+    packed_gemm.packed_matmul(x, p, cfg={"SPLIT": 1})
+    assert chosen == [(5, n, k), (3, n, k), (5, n, k), (5, n, k)]
+    assert torch.equal(first, again)
