@@ -6,6 +6,8 @@ calibration set and the export for the CLI.
 
 from __future__ import annotations
 
+import functools
+import operator
 import re
 import statistics
 import threading
@@ -23,7 +25,7 @@ from .calibrate import Observers, Statistics, fitting_batch, measured_forward
 from .formats import FormatError, fp8, nvfp4
 from .formats.arith import DEFAULT_ARITH, check_mode, div_const
 from .formats.constants import FP8_MAX, NVFP4_GLOBAL_DENOM
-from .formats.metrics import sqnr_db_of, sqnr_terms
+from .formats.metrics import Terms, sqnr_db_of, sqnr_terms
 from .kernels.backend import BACKENDS
 from .kernels.deferred import failed as failed_checks
 from .models import Role, adapter_for
@@ -280,7 +282,7 @@ def _forward_samples(model: nn.Module, samples: torch.Tensor, batch_size: int | 
 
 
 def _nvfp4(w, rule: Rule, global_amax, importance, backend: str, arith: str, deferred: list, terms: list):
-    """The NVFP4Tensor; (sum w^2, sum (w - dequantized)^2, fraction of blocks on the 4 candidate)
+    """The NVFP4Tensor; its `Terms` (sum w^2, sum (w - dequantized)^2, blocks on the 4 candidate)
     appended to `terms`. On the GPU the kernel sums those as it quantizes and the data checks go
     to `deferred` (see kernels.quantize.quantize), so no weight waits on the host."""
     if backend == "triton":
@@ -290,7 +292,7 @@ def _nvfp4(w, rule: Rule, global_amax, importance, backend: str, arith: str, def
                            arith=arith, deferred=deferred, terms=terms)
     qt, choice = nvfp4.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, importance=importance,
                                 return_choice=True, arith=arith)
-    terms.append((*_nvfp4_error(w, qt), choice.double().mean()))
+    terms.append(Terms(*_nvfp4_error(w, qt), choice.double().sum(), choice.numel()))
     return qt
 
 
@@ -393,9 +395,9 @@ def _nvfp4_error(w: torch.Tensor, qt: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, 
 
 
 def _terms(entry: tuple) -> tuple:
-    """(signal, noise, 4/6 fraction or 0.0 in its place)."""
-    signal, noise, frac4 = entry
-    return signal, noise, 0.0 if frac4 is None else frac4
+    """(signal, noise, blocks on the 4 candidate or 0.0 in its place)."""
+    signal, noise, count4, _ = entry
+    return signal, noise, 0.0 if count4 is None else count4
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -474,7 +476,7 @@ def queue_weights(
                 qt = _nvfp4(w, rule, None if shared is None else shared.to(w.device), importance, backend, arith, deferred,
                             terms)
                 checks.append((p, deferred))
-                (signal, noise, frac4), = terms
+                (signal, noise, count4, blocks), = terms
                 tensors = {
                     "weight": _split(qt.packed, stack),
                     "weight_scale": _split(qt.block_scale, stack),
@@ -483,7 +485,8 @@ def queue_weights(
                 if rule.format == "nvfp4":
                     tensors["input_scale"] = []  # filled after the loop (`input_scales`)
                     input_scales.append((tensors["input_scale"], stats.input_amax.get(t.key), NVFP4_GLOBAL_DENOM, n, t.disk_names[0]))
-                frac4 = frac4 if rule.scale_rule == "4o6" else None
+                if rule.scale_rule != "4o6":
+                    count4 = blocks = None
                 after = qt.packed.numel() + qt.block_scale.numel() + 4 * qt.global_scale.numel()
             else:
                 search = rule.amax_search or None
@@ -494,12 +497,12 @@ def queue_weights(
                 checks.append((p, deferred))
                 tensors = {"weight": [q for q, _ in parts], "weight_scale": [s for _, s in parts], "input_scale": []}
                 input_scales.append((tensors["input_scale"], stats.input_amax.get(t.key), FP8_MAX, n, t.disk_names[0]))
-                signal, noise = sum(a for a, _ in terms), sum(b for _, b in terms)
-                frac4 = None
+                signal, noise = (functools.reduce(operator.add, part) for part in zip(*terms))  # one member: no add
+                count4 = blocks = None
                 after = w.numel() + 4 * n
         except ValueError as exc:
             raise _named(t, w, exc) from None
-        pending[t.key] = (signal, noise, frac4)
+        pending[t.key] = (signal, noise, count4, blocks)
         out[t.key] = QuantizedTarget(
             target=t, rule=rule, algo=algo, tensors=tensors, sqnr_db=float("nan"), frac4=None,
             bytes_before=w.numel() * w.element_size(), bytes_after=after,
@@ -526,9 +529,10 @@ def _read_back_results(out: dict, pending: dict, checks: list, input_scales: lis
     keys = list(pending)
     host = _read_back([v for key in keys for v in _terms(pending[key])])
     for i, key in enumerate(keys):
-        signal, noise, frac4 = host[3 * i: 3 * i + 3]
+        signal, noise, count4 = host[3 * i: 3 * i + 3]
+        blocks = pending[key][3]
         out[key].sqnr_db = sqnr_db_of(signal, noise)
-        out[key].frac4 = None if pending[key][2] is None else frac4
+        out[key].frac4 = None if blocks is None else count4 / blocks
     return out
 
 

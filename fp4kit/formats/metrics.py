@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -12,6 +13,23 @@ def sqnr_terms(w: torch.Tensor, w_hat: torch.Tensor) -> tuple[torch.Tensor, torc
     terms of disjoint parts of a tensor add up to the whole tensor's (`sqnr_db_of`)."""
     w = w.double()
     return w.pow(2).sum(), (w - w_hat.double()).pow(2).sum()
+
+
+class Terms(NamedTuple):
+    """What the quantize stage reports of one NVFP4 weight, as float64 0-d tensors on its device:
+    sum w^2, sum (w - dequantized)^2 and the number of blocks on the 4/6 rule's 4 candidate, out
+    of `blocks` (an int). The fraction is divided out where it is read (`frac4`), so that
+    summing the terms needs no launch beyond the sums themselves."""
+
+    signal: torch.Tensor
+    noise: torch.Tensor
+    count4: torch.Tensor
+    blocks: int
+
+    @property
+    def frac4(self) -> float:
+        """The fraction of blocks on the 4 candidate (reads count4 back)."""
+        return float(self.count4) / self.blocks
 
 
 def sqnr_db_of(signal: float, noise: float) -> float:

@@ -135,7 +135,7 @@ def _quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, arith: str, terms
         ERROR=terms is not None, OFFSET_DTYPE=tl.int32 if n < 2**31 - 2**20 else tl.int64,
         BLOCK=_BLOCK, TILES=_TILES, num_warps=4, **launch_options())
     if terms is not None:
-        total = part.double().sum(0)
+        total = part.sum(0, dtype=torch.float64)
         terms.append((total[0], total[1]))
     return q
 
@@ -166,6 +166,6 @@ def quantize_per_tensor(w: torch.Tensor, arith: str = DEFAULT_ARITH, *, amax_mul
     if deferred is None:
         check()
     else:
-        deferred.append(DeferredCheck(~torch.isfinite(amax), check))
-    scale = torch.where(amax == 0, torch.ones_like(amax), div_const(amax, FP8_MAX, arith))
+        deferred.append(DeferredCheck(check, finite=[amax]))
+    scale = torch.where(amax == 0, 1.0, div_const(amax, FP8_MAX, arith))
     return _quantize_with_scale(w, scale, arith, terms), scale

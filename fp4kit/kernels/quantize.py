@@ -47,7 +47,7 @@ from fp4kit.formats.constants import (
 )
 from fp4kit.formats.arith import DEFAULT_ARITH, check_mode, fp32_reciprocal
 from fp4kit.formats.errors import FormatError, check_finite, check_float_tensor
-from fp4kit.formats.metrics import sqnr_terms
+from fp4kit.formats.metrics import Terms, sqnr_terms
 
 from .backend import cdiv, check_backend, interpreted, launch_options, sm_count
 from .deferred import DeferredCheck
@@ -931,8 +931,8 @@ def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = 
     importance None or fp32 [1 or batch members, K]; tables: the launch table (default: the
     device's, `launch.table("quantize", w.device)`). Returns (NVFP4Tensor, choice uint8 or None,
     own max|w| per member). `quantize` is this plus the reference's checks. terms: a list that
-    receives (sum w^2, sum (w - dequantized)^2, fraction of blocks on the 4 candidate) as float64
-    0-d tensors, summed in the quantizing pass (`_tile_terms`).
+    receives the weight's `formats.metrics.Terms` (sum w^2, sum (w - dequantized)^2, blocks on
+    the 4 candidate), summed in the quantizing pass (`_tile_terms`).
     """
     t = _tables(tables, w.device)
     tuning, stack = t["TUNING"], t["STACK"]
@@ -1000,10 +1000,10 @@ def _terms_buffer(programs: int, terms: list | None, device: torch.device) -> to
 
 
 def _add_terms(part: torch.Tensor, terms: list | None, n_blocks: int) -> None:
-    """The programs' sums added in float64, appended to `terms` as (signal, noise, 4/6 fraction)."""
+    """The programs' sums added in float64 (one launch), appended to `terms` as `Terms`."""
     if terms is not None:
-        total = part.double().sum(0)
-        terms.append((total[0], total[1], total[2] / n_blocks))
+        total = part.sum(0, dtype=torch.float64)
+        terms.append(Terms(total[0], total[1], total[2], n_blocks))
 
 
 def _importance_rows(importance, w: torch.Tensor, eager: bool) -> torch.Tensor:
@@ -1042,16 +1042,16 @@ def quantize(
     after both kernels are queued, so the GPU never waits on the host between them; with a
     `deferred` list they are appended to it as a `DeferredCheck` instead (a flag on the device and
     the function that raises the same error; `deferred.run_all` reads many back at once), so that
-    a caller quantizing many tensors waits on the GPU once. terms (this backend): a list that
-    receives (sum w^2, sum (w - dequantized)^2, fraction of blocks on the 4 candidate), float64
-    0-d tensors on w's device, summed as the kernel quantizes (`launch`).
+    a caller quantizing many tensors waits on the GPU once. terms: a list that receives the
+    weight's `formats.metrics.Terms` (sum w^2, sum (w - dequantized)^2, blocks on the 4
+    candidate; float64 0-d tensors on w's device), summed as the kernel quantizes (`launch`).
     """
     check_backend(backend, _quantize_kernel, w, what=_WHAT)
     if backend == "torch":
         qt, choice = nvfp4.quantize(w, scale_rule=scale_rule, global_amax=global_amax,
                                     importance=importance, return_choice=True, arith=arith)
         if terms is not None:
-            terms.append((*sqnr_terms(w, qt.dequantize()), choice.double().mean()))
+            terms.append(Terms(*sqnr_terms(w, qt.dequantize()), choice.double().sum(), choice.numel()))
         return (qt, choice) if return_choice else qt
     check_mode(arith)
     if scale_rule not in nvfp4.SCALE_RULES:
@@ -1083,12 +1083,8 @@ def quantize(
     if deferred is None:
         check()
     else:
-        bad = ~torch.isfinite(own).all()
-        if imp is not None:
-            bad = bad | ~(torch.isfinite(imp).all() & (imp >= 0).all())
-        if g is not None:
-            bad = bad | ~torch.isfinite(g).all() | (g < own).any()
-        deferred.append(DeferredCheck(bad, check))
+        deferred.append(DeferredCheck(check, finite=[own], finite_nonnegative=[] if imp is None else [imp],
+                                      covers=[] if g is None else [(g.reshape(own.shape), own)]))
     return (qt, choice.bool()) if return_choice else qt
 
 

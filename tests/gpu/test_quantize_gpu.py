@@ -312,10 +312,10 @@ def test_terms_summed_while_quantizing_on_expert_shapes(rule, importance, shape)
     qt, choice = kquant.quantize(w, scale_rule=rule, importance=imp, return_choice=True, terms=terms)
     plain = kquant.quantize(w, scale_rule=rule, importance=imp)
     assert _same(qt, plain)
-    (signal, noise, frac4), = terms
+    (entry,) = terms
     ref_signal, ref_noise = sqnr_terms(w.cpu(), qt.to("cpu").dequantize())
-    assert float(signal) == pytest.approx(float(ref_signal), rel=1e-5)
-    assert float(noise) == pytest.approx(float(ref_noise), rel=1e-5)
-    assert float(frac4) == float(choice.double().mean())
+    assert float(entry.signal) == pytest.approx(float(ref_signal), rel=1e-5)
+    assert float(entry.noise) == pytest.approx(float(ref_noise), rel=1e-5)
+    assert entry.blocks == choice.numel() and entry.frac4 == float(choice.cpu().double().mean())
     if rule == "4o6":
-        assert 0 < float(frac4) < 1
+        assert 0 < entry.frac4 < 1

@@ -17,8 +17,8 @@ def _raiser(msg):
 
 
 def test_run_all_raises_the_first_failing_check_in_order():
-    checks = [DeferredCheck(torch.tensor(False), _raiser("a")), DeferredCheck(torch.tensor(True), _raiser("b")),
-              DeferredCheck(torch.tensor([True]), _raiser("c"))]
+    checks = [DeferredCheck(_raiser("a"), bad=torch.tensor(False)), DeferredCheck(_raiser("b"), bad=torch.tensor(True)),
+              DeferredCheck(_raiser("c"), bad=torch.tensor([True]))]
     assert failed(checks) == [1, 2]
     with pytest.raises(FormatError, match="^b$"):
         run_all(checks)
@@ -27,11 +27,74 @@ def test_run_all_raises_the_first_failing_check_in_order():
 
 
 def test_a_failed_check_whose_error_function_returns_is_not_passed_silently():
-    check = DeferredCheck(torch.tensor(True), lambda: None)
+    check = DeferredCheck(lambda: None, bad=torch.tensor(True))
     with pytest.raises(AssertionError, match="did not raise"):
         check()
-    check = DeferredCheck(torch.tensor(False), lambda: None)
+    check = DeferredCheck(lambda: None, bad=torch.tensor(False))
     check()
+
+
+def _mixed_checks(n: int, failing: set[int]) -> list[DeferredCheck]:
+    """n checks of every kind of condition and of several lengths (one a 0-d tensor, one empty),
+    each failing in its own way where its index is in `failing`."""
+    g = torch.Generator().manual_seed(n)
+    checks = []
+    for i in range(n):
+        bad = i in failing
+        own = torch.rand(i % 5 + 1, generator=g)
+        imp = torch.rand(3, 8, generator=g)
+        amax = torch.rand((), generator=g)
+        cover = own + 1.0
+        if bad:
+            kind = i % 4
+            if kind == 0:
+                own[-1] = float("nan")
+            elif kind == 1:
+                imp[2, 7] = -1e-30
+            elif kind == 2:
+                cover[0] = own[0] * 0.5
+            else:
+                amax = torch.tensor(float("inf"))
+        checks.append(DeferredCheck(_raiser(str(i)), finite=[own, amax, torch.empty(0)], finite_nonnegative=[imp],
+                                    covers=[(cover, own)]))
+    return checks
+
+
+@pytest.mark.parametrize("failing", [set(), {0}, {3, 4, 9}, {1, 2, 5, 6, 10, 11}])
+def test_every_kind_of_condition_flags_its_own_check(failing):
+    assert failed(_mixed_checks(12, failing)) == sorted(failing)
+
+
+def test_a_non_finite_cover_fails_even_above_the_floor():
+    own = torch.tensor([1.0, 2.0])
+    for bad in (float("nan"), float("inf")):
+        assert failed([DeferredCheck(_raiser("x"), covers=[(torch.tensor([3.0, bad]), own)])]) == [0]
+    assert failed([DeferredCheck(_raiser("x"), covers=[(torch.tensor([2.0, 2.0]), own)])]) == []  # equal covers
+    with pytest.raises(ValueError, match="covers pairs"):
+        DeferredCheck(_raiser("x"), covers=[(torch.ones(3), own)])
+
+
+def test_the_checks_of_many_tensors_take_as_many_operations_as_those_of_few():
+    # The stage defers one check per weight; reading them back must not launch per check
+    # (views of the checked tensors are not launches, and are not counted).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for n in (3, 40):
+        checks = _mixed_checks(n, {1})
+        with Count() as c:
+            assert failed(checks) == [1]
+        counts.append(c.ops)
+    assert counts[0] == counts[1], counts
 
 
 def _w(seed=0):
@@ -45,6 +108,7 @@ def _same_error(eager, deferred_call):
     deferred: list = []
     deferred_call(deferred)  # queued, not raised
     assert [type(c) for c in deferred] == [DeferredCheck]
+    assert failed(deferred) == [0]
     with pytest.raises(FormatError) as later:
         run_all(deferred)
     assert str(later.value) == str(now.value)

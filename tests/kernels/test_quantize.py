@@ -45,11 +45,13 @@ def check_quantize(w: torch.Tensor, tables=LEAN, **kw) -> tuple[nvfp4.NVFP4Tenso
 
 
 def check_terms(terms: list, w: torch.Tensor, ref: nvfp4.NVFP4Tensor, ref_choice: torch.Tensor) -> None:
-    """One (signal, noise, 4/6 fraction) entry: the fraction exact, the sums within 2e-6 of the
-    reference's float64 sums (fp32 partial sums), where those lie inside fp32's range."""
-    (signal, noise, frac4), = terms
-    assert all(t.dtype == torch.float64 and t.dim() == 0 for t in (signal, noise, frac4))
-    assert float(frac4) == float(ref_choice.double().mean())
+    """One `Terms` entry: the count of blocks on the 4 candidate exact, the sums within 2e-6 of
+    the reference's float64 sums (fp32 partial sums), where those lie inside fp32's range."""
+    (entry,) = terms
+    signal, noise, count4, blocks = entry
+    assert all(t.dtype == torch.float64 and t.dim() == 0 for t in (signal, noise, count4))
+    assert blocks == ref_choice.numel() and float(count4) == int(ref_choice.sum())
+    assert entry.frac4 == float(ref_choice.double().mean())
     want_signal, want_noise = sqnr_terms(w, ref.dequantize())
     for got, want in ((signal, want_signal), (noise, want_noise)):
         want = float(want)

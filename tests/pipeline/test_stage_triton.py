@@ -1,0 +1,66 @@
+"""The quantize stage on the Triton kernels (in Triton's interpreter here; tests/gpu on a GPU):
+the torch stage's bytes, SQNR and 4/6 fractions, with every data check and error term read back
+after the last weight is queued."""
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("triton")
+
+from fp4kit.formats import FormatError  # noqa: E402
+from fp4kit.quantize import quantize, quantize_weights  # noqa: E402
+from fp4kit.recipe import load_recipe, recipe_from_dict  # noqa: E402
+
+from tiny_models import IMPORTANCE_RECIPE, build_llama, build_nemotron_h  # noqa: E402
+
+
+def _bytes(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _stage(qm, backend):
+    return quantize_weights(qm.plan, qm.stats, backend=backend, progress=False, warnings=[], arith=qm.arith)
+
+
+def _recipe(name):
+    return recipe_from_dict(yaml.safe_load(IMPORTANCE_RECIPE)) if name == "importance" else load_recipe(name)
+
+
+@pytest.mark.parametrize("family,recipe", [
+    ("nemotron_h", "nemotron-h-w4a16-4o6"),  # expert stacks (the stack kernel), FP8 Mamba projections
+    ("nemotron_h", "importance"),  # 4/6 weighted by E[x^2]: the importance rows' checks
+    ("llama", "nvfp4-w4a16"),  # q/k/v and gate/up sharing a global amax: the covering checks
+    ("llama", "fp8"),
+])
+def test_the_triton_stage_gives_the_torch_stages_results(family, recipe, token_samples):
+    model = build_nemotron_h() if family == "nemotron_h" else build_llama()
+    qm = quantize(model, _recipe(recipe), token_samples[:2, :16], progress=False)
+    got, want = _stage(qm, "triton"), qm.quantized
+    assert list(got) == list(want)
+    for key, q in want.items():
+        g = got[key]
+        assert set(g.tensors) == set(q.tensors)
+        for name, parts in q.tensors.items():
+            assert len(g.tensors[name]) == len(parts)
+            for a, b in zip(g.tensors[name], parts):
+                assert torch.equal(_bytes(a), _bytes(b)), (key, name)
+        assert g.sqnr_db == pytest.approx(q.sqnr_db, rel=1e-6), key
+        assert g.frac4 == q.frac4, key  # counts of blocks, divided on the host in float64
+
+
+@pytest.mark.parametrize("stack", [True, False])
+def test_a_nan_weight_is_named_by_the_triton_stage_as_by_the_torch_stage(stack, token_samples):
+    model = build_nemotron_h()
+    qm = quantize(model, load_recipe("nemotron-h-w4a16-4o6"), token_samples[:2, :16], progress=False)
+    target = next(p.target for p in qm.plan if p.rule is not None and p.target.is_stack == stack)
+    with torch.no_grad():
+        target.weight[(5, 7, 3) if stack else (7, 3)] = float("nan")
+    messages = []
+    for backend in ("torch", "triton"):
+        with pytest.raises(FormatError) as err:
+            _stage(qm, backend)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+    name = target.disk_names[5] if stack else target.disk_names[0]
+    assert messages[1].startswith(f"{name}.weight (") and "1 NaN and 0 Inf values (first at (7, 3))" in messages[1]
