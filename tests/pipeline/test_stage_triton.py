@@ -64,3 +64,42 @@ def test_a_nan_weight_is_named_by_the_triton_stage_as_by_the_torch_stage(stack, 
     assert messages[0] == messages[1]
     name = target.disk_names[5] if stack else target.disk_names[0]
     assert messages[1].startswith(f"{name}.weight (") and "1 NaN and 0 Inf values (first at (7, 3))" in messages[1]
+
+
+def test_queueing_a_weight_launches_few_torch_operations_beside_its_kernels(monkeypatch, token_samples):
+    # Each torch kernel a weight's queueing launches costs host time and a gap on the GPU: the
+    # data checks and the error terms are kept for the read-back, not reduced per weight.
+    # Counted: torch operations other than views and allocations, outside the Triton launches.
+    import triton.runtime.interpreter as interpreter
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp4kit.quantize import queue_weights
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.launches, self.inside = [], 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not (self.inside or func.is_view or func.name().startswith(("aten::empty", "aten::scalar_tensor"))):
+                self.ops.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    count = Count()
+    launch = interpreter.GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        count.inside += 1
+        count.launches += 1
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            count.inside -= 1
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    qm = quantize(build_nemotron_h(), load_recipe("nemotron-h-w4a16-4o6"), token_samples[:2, :16], progress=False)
+    weights = [p for p in qm.plan if p.rule is not None]
+    with count:
+        queue_weights(qm.plan, qm.stats, backend="triton", progress=False, warnings=[], arith=qm.arith)
+    assert count.launches >= len(weights)
+    assert len(count.ops) <= 3.5 * len(weights), sorted(count.ops)
