@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 # What makes a check fail, per kind of condition, on the concatenated values (one or two
-# same-length float vectors): a NaN or an Inf; a NaN, an Inf or a negative value; a first value
-# that is not finite or is below the second.
+# same-length vectors, in the dtype the tensors promote to): a NaN or an Inf; a NaN, an Inf or a
+# negative value; a first value that is not finite or is below the second.
 _VIOLATION = {
     "finite": lambda v: ~torch.isfinite(v),
     "finite_nonnegative": lambda v: ~(torch.isfinite(v) & (v >= 0)),
@@ -74,7 +74,7 @@ def failed(checks: Iterable[DeferredCheck]) -> list[int]:
             bad = torch.cat([ts[0].reshape(-1).bool() for _, ts in nonempty])
         else:
             columns = zip(*(ts for _, ts in nonempty))
-            bad = _VIOLATION[kind](*(torch.cat([t.reshape(-1).float() for t in col]) for col in columns))
+            bad = _VIOLATION[kind](*(torch.cat([t.reshape(-1) for t in col]) for col in columns))  # dtypes promote
         flags.setdefault(device, []).append(_segment_any(bad, [ts[0].numel() for _, ts in nonempty]))
         owners.setdefault(device, []).extend(i for i, _ in nonempty)
     out: set[int] = set()

@@ -149,3 +149,11 @@ def test_good_input_passes_its_deferred_check_with_the_eager_bytes():
     ref, ref_choice = nvfp4.quantize(w, scale_rule="4o6", importance=imp, return_choice=True)
     assert torch.equal(qt.packed, ref.packed) and torch.equal(choice, ref_choice)
     assert torch.equal(qt.block_scale.view(torch.uint8), ref.block_scale.view(torch.uint8))
+
+
+def test_values_are_tested_in_their_own_dtype():
+    # A float64 value beyond fp32's range is finite; the tensors of one kind may mix dtypes.
+    big = torch.tensor([1e300], dtype=torch.float64)
+    checks = [DeferredCheck(_raiser("a"), finite=[big]), DeferredCheck(_raiser("b"), finite=[torch.tensor([1.0])]),
+              DeferredCheck(_raiser("c"), finite=[torch.tensor([float("nan")], dtype=torch.bfloat16)])]
+    assert failed(checks) == [2]
