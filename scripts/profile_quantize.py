@@ -8,7 +8,8 @@ Reports, against the BF16 bytes the stage reads:
 
 - the wall time of the stage (queue every weight, then the one read-back), its best and median;
 - the host time to queue every weight (the Python and launch cost), before the read-back waits;
-- the device time, summed by kernel name (CUDA activity of the profiled run).
+- the device time, summed by kernel name (CUDA activity of the profiled run), and the number of
+  kernels launched.
 
     python scripts/profile_quantize.py [--layers 52] [--recipe nemotron-h-w4a16-4o6] [--repeats 5]
 
@@ -98,13 +99,15 @@ def main(argv=None) -> int:
         "stage_tb_per_s": bf16_bytes / best / 1e12,
         "queue_host_s": hosts, "queue_host_median_s": statistics.median(hosts),
         "device_kernel_s": device_us / 1e6,
+        "device_kernel_launches": sum(v["count"] for v in kernels.values()),
         "top_kernels": [{"name": k[:160], "us": round(v["us"], 1), "count": v["count"]} for k, v in top],
         "top_cpu_ops": [{"op": k, "self_us": round(us, 1), "count": c} for k, us, c in ops],
     }
     path = write_results(doc, "quantize-profile", torch.cuda.get_device_name(), out=args.out)
     print(f"{doc['weights']} weights, {bf16_bytes / 1e9:.1f} GB of BF16; first stage {first:.3f} s")
     print(f"stage wall: best {best:.4f} s, median {doc['stage_median_s']:.4f} s ({doc['stage_tb_per_s']:.2f} TB/s)")
-    print(f"host time to queue: median {doc['queue_host_median_s']:.4f} s; device kernel time {doc['device_kernel_s']:.4f} s")
+    print(f"host time to queue: median {doc['queue_host_median_s']:.4f} s; device kernel time {doc['device_kernel_s']:.4f} s "
+          f"in {doc['device_kernel_launches']} kernels ({doc['device_kernel_launches'] / doc['weights']:.1f} per weight)")
     print(f"{'kernel':<90} {'ms':>9} {'count':>6}")
     for row in doc["top_kernels"]:
         print(f"{row['name'][:90]:<90} {row['us'] / 1e3:9.3f} {row['count']:6d}")
