@@ -9,7 +9,10 @@ finished (the argmax and the EOS check run inside the step). On CUDA that step i
 per batch bucket as a `torch.cuda.CUDAGraph` and replayed per token, with one read-back of the
 new tokens per step; on the CPU, or with graph=False, the same step runs eagerly. The tokens equal transformers' `model.generate(do_sample=False)` (left padding, EOS
 stopping and padding of finished rows as it does them), for BF16 models and for models loaded
-with `load_quantized`.
+with `load_quantized`. A Nemotron-H MoE router whose experts form one group (every Nemotron-3
+model's) routes without the group step, which keeps every expert there
+while `generate` runs (`models.nemotron_h.single_group_routing`): the same experts and weights,
+two top-k launches fewer per MoE layer and step.
 
 With compile=True the step's forward is first compiled by `torch.compile` (TorchInductor), which
 fuses the hundreds of small element-wise, copy and reduction kernels of a decode step (norms,
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from .models import cache_argument
+from .models.nemotron_h import single_group_routing
 from .models.roles import input_device
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -384,8 +388,20 @@ def on_the_model_gpu(fn):
     return run
 
 
+def with_single_group_routing(fn):
+    """Runs `fn(model, ...)` with the model's single-group routers on their short forward."""
+
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        with single_group_routing(model):
+            return fn(model, *args, **kwargs)
+
+    return run
+
+
 @torch.inference_mode()
 @on_the_model_gpu
+@with_single_group_routing
 def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greedy: bool = True,
              graph: bool | None = None, batch_buckets: Sequence[int] = DEFAULT_BUCKETS,
              stream: Callable[[list[int | None]], None] | None = None,

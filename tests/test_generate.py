@@ -332,3 +332,93 @@ def test_the_command_compiles_the_step_when_asked():
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr
     assert "4 tokens in" in run.stderr and "(eager, compiled, batch 1)" in run.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Single-group routing: the router without its group step
+# --------------------------------------------------------------------------------------------
+def _routers(model):
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    return [m for m in model.modules() if isinstance(m, NemotronHTopkRouter)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_the_short_router_gives_the_full_routers_experts_and_weights_bit_for_bit(dtype, rows):
+    from fp4kit.models.nemotron_h import _one_group_route
+
+    model = models.build_nemotron_h(n_routed_experts=16, num_experts_per_tok=4).to(dtype)
+    g = torch.Generator().manual_seed(rows)
+    for router in _routers(model):
+        with torch.no_grad():
+            router.e_score_correction_bias.normal_(0, 0.1, generator=g)
+        x = torch.randn((2, rows, router.hidden_dim), generator=g).to(dtype)
+        full, short = router(x), _one_group_route(router, x)
+        for a, b in zip(full, short):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    router.norm_topk_prob = False
+    assert all(torch.equal(a, b) for a, b in zip(router(x), _one_group_route(router, x)))
+
+
+def test_only_single_group_routers_take_the_short_forward_and_only_within_the_block():
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    from fp4kit.models.nemotron_h import single_group_routing
+
+    one = models.build_nemotron_h()
+    grouped = models.build_nemotron_h(n_group=2, topk_group=1)
+    with single_group_routing(one) as n_one, single_group_routing(grouped) as n_grouped:
+        assert n_one == len(_routers(one)) > 0 and n_grouped == 0
+        assert all(type(m) is not NemotronHTopkRouter for m in _routers(one))
+        assert all(type(m) is NemotronHTopkRouter for m in _routers(grouped))
+        with single_group_routing(one) as again:  # nested: nothing left to change, nothing undone early
+            assert again == 0
+        assert all(type(m) is not NemotronHTopkRouter for m in _routers(one))
+    assert all(type(m) is NemotronHTopkRouter for m in _routers(one))
+    with pytest.raises(RuntimeError, match="inside"):
+        with single_group_routing(one):
+            raise RuntimeError("inside")
+    assert all(type(m) is NemotronHTopkRouter for m in _routers(one))
+
+
+def test_the_short_router_launches_one_top_k_where_the_full_one_launches_three():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp4kit.models.nemotron_h import single_group_routing
+
+    class TopK(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            TopK.calls += func.name() == "aten::topk"
+            return func(*args, **(kwargs or {}))
+
+    model = models.build_nemotron_h()
+    router = _routers(model)[0]
+    x = torch.randn((3, router.hidden_dim)).to(torch.bfloat16)
+    counts = []
+    for short in (False, True):
+        with single_group_routing(model) if short else torch.no_grad():
+            TopK.calls = 0
+            with TopK():
+                router(x)
+            counts.append(TopK.calls)
+    assert counts == [3, 1]
+
+
+def test_generate_routes_single_groups_and_gives_the_routers_back(monkeypatch):
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    seen = []
+    real = generate_module._step
+
+    def step(model, s):
+        seen.append({type(m).__name__ for m in _routers(model)})
+        return real(model, s)
+
+    monkeypatch.setattr(generate_module, "_step", step)
+    model = models.build_nemotron_h()
+    generate(model, None, [[1, 2, 3]], 3, graph=False)
+    assert seen and all(names == {"NemotronHTopkRouterOneGroup"} for names in seen)
+    assert all(type(m) is NemotronHTopkRouter for m in _routers(model))

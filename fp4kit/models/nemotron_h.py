@@ -7,6 +7,9 @@ transformers holds them fused as [E, N, K] parameters.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 from torch import nn
 
 from .roles import AttentionKV, Role, Target
@@ -127,3 +130,70 @@ def attention_kv(model: nn.Module) -> list[AttentionKV]:
         for name, module in model.named_modules()
         if isinstance(module, m.NemotronHAttention)
     ]
+
+
+def _one_group_route(router: nn.Module, hidden_states):
+    """`NemotronHTopkRouter.forward` for a router whose experts form one group (n_group and
+    topk_group 1). The group step there picks that one group and masks nothing, so it is left
+    out: sigmoid scores, the correction bias added for the choice, the top-k experts by it
+    (unsorted), their plain scores gathered, normalised and scaled. The same operations on the
+    same values as the full forward, so the same experts and weights, bit for bit."""
+    import torch
+    import torch.nn.functional as F
+
+    x = hidden_states.view(-1, router.hidden_dim).to(torch.float32)
+    logits = F.linear(x, router.weight.to(torch.float32))
+    scores = logits.sigmoid()
+    chosen = torch.topk(scores + router.e_score_correction_bias, k=router.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, chosen)
+    if router.norm_topk_prob:
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+    return logits, weights * router.routed_scaling_factor, chosen
+
+
+# Each router class's subclass with the short forward (one per class, so code compiled for it
+# stays valid from one block to the next), and each router's probe verdict.
+_SHORT_CLASSES: dict[type, type] = {}
+_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _takes_short_forward(router: nn.Module) -> bool:
+    """Whether the router has one group and its two forwards gave the same experts and weights,
+    bit for bit, on a probe of its own (decided once per router)."""
+    import torch
+
+    if router not in _VERDICTS:
+        same = False
+        if getattr(router, "num_group", None) == 1 and getattr(router, "topk_group", None) == 1:
+            probe = torch.randn((7, router.hidden_dim), generator=torch.Generator().manual_seed(0)).to(
+                device=router.weight.device, dtype=router.weight.dtype)
+            with torch.no_grad():
+                full, short = router(probe), _one_group_route(router, probe)
+            same = all(torch.equal(a, b) for a, b in zip(full, short))
+        _VERDICTS[router] = same
+    return _VERDICTS[router]
+
+
+def _short_class(base: type) -> type:
+    if base not in _SHORT_CLASSES:
+        _SHORT_CLASSES[base] = type(f"{base.__name__}OneGroup", (base,),
+                                    {"forward": _one_group_route, "__module__": __name__})
+    return _SHORT_CLASSES[base]
+
+
+@contextlib.contextmanager
+def single_group_routing(model: nn.Module):
+    """Within the block, each single-group MoE router of `model` (every Nemotron-3 router:
+    n_group 1) runs the forward without the group step (`_one_group_route`): two top-k launches
+    and the masking fewer per layer and decode step. Yields how many routers do; each is its own
+    class again at the end."""
+    router_class = getattr(_classes(), "NemotronHTopkRouter", None)
+    routers = [] if router_class is None else [
+        m for m in model.modules() if type(m) is router_class and _takes_short_forward(m)]
+    for m in routers:
+        m.__class__ = _short_class(router_class)
+    try:
+        yield len(routers)
+    finally:
+        for m in routers:
+            m.__class__ = router_class
