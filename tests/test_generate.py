@@ -422,3 +422,16 @@ def test_generate_routes_single_groups_and_gives_the_routers_back(monkeypatch):
     generate(model, None, [[1, 2, 3]], 3, graph=False)
     assert seen and all(names == {"NemotronHTopkRouterOneGroup"} for names in seen)
     assert all(type(m) is NemotronHTopkRouter for m in _routers(model))
+
+
+def test_a_router_with_a_forward_of_its_own_keeps_it():
+    # accelerate's offloading hooks set `forward` on the instance, where a class would not reach it.
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    from fp4kit.models.nemotron_h import single_group_routing
+
+    model = models.build_nemotron_h()
+    hooked, *rest = _routers(model)
+    hooked.forward = hooked.forward  # the class's forward, bound and set on the instance
+    with single_group_routing(model) as n:
+        assert n == len(rest) and type(hooked) is NemotronHTopkRouter
