@@ -11,7 +11,8 @@ tensor name the two checkpoints share is compared byte for byte, by tensor class
 benchmarks/results/vs-modelopt-<gpu>.json (a section per model folder, calibration and Mamba path:
 "+mamba-kernels" where mamba-ssm and causal-conv1d import; "+fresh-triton-cache" with
 `--triton-cache fresh`, each process then compiling its Triton kernels from an empty cache
-instead of sharing the environment's) and prints a table.
+instead of sharing the environment's; "+compiled-bytecode" where the import path was
+byte-compiled before either tool ran, the default: `--bytecode`) and prints a table.
 """
 
 from __future__ import annotations
@@ -50,6 +51,20 @@ def child_env(triton_cache: str) -> dict | None:
     cache = tempfile.mkdtemp(prefix="fp4kit-vs-modelopt-triton-")
     atexit.register(shutil.rmtree, cache, True)  # removed however the comparison ends
     return {**os.environ, "TRITON_CACHE_DIR": cache}
+
+
+def compile_bytecode(paths: list[str]) -> float:
+    """Byte-compile every writable directory among `paths` (the import path the two processes
+    share), as pip does when it installs a package, before either tool is timed. Otherwise the
+    tool run first compiles every module it imports that has no bytecode yet (an environment
+    installed with `pip install --no-compile`: seconds for transformers) and the tool run second
+    finds them compiled. Returns the seconds it took (untimed for both tools)."""
+    dirs = [d for d in dict.fromkeys(paths) if d and os.path.isdir(d) and os.access(d, os.W_OK)]
+    t0 = time.perf_counter()
+    if dirs:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *dirs], check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t0
 
 
 def projected(result: dict) -> dict:
@@ -168,6 +183,9 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep both checkpoints (default: removed after the comparison)")
     ap.add_argument("--triton-cache", choices=("shared", "fresh"), default="shared",
                     help="shared: both processes use the environment's Triton cache; fresh: each gets an empty one")
+    ap.add_argument("--bytecode", choices=("compiled", "as-is"), default="compiled",
+                    help="compiled: every writable directory on the import path byte-compiled first, untimed; "
+                         "as-is: the tool run first compiles what it imports")
     ap.add_argument("--modelopt-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.modelopt_child:
@@ -183,6 +201,7 @@ def main(argv=None) -> int:
     cmd = ["fp4kit", "quantize", "--model", args.model, "--recipe", "modelopt-lightning", "--calib", args.calib,
            "--device", "cuda", "-o", str(fk_dir), "--overwrite", "--allow-repeat", "--no-progress"]
     envs = [child_env(args.triton_cache) for _ in range(2)]
+    bytecode_s = compile_bytecode(sys.path) if args.bytecode == "compiled" else None
     t0 = time.perf_counter()
     fk = subprocess.run(cmd, capture_output=True, text=True, env=envs[0])
     fk_wall = time.perf_counter() - t0
@@ -201,6 +220,7 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         "command": "python scripts/bench_vs_modelopt.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "fp4kit_command": " ".join(cmd), "calib": args.calib, "mamba_kernels": kernels, "triton_cache": args.triton_cache,
+        "bytecode": args.bytecode, "bytecode_compile_s": bytecode_s,
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "modelopt": __import__("modelopt").__version__, "gpu": torch.cuda.get_device_name()},
         "fp4kit": {"wall_s": fk_wall, "stages_s": fk_stages, "calibrate_s_per_sample": float(steady[1]) if steady else None},
@@ -218,7 +238,8 @@ def main(argv=None) -> int:
     # One section per folder and calibration, per Mamba path (transformers' plain torch, or
     # mamba-ssm's and causal-conv1d's kernels where both import) and per Triton cache.
     section = (Path(args.model).name + "@" + args.calib + ("+mamba-kernels" if all(kernels.values()) else "")
-               + ("+fresh-triton-cache" if args.triton_cache == "fresh" else ""))
+               + ("+fresh-triton-cache" if args.triton_cache == "fresh" else "")
+               + ("+compiled-bytecode" if args.bytecode == "compiled" else ""))
     doc[section] = result
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"{'':<10}{'whole s':>9}  stages")

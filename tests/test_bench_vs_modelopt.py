@@ -34,3 +34,16 @@ def test_the_projection_takes_each_tools_steady_rate():
     assert p["rate"] == "steady, after the first sample"
     assert p["fp4kit_s"] == 50.0 + 992 * 0.5 and p["modelopt_s"] == 130.0 + 992 * 2.0
     assert p["speedup"] == p["modelopt_s"] / p["fp4kit_s"]
+
+
+def test_the_shared_import_path_is_byte_compiled_before_either_tool_runs(tmp_path):
+    pkg = tmp_path / "site" / "somepkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("X = 1\n")
+    (pkg / "mod.py").write_text("Y = 2\n")
+    missing = tmp_path / "missing"
+    seconds = bench_vs_modelopt.compile_bytecode([str(tmp_path / "site"), str(missing), ""])
+    assert seconds >= 0
+    compiled = {p.name.split(".")[0] for p in (pkg / "__pycache__").iterdir()}
+    assert compiled == {"__init__", "mod"}
+    assert not missing.exists()

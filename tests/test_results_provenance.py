@@ -430,6 +430,8 @@ FIGURES = [
     (BENCH, "the FP8 passes 1.9", "quantize-profile-h200.json", ("top_kernels", {"name": "_fp8_kernel"}, "us"), _f(1, 1e-3)),
     (BENCH, "queueing all 138 weights takes 0.045 s of host time", "quantize-profile-h200.json", ("queue_host_median_s",), _f(3)),
     (BENCH, "queueing all 138 weights takes 0.045 s of host time", "quantize-profile-h200.json", ("weights",), str),
+    (BENCH, "which imports transformers and nothing else, took 7.9 s there", "vs-modelopt-h200.json",
+     ("half@8x32k+mamba-kernels", "fp4kit", "stages_s", "import"), _f(1)),
     (BENCH, "Beside those the profile counts 1,570 small torch kernels", "quantize-profile-h200.json",
      ("top_cpu_ops", {"op": "cudaLaunchKernel"}, "count"), lambda v: f"{v:,}"),
     (BENCH, "best of 5 0.156 s, 0.39 TB/s;", "quantize-profile-before-fusion-h200.json", ("stage_best_s",), _f(3)),
