@@ -1040,8 +1040,8 @@ def quantize(
     "torch" (the reference itself). tables: the launch table (default: the device's).
     The checks that need the data (finite weights, a given global amax covering max|w|) run
     after both kernels are queued, so the GPU never waits on the host between them; with a
-    `deferred` list they are appended to it as a `DeferredCheck` instead (a flag on the device and
-    the function that raises the same error; `deferred.run_all` reads many back at once), so that
+    `deferred` list they are appended to it as a `DeferredCheck` instead (the tensors to test and
+    the function that raises the same error; `deferred.run_all` tests many at once), so that
     a caller quantizing many tensors waits on the GPU once. terms: a list that receives the
     weight's `formats.metrics.Terms` (sum w^2, sum (w - dequantized)^2, blocks on the 4
     candidate; float64 0-d tensors on w's device), summed as the kernel quantizes (`launch`).

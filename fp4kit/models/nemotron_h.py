@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import weakref
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .roles import AttentionKV, Role, Target
@@ -138,9 +140,6 @@ def _one_group_route(router: nn.Module, hidden_states):
     out: sigmoid scores, the correction bias added for the choice, the top-k experts by it
     (unsorted), their plain scores gathered, normalised and scaled. The same operations on the
     same values as the full forward, so the same experts and weights, bit for bit."""
-    import torch
-    import torch.nn.functional as F
-
     x = hidden_states.view(-1, router.hidden_dim).to(torch.float32)
     logits = F.linear(x, router.weight.to(torch.float32))
     scores = logits.sigmoid()
@@ -160,8 +159,6 @@ _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _takes_short_forward(router: nn.Module) -> bool:
     """Whether the router has one group and its two forwards gave the same experts and weights,
     bit for bit, on a probe of its own (decided once per router)."""
-    import torch
-
     if router not in _VERDICTS:
         same = False
         # A forward set on the instance (accelerate's offloading hooks) would not see the class.
