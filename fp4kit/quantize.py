@@ -6,8 +6,6 @@ calibration set and the export for the CLI.
 
 from __future__ import annotations
 
-import functools
-import operator
 import re
 import statistics
 import threading
@@ -292,12 +290,13 @@ def _nvfp4(w, rule: Rule, global_amax, importance, backend: str, arith: str, def
                            arith=arith, deferred=deferred, terms=terms)
     qt, choice = nvfp4.quantize(w, scale_rule=rule.scale_rule, global_amax=global_amax, importance=importance,
                                 return_choice=True, arith=arith)
-    terms.append(Terms(*_nvfp4_error(w, qt), choice.double().sum(), choice.numel()))
+    terms.append(Terms.of(*_nvfp4_error(w, qt), choice.double().sum(), choice.numel()))
     return qt
 
 
 def _fp8(w: torch.Tensor, arith: str, search, backend: str, deferred: list, terms: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 per-tensor (bytes, scale), its (sum w^2, sum (w - dequantized)^2) appended to `terms`;
+    """FP8 per-tensor (bytes, scale), its (sum w^2, sum (w - dequantized)^2) appended to `terms`
+    as partial sums ([rows, 2], added at the read-back);
     on the GPU in one pass without a host wait (kernels.fp8), the finiteness check going to
     `deferred`."""
     if backend == "triton":
@@ -305,7 +304,7 @@ def _fp8(w: torch.Tensor, arith: str, search, backend: str, deferred: list, term
 
         return kfp8.quantize_per_tensor(w, arith, amax_multipliers=search, deferred=deferred, terms=terms)
     q, scale = fp8.quantize_per_tensor(w, arith, amax_multipliers=search)
-    terms.append(sqnr_terms(w, fp8.dequantize_per_tensor(q, scale)))
+    terms.append(torch.stack(sqnr_terms(w, fp8.dequantize_per_tensor(q, scale))).reshape(1, 2))
     return q, scale
 
 
@@ -394,12 +393,6 @@ def _nvfp4_error(w: torch.Tensor, qt: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, 
     return signal, noise
 
 
-def _terms(entry: tuple) -> tuple:
-    """(signal, noise, blocks on the 4 candidate or 0.0 in its place)."""
-    signal, noise, count4, _ = entry
-    return signal, noise, 0.0 if count4 is None else count4
-
-
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """1-d tensors copied to the host, one transfer per device (a model spread over the GPU and
     the CPU by `--device auto` has both)."""
@@ -411,15 +404,6 @@ def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         parts = torch.cat([tensors[i] for i in idx]).cpu().split([tensors[i].numel() for i in idx])
         for i, part in zip(idx, parts):
             out[i] = part
-    return out
-
-
-def _read_back(values: list) -> list[float]:
-    """0-d tensors (and numbers) as floats, with one transfer per device (`_to_host`)."""
-    tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    out = [None if isinstance(v, torch.Tensor) else float(v) for v in values]
-    for i, host in zip(tensors, _to_host([values[i].double().reshape(1) for i in tensors])):
-        out[i] = host.item()
     return out
 
 
@@ -447,7 +431,7 @@ def queue_weights(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     group_amax = fused_group_amax(plan)
     out: dict[str, QuantizedTarget] = {}
-    pending: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+    pending: dict[str, tuple[torch.Tensor, int | None]] = {}  # partial sums; blocks (4/6 rule)
     checks: list[tuple[Planned, list]] = []
     input_scales: list[tuple[list, torch.Tensor | None, float, int, str]] = []
     todo = [p for p in plan if p.rule is not None]
@@ -476,7 +460,7 @@ def queue_weights(
                 qt = _nvfp4(w, rule, None if shared is None else shared.to(w.device), importance, backend, arith, deferred,
                             terms)
                 checks.append((p, deferred))
-                (signal, noise, count4, blocks), = terms
+                (sums, blocks), = terms  # sums: the partial sums, added at the read-back
                 tensors = {
                     "weight": _split(qt.packed, stack),
                     "weight_scale": _split(qt.block_scale, stack),
@@ -486,7 +470,7 @@ def queue_weights(
                     tensors["input_scale"] = []  # filled after the loop (`input_scales`)
                     input_scales.append((tensors["input_scale"], stats.input_amax.get(t.key), NVFP4_GLOBAL_DENOM, n, t.disk_names[0]))
                 if rule.scale_rule != "4o6":
-                    count4 = blocks = None
+                    blocks = None
                 after = qt.packed.numel() + qt.block_scale.numel() + 4 * qt.global_scale.numel()
             else:
                 search = rule.amax_search or None
@@ -497,12 +481,12 @@ def queue_weights(
                 checks.append((p, deferred))
                 tensors = {"weight": [q for q, _ in parts], "weight_scale": [s for _, s in parts], "input_scale": []}
                 input_scales.append((tensors["input_scale"], stats.input_amax.get(t.key), FP8_MAX, n, t.disk_names[0]))
-                signal, noise = (functools.reduce(operator.add, part) for part in zip(*terms))  # one member: no add
-                count4 = blocks = None
+                sums = terms[0] if len(terms) == 1 else torch.cat(terms)
+                blocks = None
                 after = w.numel() + 4 * n
         except ValueError as exc:
             raise _named(t, w, exc) from None
-        pending[t.key] = (signal, noise, count4, blocks)
+        pending[t.key] = (sums, blocks)
         out[t.key] = QuantizedTarget(
             target=t, rule=rule, algo=algo, tensors=tensors, sqnr_db=float("nan"), frac4=None,
             bytes_before=w.numel() * w.element_size(), bytes_after=after,
@@ -512,10 +496,15 @@ def queue_weights(
 
 def _read_back_results(out: dict, pending: dict, checks: list, input_scales: list, warnings: list[str],
                        arith: str) -> dict[str, QuantizedTarget]:
-    # Every layer's input amax read back at once, then its static input_scale(s).
-    host = iter(_to_host([a.detach().float().reshape(-1) for _, a, _, _, _ in input_scales if a is not None]))
+    # Each weight's error terms added up in float64, queued behind the kernels that write them
+    # (no wait), then read back with every layer's input amax in one transfer per device.
+    keys = list(pending)
+    sums = [pending[key][0].sum(0, dtype=torch.float64) for key in keys]
+    amaxes = [a.detach().float().reshape(-1) for _, a, _, _, _ in input_scales if a is not None]
+    host = _to_host(amaxes + sums)
+    amax_host = iter(host[:len(amaxes)])
     for slot, amax, denom, n, what in input_scales:
-        slot.extend(_input_scale(None if amax is None else next(host), denom, n, what, warnings, arith))
+        slot.extend(_input_scale(None if amax is None else next(amax_host), denom, n, what, warnings, arith))
     # The data checks of every weight: one read-back, then the first failure's error, named.
     flat = [(p, c) for p, deferred in checks for c in deferred]
     bad = failed_checks([c for _, c in flat])
@@ -525,14 +514,12 @@ def _read_back_results(out: dict, pending: dict, checks: list, input_scales: lis
             c.fail()
         except ValueError as exc:
             raise _named(p.target, p.target.weight.detach(), exc) from None
-    # The error terms and 4/6 fractions of every weight: one read-back.
-    keys = list(pending)
-    host = _read_back([v for key in keys for v in _terms(pending[key])])
-    for i, key in enumerate(keys):
-        signal, noise, count4 = host[3 * i: 3 * i + 3]
-        blocks = pending[key][3]
+    # The error terms and 4/6 fractions of every weight.
+    for key, total in zip(keys, host[len(amaxes):]):
+        signal, noise, *count4 = total.tolist()
+        blocks = pending[key][1]
         out[key].sqnr_db = sqnr_db_of(signal, noise)
-        out[key].frac4 = None if blocks is None else count4 / blocks
+        out[key].frac4 = None if blocks is None else count4[0] / blocks
     return out
 
 

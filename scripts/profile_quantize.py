@@ -9,7 +9,8 @@ Reports, against the BF16 bytes the stage reads:
 - the wall time of the stage (queue every weight, then the one read-back), its best and median;
 - the host time to queue every weight (the Python and launch cost), before the read-back waits;
 - the device time, summed by kernel name (CUDA activity of the profiled run), and the number of
-  kernels launched.
+  kernels launched;
+- the host time by Python function (one more stage under cProfile: own time and calls).
 
     python scripts/profile_quantize.py [--layers 52] [--recipe nemotron-h-w4a16-4o6] [--repeats 5]
 
@@ -20,6 +21,8 @@ prints a table.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 from collections import defaultdict
@@ -43,6 +46,18 @@ def stage(qm) -> tuple[float, float]:
     _read_back_results(*pending, [], qm.arith)
     torch.cuda.synchronize()
     return time.perf_counter() - t0, queued
+
+
+def host_functions(qm, top: int = TOP) -> list[dict]:
+    """The Python functions of one more stage by own host time (cProfile, which slows every call
+    alike): where the host time to queue goes."""
+    prof = cProfile.Profile()
+    prof.enable()
+    stage(qm)
+    prof.disable()
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [{"function": f"{'/'.join(path.split('/')[-2:])}:{line} {name}", "own_us": round(tt * 1e6, 1),
+             "cum_us": round(ct * 1e6, 1), "calls": nc} for (path, line, name), (_, nc, tt, ct, _) in rows]
 
 
 def kernel_table(events) -> dict[str, dict[str, float]]:
@@ -86,6 +101,7 @@ def main(argv=None) -> int:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         stage(qm)
     kernels = kernel_table(prof.events())
+    functions = host_functions(qm)
     device_us = sum(r["us"] for r in kernels.values())
     top = sorted(kernels.items(), key=lambda kv: kv[1]["us"], reverse=True)[:TOP]
     ops = sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()), key=lambda r: r[1], reverse=True)[:TOP]
@@ -102,6 +118,7 @@ def main(argv=None) -> int:
         "device_kernel_launches": sum(v["count"] for v in kernels.values()),
         "top_kernels": [{"name": k[:160], "us": round(v["us"], 1), "count": v["count"]} for k, v in top],
         "top_cpu_ops": [{"op": k, "self_us": round(us, 1), "count": c} for k, us, c in ops],
+        "top_host_functions": functions,
     }
     path = write_results(doc, "quantize-profile", torch.cuda.get_device_name(), out=args.out)
     print(f"{doc['weights']} weights, {bf16_bytes / 1e9:.1f} GB of BF16; first stage {first:.3f} s")
@@ -114,6 +131,9 @@ def main(argv=None) -> int:
     print(f"{'cpu op':<60} {'self ms':>9} {'count':>6}")
     for row in doc["top_cpu_ops"]:
         print(f"{row['op'][:60]:<60} {row['self_us'] / 1e3:9.3f} {row['count']:6d}")
+    print(f"{'python function (cProfile)':<70} {'own ms':>9} {'cum ms':>9} {'calls':>6}")
+    for row in functions:
+        print(f"{row['function'][:70]:<70} {row['own_us'] / 1e3:9.3f} {row['cum_us'] / 1e3:9.3f} {row['calls']:6d}")
     print(f"wrote {path}")
     return 0
 

@@ -26,3 +26,17 @@ def test_cuda_events_are_summed_per_kernel():
               SimpleNamespace(name="aten::empty", device_type=CPU, device_time_total=0.0)]
     assert profile_quantize.kernel_table(events) == {"_stack_kernel": {"us": 2000.0, "count": 2},
                                                      "_fp8_kernel": {"us": 40.0, "count": 1}}
+
+
+def _busy(n):
+    return sum(i * i for i in range(n))
+
+
+def test_host_functions_rank_the_stages_python_by_own_time(monkeypatch):
+    monkeypatch.setattr(profile_quantize, "stage", lambda qm: [_busy(200_000) for _ in range(3)])
+    rows = profile_quantize.host_functions(None, top=5)
+    assert rows[0]["function"].endswith("_busy") or rows[0]["function"].endswith("<genexpr>")
+    busy = next(r for r in rows if r["function"].endswith("_busy"))
+    assert busy["calls"] == 3 and busy["cum_us"] >= busy["own_us"] > 0
+    assert "tests/test_profile_quantize.py:" in busy["function"]
+    assert [r["own_us"] for r in rows] == sorted((r["own_us"] for r in rows), reverse=True)

@@ -16,15 +16,38 @@ def sqnr_terms(w: torch.Tensor, w_hat: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 class Terms(NamedTuple):
-    """What the quantize stage reports of one NVFP4 weight, as float64 0-d tensors on its device:
-    sum w^2, sum (w - dequantized)^2 and the number of blocks on the 4/6 rule's 4 candidate, out
-    of `blocks` (an int). The fraction is divided out where it is read (`frac4`), so that
-    summing the terms needs no launch beyond the sums themselves."""
+    """What the quantize stage reports of one NVFP4 weight: `part`, partial sums on its device, a
+    [parts, 3] tensor whose column sums in float64 (`sums`) are sum w^2, sum (w - dequantized)^2
+    and the number of blocks on the 4/6 rule's 4 candidate, out of `blocks` (an int). The GPU
+    kernels leave one fp32 row per program, and the quantize stage adds every weight's rows once
+    all are queued, so that queueing a weight launches no reduction; the fraction is divided out
+    where it is read (`frac4`)."""
 
-    signal: torch.Tensor
-    noise: torch.Tensor
-    count4: torch.Tensor
+    part: torch.Tensor
     blocks: int
+
+    @classmethod
+    def of(cls, signal, noise, count4, blocks: int) -> "Terms":
+        """Terms from the three sums as separate 0-d tensors (on one device)."""
+        sums = [torch.as_tensor(v, dtype=torch.float64) for v in (signal, noise, count4)]
+        return cls(torch.stack(sums).reshape(1, 3), blocks)
+
+    @property
+    def sums(self) -> torch.Tensor:
+        """float64 [3]: sum w^2, sum (w - dequantized)^2, blocks on the 4 candidate."""
+        return self.part.sum(0, dtype=torch.float64)
+
+    @property
+    def signal(self) -> torch.Tensor:
+        return self.sums[0]
+
+    @property
+    def noise(self) -> torch.Tensor:
+        return self.sums[1]
+
+    @property
+    def count4(self) -> torch.Tensor:
+        return self.sums[2]
 
     @property
     def frac4(self) -> float:

@@ -12,8 +12,10 @@ around every E4M3 midpoint; tests/gpu for the CUDA cast). With a `terms` list th
 the two SQNR terms of its result (`fp4kit.formats.metrics.sqnr_terms(w,
 fp8.dequantize_per_tensor(q, scale))`, fp32 partial sums added in float64, as `kernels.error`), so
 one read of the weight serves both. The range is max|W| from `kernels.quantize.member_amax` (+Inf
-where W holds a NaN or an Inf), or the reference's search (`search_amax`, in torch); the
-finiteness check reads that one scalar and can be deferred like `kernels.quantize.quantize`'s.
+where W holds a NaN or an Inf), or the reference's search (`search_amax`, in torch); the kernel
+makes the scale from it as the reference does, so a weight costs two launches and no other
+operation. The finiteness check reads that one scalar and can be deferred like
+`kernels.quantize.quantize`'s.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ import triton
 import triton.language as tl
 
 from fp4kit.formats import fp8
-from fp4kit.formats.arith import DEFAULT_ARITH, check_mode, div_const
+from fp4kit.formats.arith import DEFAULT_ARITH, check_mode, fp32_reciprocal
 from fp4kit.formats.constants import FP8_MAX
 from fp4kit.formats.errors import check_finite, check_float_tensor
 
-from .backend import cdiv, launch_options
+from .backend import cdiv, launch_cached, launch_options
 from .deferred import DeferredCheck
 from .quantize import _e4m3_code, _e4m3_round, member_amax
 
@@ -90,14 +92,27 @@ def _e4m3_signed(q):
 
 
 @triton.jit
-def _fp8_kernel(w_ptr, scale_ptr, q_ptr, part_ptr, n, HALF: tl.constexpr, ROUND_SCALE: tl.constexpr,
-                ERROR: tl.constexpr, OFFSET_DTYPE: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr):
+def _fp8_kernel(w_ptr, amax_ptr, scale_ptr, q_ptr, part_ptr, n, r448, HALF: tl.constexpr, ROUND_SCALE: tl.constexpr,
+                SCALE_GIVEN: tl.constexpr, ERROR: tl.constexpr, OFFSET_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                TILES: tl.constexpr):
     """q = e4m3(clamp(round_w(w / s), -448, 448)) over TILES runs of BLOCK elements; s = the fp32
-    scale, first rounded to w's dtype where ROUND_SCALE (CUDA's 0-d operand cast). ERROR: this
-    program's sums of w^2 and (w - e4m3 value * scale)^2 (the unrounded fp32 scale, as
-    `fp8.dequantize_per_tensor`) to part_ptr[pid, 0:2]."""
+    scale, first rounded to w's dtype where ROUND_SCALE (CUDA's 0-d operand cast). The scale is
+    read from scale_ptr where SCALE_GIVEN; else it is amax / 448 (1 where amax is 0), which
+    program 0 writes to scale_ptr: `arith.div_const`'s quotient, amax * r448 (the fp32
+    reciprocal) in "cuda" mode (ROUND_SCALE), else the IEEE one. ERROR: this program's sums of
+    w^2 and (w - e4m3 value * scale)^2 (the unrounded fp32 scale, as `fp8.dequantize_per_tensor`)
+    to part_ptr[pid, 0:2]."""
     pid = tl.program_id(0)
-    s_deq = tl.load(scale_ptr)
+    if SCALE_GIVEN:
+        s_deq = tl.load(scale_ptr)
+    else:
+        amax = tl.load(amax_ptr)
+        if ROUND_SCALE:
+            s_deq = amax * r448
+        else:
+            s_deq = tl.math.div_rn(amax, 448.0)
+        s_deq = tl.where(amax == 0.0, 1.0, s_deq)
+        tl.store(scale_ptr, s_deq, mask=pid == 0)
     s = _round_half(s_deq, HALF) if ROUND_SCALE else s_deq
     signal = tl.zeros((BLOCK,), dtype=tl.float32)
     noise = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -122,22 +137,37 @@ _BLOCK = 1024
 _TILES = 8
 
 
-def _quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, arith: str, terms: list | None) -> torch.Tensor:
-    """`cast_e4m3(div_by_scale(w, scale, arith))` in one pass (w contiguous); with `terms`, the
-    SQNR terms of the result appended to it."""
+_R448 = fp32_reciprocal(FP8_MAX)
+
+
+def _fp8_pass(w: torch.Tensor, arith: str, terms: list | None, *, amax: torch.Tensor | None = None,
+              scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`cast_e4m3(div_by_scale(w, scale, arith))`, scale) in one pass (w contiguous), with the
+    fp32 0-d `scale` given, or made by the kernel from a 0-d `amax` as the reference makes it,
+    `torch.where(amax == 0, 1.0, div_const(amax, FP8_MAX, arith))`; with `terms`, the
+    per-program SQNR partial sums of the result appended to it."""
     n = w.numel()
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    given = scale is not None
+    if not given:
+        scale = torch.empty((), dtype=torch.float32, device=w.device)
     programs = max(1, cdiv(n, _BLOCK * _TILES))
     part = torch.empty((programs, 2), dtype=torch.float32, device=w.device) if terms is not None else q
     half = {torch.bfloat16: 1, torch.float16: 2}.get(w.dtype, 0)
-    _fp8_kernel[(programs,)](
-        w, scale.reshape(1), q.view(torch.uint8), part, n, HALF=half, ROUND_SCALE=arith == "cuda",
-        ERROR=terms is not None, OFFSET_DTYPE=tl.int32 if n < 2**31 - 2**20 else tl.int64,
-        BLOCK=_BLOCK, TILES=_TILES, num_warps=4, **launch_options())
+    launch_cached(
+        _fp8_kernel, (programs,),
+        w, scale if given else amax, scale, q.view(torch.uint8), part, n, _R448, HALF=half,
+        ROUND_SCALE=arith == "cuda", SCALE_GIVEN=given, ERROR=terms is not None,
+        OFFSET_DTYPE=tl.int32 if n < 2**31 - 2**20 else tl.int64, BLOCK=_BLOCK, TILES=_TILES, num_warps=4,
+        **launch_options())
     if terms is not None:
-        total = part.sum(0, dtype=torch.float64)
-        terms.append((total[0], total[1]))
-    return q
+        terms.append(part)
+    return q, scale
+
+
+def _quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, arith: str, terms: list | None) -> torch.Tensor:
+    """`cast_e4m3(div_by_scale(w, scale, arith))` in one pass, for a given fp32 scale."""
+    return _fp8_pass(w, arith, terms, scale=scale.float().reshape(()))[0]
 
 
 def quantize_per_tensor(w: torch.Tensor, arith: str = DEFAULT_ARITH, *, amax_multipliers: tuple[float, ...] | None = None,
@@ -147,8 +177,9 @@ def quantize_per_tensor(w: torch.Tensor, arith: str = DEFAULT_ARITH, *, amax_mul
     amax_multipliers: the reference's range search (`search_amax`: `fp8.search_amax` without
     reading its errors back). deferred: a list the finiteness check is appended to (a callable that
     raises the reference's error) instead of running now. terms: a list that receives
-    (sum w^2, sum (w - dequantized)^2) as float64 0-d tensors on w's device, summed in the
-    quantizing pass (no host wait)."""
+    the quantizing pass's per-program partial sums of w^2 and (w - dequantized)^2, an fp32
+    [programs, 2] tensor on w's device whose column sums in float64 are the SQNR terms (no host
+    wait: the caller sums them when it reads them)."""
     check_float_tensor(w, _WHAT)
     check_mode(arith)
     w = w.contiguous()
@@ -157,15 +188,14 @@ def quantize_per_tensor(w: torch.Tensor, arith: str = DEFAULT_ARITH, *, amax_mul
             check_finite(w, _WHAT)
         amax = search_amax(w, amax_multipliers)
     else:
-        amax = member_amax(w)  # +Inf where w holds a NaN or an Inf
+        amax = member_amax(w.reshape(1, -1))  # one member; +Inf where w holds a NaN or an Inf
 
     def check() -> None:
-        if not bool(torch.isfinite(amax)):
+        if not bool(torch.isfinite(amax).all()):
             check_finite(w, _WHAT)
 
     if deferred is None:
         check()
     else:
-        deferred.append(DeferredCheck(check, finite=[amax]))
-    scale = torch.where(amax == 0, 1.0, div_const(amax, FP8_MAX, arith))
-    return _quantize_with_scale(w, scale, arith, terms), scale
+        deferred.append(DeferredCheck(check, finite=[amax.reshape(1)]))
+    return _fp8_pass(w, arith, terms, amax=amax.reshape(()).float())

@@ -19,7 +19,9 @@ checks need. Launch shapes: the "quantize" launch table (`fp4kit.kernels.launch`
 With a `terms` list the same launches also sum what the quantize stage reports of each weight
 (TERMS): sum x^2, sum (x - dequantized)^2 and the blocks on the 4 candidate, per program in fp32,
 added in float64 (`_tile_terms`; the stack kernel sums x^2 in its max items), so the stage needs
-no other pass over a weight. Tests: tests/kernels/test_quantize.py,
+no other pass over a weight. The stack kernel's programs take its items in ticket order, so
+which program adds up which tile changes from run to run: its sums agree between runs to fp32
+rounding (its 4/6 counts and every byte exactly). Tests: tests/kernels/test_quantize.py,
 tests/gpu/test_quantize_gpu.py; speed: benchmarks/README.md.
 
 Known limit, shared with nothing real: an fp32 weight so small that its global scale underflows
@@ -49,7 +51,7 @@ from fp4kit.formats.arith import DEFAULT_ARITH, check_mode, fp32_reciprocal
 from fp4kit.formats.errors import FormatError, check_finite, check_float_tensor
 from fp4kit.formats.metrics import Terms, sqnr_terms
 
-from .backend import cdiv, check_backend, interpreted, launch_options, sm_count
+from .backend import cdiv, check_backend, interpreted, launch_cached, launch_options, sm_count
 from .deferred import DeferredCheck
 from .error import _e2m1_value
 from .launch import table as launch_table
@@ -550,8 +552,9 @@ def _store_terms(terms_ptr, pid, signal, err, count4):
 
 
 @triton.jit
-def _amax_kernel(w_ptr, part_ptr, per_batch, chunk, n_chunks, BLOCK: tl.constexpr):
-    """part[b, c] = max|w| over chunk c of batch member b; NaN counts as +Inf (flags it)."""
+def _amax_kernel(w_ptr, own_ptr, per_batch, chunk, BLOCK: tl.constexpr):
+    """own[b] = max(own[b], max|w| over chunk program_id(1) of batch member b) (atomic max into
+    zeros; max is order-free, so the result is exact); NaN counts as +Inf (flags it)."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     base = w_ptr + b.to(tl.int64) * per_batch
@@ -561,7 +564,7 @@ def _amax_kernel(w_ptr, part_ptr, per_batch, chunk, n_chunks, BLOCK: tl.constexp
         idx = off + tl.arange(0, BLOCK)
         x = tl.load(base + idx, mask=idx < per_batch, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, tl.where(x == x, tl.abs(x), float("inf")))
-    tl.store(part_ptr + b * n_chunks + c, tl.max(acc, axis=0))
+    tl.atomic_max(own_ptr + b, tl.max(acc, axis=0), sem="relaxed")
 
 
 @triton.jit
@@ -900,11 +903,10 @@ def member_amax(w: torch.Tensor) -> torch.Tensor:
     batch = tuple(w.shape[:-2])
     b = w.numel() // (n * k)
     per_batch = n * k
-    n_chunks = cdiv(per_batch, _AMAX_CHUNK)
-    part = torch.empty((b, n_chunks), dtype=torch.float32, device=w.device)
-    _amax_kernel[(b, n_chunks)](w, part, per_batch, _AMAX_CHUNK, n_chunks, BLOCK=_AMAX_BLOCK,
-                                num_warps=8, **launch_options())
-    return part.amax(dim=1).reshape(batch)
+    own = torch.zeros(batch, dtype=torch.float32, device=w.device)
+    launch_cached(_amax_kernel, (b, cdiv(per_batch, _AMAX_CHUNK)), w, own, per_batch, _AMAX_CHUNK, BLOCK=_AMAX_BLOCK,
+                  num_warps=8, **launch_options())
+    return own
 
 
 def fused_stack(w: torch.Tensor, n_members: int, blocks_per_member: int, tables: Mapping | None = None) -> bool:
@@ -968,7 +970,8 @@ def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = 
                              f"{dict(stack)}")
         programs = 1 if interpreted(_stack_kernel) else stack["programs_per_sm"] * sm_count(w.device)
         part = _terms_buffer(programs, terms, w.device)
-        _stack_kernel[(programs,)](
+        launch_cached(
+            _stack_kernel, (programs,),
             w, own, done, ticket, imp, packed, scale, gs, choice, part, n_members, tiles, blocks_per_row, imp_stride,
             cdiv(tiles, max_tiles), cdiv(tiles, quant_tiles), *recips, LAG=stack["lag"], MAX_TILES=max_tiles,
             QUANT_TILES=quant_tiles, PREFETCH=stack["prefetch"],
@@ -984,7 +987,8 @@ def launch(w: torch.Tensor, scale_rule: str, global_amax: torch.Tensor | None = 
         g, own_max = global_amax.reshape(-1), True
     programs = cdiv(n_blocks, consts["BLOCKS"])
     part = _terms_buffer(programs, terms, w.device)
-    _quantize_kernel[(programs,)](
+    launch_cached(
+        _quantize_kernel, (programs,),
         w, g, own, imp, packed, scale, gs, choice, part, n_blocks, blocks_per_member, blocks_per_row,
         imp_stride, *recips, OWN_MAX=own_max,
         MEMBERS=0 if n_members == 1 else (1 if blocks_per_member % consts["BLOCKS"] == 0 else 2),
@@ -1000,10 +1004,9 @@ def _terms_buffer(programs: int, terms: list | None, device: torch.device) -> to
 
 
 def _add_terms(part: torch.Tensor, terms: list | None, n_blocks: int) -> None:
-    """The programs' sums added in float64 (one launch), appended to `terms` as `Terms`."""
+    """The programs' partial sums appended to `terms` as `Terms` (added where they are read)."""
     if terms is not None:
-        total = part.sum(0, dtype=torch.float64)
-        terms.append(Terms(total[0], total[1], total[2], n_blocks))
+        terms.append(Terms(part, n_blocks))
 
 
 def _importance_rows(importance, w: torch.Tensor, eager: bool) -> torch.Tensor:
@@ -1044,14 +1047,14 @@ def quantize(
     the function that raises the same error; `deferred.run_all` tests many at once), so that
     a caller quantizing many tensors waits on the GPU once. terms: a list that receives the
     weight's `formats.metrics.Terms` (sum w^2, sum (w - dequantized)^2, blocks on the 4
-    candidate; float64 0-d tensors on w's device), summed as the kernel quantizes (`launch`).
+    candidate: per-program partial sums on w's device), summed as the kernel quantizes (`launch`).
     """
     check_backend(backend, _quantize_kernel, w, what=_WHAT)
     if backend == "torch":
         qt, choice = nvfp4.quantize(w, scale_rule=scale_rule, global_amax=global_amax,
                                     importance=importance, return_choice=True, arith=arith)
         if terms is not None:
-            terms.append(Terms(*sqnr_terms(w, qt.dequantize()), choice.double().sum(), choice.numel()))
+            terms.append(Terms.of(*sqnr_terms(w, qt.dequantize()), choice.double().sum(), choice.numel()))
         return (qt, choice) if return_choice else qt
     check_mode(arith)
     if scale_rule not in nvfp4.SCALE_RULES:

@@ -32,3 +32,14 @@ def test_sqnr_terms_of_parts_add_up_to_the_whole():
     whole = sqnr_db(w, w_hat)
     assert abs(sqnr_db_of(signal, noise) - whole) < 1e-12
     assert sqnr_terms(w, w_hat)[0].dtype == torch.float64
+
+
+def test_terms_add_their_partial_sums_in_float64():
+    from fp4kit.formats.metrics import Terms
+
+    one = Terms.of(torch.tensor(2.5, dtype=torch.float64), torch.tensor(0.25, dtype=torch.float64), 3, 8)
+    assert one.part.shape == (1, 3) and one.frac4 == 3 / 8 and one.sums.tolist() == [2.5, 0.25, 3.0]
+    # float64 sums of fp32 rows: 2^24 + 1 + 1 is exact only in float64
+    rows = Terms(torch.tensor([[2.0**24, 1.0, 4.0], [1.0, 0.0, 0.0], [1.0, 0.5, 1.0]]), 10)
+    assert rows.signal.dtype == torch.float64 and float(rows.signal) == 2.0**24 + 2
+    assert float(rows.noise) == 1.5 and rows.frac4 == 0.5

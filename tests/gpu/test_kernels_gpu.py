@@ -353,6 +353,51 @@ def test_cached_launches_equal_tritons_own(monkeypatch):
             assert torch.equal(_bits(got), _bits(want))
 
 
+def test_cached_quantize_launches_equal_tritons_own(monkeypatch):
+    # The quantize stage's kernels (the stack kernel, the max pass and the plain quantize kernel,
+    # with and without a given global amax, and the FP8 pass) launched from kept binaries give
+    # Triton's own bytes, scales and 4/6 counts; weights 16-byte aligned and only 8-byte aligned
+    # in turn. The error sums agree to fp32 rounding: the stack kernel's programs take its tiles
+    # in ticket order, so which program adds up which tile changes from run to run.
+    from fp4kit.kernels import backend, fp8 as kfp8
+
+    def misaligned(t):
+        out = torch.empty(t.numel() + 4, dtype=t.dtype, device=DEV)[4:].view(t.shape)
+        return out.copy_(t)
+
+    stack = _randn(8, 512, 2688, seed=90)
+    plain = _randn(512, 2688, seed=91)
+    assert kquant.fused_stack(stack, 8, 512 * 2688 // 16)
+
+    def run():
+        exact, sums = [], []
+        for w in (stack, misaligned(stack), plain, misaligned(plain)):
+            for given in (None, w.abs().amax(dim=(-2, -1)).float() * 1.5):
+                terms = []
+                qt = kquant.quantize(w, scale_rule="4o6", global_amax=given, terms=terms)
+                exact += [qt.packed, qt.block_scale, qt.global_scale, terms[0].count4]
+                sums.append(terms[0].sums[:2])
+        for w in (plain, misaligned(plain), misaligned(stack)):
+            terms = []
+            exact += list(kfp8.quantize_per_tensor(w, terms=terms))
+            sums.append(terms[0].sum(0, dtype=torch.float64))
+        return exact, sums
+
+    backend._COMPILED.clear()
+    fast = [run() for _ in range(3)]  # the first through Triton, the others from the kept binaries
+    kept = {key[0] for key in backend._COMPILED}
+    assert {kquant._stack_kernel, kquant._amax_kernel, kquant._quantize_kernel, kfp8._fp8_kernel} <= kept
+    monkeypatch.setattr(kquant, "launch_cached", _through_triton)
+    monkeypatch.setattr(kfp8, "launch_cached", _through_triton)
+    ref_exact, ref_sums = run()
+    for exact, sums in fast:
+        assert len(exact) == len(ref_exact)
+        for got, want in zip(exact, ref_exact):
+            assert torch.equal(_bits(got), _bits(want))
+        for got, want in zip(sums, ref_sums):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
 # --------------------------------------------------------------------------------------------
 # Split-K summed in the launch: deterministic, counters reset, CUDA-graph capture
 # --------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp4kit.formats import FormatError, e4m3, fp8
-from fp4kit.formats.arith import div_by_scale
+from fp4kit.formats.arith import div_by_scale, div_const
 from fp4kit.formats.metrics import sqnr_terms
 from fp4kit.kernels import fp8 as kfp8
 
@@ -51,6 +51,32 @@ def test_bytes_and_scale_equal_the_reference(arith, dtype, mults):
     assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert s.dtype == torch.float32 and s.dim() == 0 and torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize("arith", ["cuda", "cpu"])
+@pytest.mark.parametrize("shape", [(3, 40, 64), (2, 2, 8, 32), (512,)])
+def test_any_shape_is_one_tensor_with_one_scale(arith, shape):
+    # The range is max|W| over the whole tensor, whatever its leading dims, as the reference's.
+    w = _weight((max(1, torch.Size(shape[:-1]).numel()), shape[-1]), torch.bfloat16, seed=5).reshape(shape)
+    w.view(-1)[:7] *= 64  # the largest values in the first member
+    q, s = kfp8.quantize_per_tensor(w, arith)
+    q_ref, s_ref = fp8.quantize_per_tensor(w, arith)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize("arith", ["cuda", "cpu"])
+def test_the_kernel_makes_the_references_scale_from_the_range(arith):
+    # amax / 448 in the reference's arithmetic (the fp32 reciprocal's product under "cuda", the
+    # IEEE quotient otherwise; they differ on some ranges), and 1 for an all-zero weight.
+    w = torch.ones(4, 32)
+    products = 0
+    for amax in [0.0, 1.0, 3.0, 7.0, 0.1, 313.6, 1e-30, 3e38, 2.0**-140] + torch.rand(200, generator=torch.Generator().manual_seed(1)).mul(1e4).tolist():
+        a = torch.tensor(amax, dtype=torch.float32)
+        _, got = kfp8._fp8_pass(w, arith, None, amax=a)
+        want = torch.where(a == 0, 1.0, div_const(a, 448.0, arith))
+        assert torch.equal(got, want), (amax, float(got), float(want))
+        products += bool(div_const(a, 448.0, "cuda") != div_const(a, 448.0, "cpu"))
+    assert products > 0  # the two modes are told apart
 
 
 def test_all_zero_weight_gets_scale_one():
@@ -155,9 +181,10 @@ def test_the_error_terms_of_the_quantizing_pass_are_the_references(dtype, mults)
     w = _weight((300, 96), dtype, seed=11)  # 28,800 elements: the last program's tile is partial
     terms: list = []
     q, s = kfp8.quantize_per_tensor(w, amax_multipliers=mults, terms=terms)
-    (signal, noise), = terms
+    (part,) = terms
+    assert part.dtype == torch.float32 and part.shape[1] == 2
+    signal, noise = part.sum(0, dtype=torch.float64).tolist()
     ref_signal, ref_noise = sqnr_terms(w, fp8.dequantize_per_tensor(q, s))
-    assert signal.dtype == noise.dtype == torch.float64 and signal.dim() == noise.dim() == 0
     assert float(noise) > 0
     assert abs(float(signal) / float(ref_signal) - 1) < 1e-6
     assert abs(float(noise) / float(ref_noise) - 1) < 1e-6

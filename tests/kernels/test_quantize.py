@@ -48,8 +48,8 @@ def check_terms(terms: list, w: torch.Tensor, ref: nvfp4.NVFP4Tensor, ref_choice
     """One `Terms` entry: the count of blocks on the 4 candidate exact, the sums within 2e-6 of
     the reference's float64 sums (fp32 partial sums), where those lie inside fp32's range."""
     (entry,) = terms
-    signal, noise, count4, blocks = entry
-    assert all(t.dtype == torch.float64 and t.dim() == 0 for t in (signal, noise, count4))
+    signal, noise, count4, blocks = entry.signal, entry.noise, entry.count4, entry.blocks
+    assert entry.sums.dtype == torch.float64 and entry.sums.shape == (3,)
     assert blocks == ref_choice.numel() and float(count4) == int(ref_choice.sum())
     assert entry.frac4 == float(ref_choice.double().mean())
     want_signal, want_noise = sqnr_terms(w, ref.dequantize())

@@ -68,7 +68,8 @@ def test_a_nan_weight_is_named_by_the_triton_stage_as_by_the_torch_stage(stack, 
 
 def test_queueing_a_weight_launches_few_torch_operations_beside_its_kernels(monkeypatch, token_samples):
     # Each torch kernel a weight's queueing launches costs host time and a gap on the GPU: the
-    # data checks and the error terms are kept for the read-back, not reduced per weight.
+    # data checks and the error terms are kept for the read-back, not reduced per weight, and the
+    # FP8 scale is made in its kernel (left: the zeroed counters or maxima a launch adds into).
     # Counted: torch operations other than views and allocations, outside the Triton launches.
     import triton.runtime.interpreter as interpreter
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -102,4 +103,4 @@ def test_queueing_a_weight_launches_few_torch_operations_beside_its_kernels(monk
     with count:
         queue_weights(qm.plan, qm.stats, backend="triton", progress=False, warnings=[], arith=qm.arith)
     assert count.launches >= len(weights)
-    assert len(count.ops) <= 3.5 * len(weights), sorted(count.ops)
+    assert len(count.ops) <= 1.5 * len(weights), sorted(count.ops)
