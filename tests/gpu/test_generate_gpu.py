@@ -97,8 +97,12 @@ def test_an_fp16_ssm_state_replays_as_it_runs_eagerly(tiny, fmt, rounds):
 
 
 def test_the_ssm_state_eval_replays_as_it_runs_eagerly(tiny):
-    # `fp4kit eval --ssm-state` reads the text through the captured step: every per-position
-    # measure of the replayed graph equals the eager step's.
+    # `fp4kit eval --ssm-state` reads the text through the captured step: the replayed graph
+    # gives the eager step's states exactly (their errors, the top-1 agreement, the positions)
+    # and its likelihoods to the eager step's own run-to-run spread. The BF16 model's eager
+    # forward at 4 rows is not bitwise repeatable on an H200: between two eager runs of this test
+    # one position of the last row (10 Philox rounds) moved its NLL by 1.8e-5 and its KL by
+    # 7e-8, with the routers' own forward and with torch's deterministic algorithms alike.
     from fp4kit import ssm_eval
 
     model, tok = tiny
@@ -107,5 +111,14 @@ def test_the_ssm_state_eval_replays_as_it_runs_eagerly(tiny):
     variants = ssm_eval.parse_variants("fp16,fp16-sr", "5,10")
     graphed = ssm_eval.teacher_forced(model, tokens, variants, seed=3, state_error=True, graph=True)
     eager = ssm_eval.teacher_forced(model, tokens, variants, seed=3, state_error=True, graph=False)
-    assert graphed == eager
+    assert graphed["positions"] == eager["positions"] and len(graphed["rows"]) == len(eager["rows"]) == 4
+    for g, e in zip(graphed["rows"], eager["rows"]):
+        assert g["state"] == e["state"] and g["buckets"].keys() == e["buckets"].keys()
+        assert g["perplexity"] == pytest.approx(e["perplexity"], rel=1e-6)
+        for name, gb in g["buckets"].items():
+            eb = e["buckets"][name]
+            assert (gb["positions"], gb["top1_agreement"], gb["state_rel_error"]) == \
+                (eb["positions"], eb["top1_agreement"], eb["state_rel_error"])
+            assert gb["kl_mean"] == pytest.approx(eb["kl_mean"], rel=1e-5, abs=1e-9)
+    assert graphed["rows"][0]["buckets"]["0-512"]["kl_mean"] == 0.0  # row 0 against itself
     assert graphed["rows"][2]["buckets"]["0-512"]["state_rel_error"] > 0
