@@ -431,7 +431,7 @@ def queue_weights(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     group_amax = fused_group_amax(plan)
     out: dict[str, QuantizedTarget] = {}
-    pending: dict[str, tuple[torch.Tensor, int | None]] = {}  # partial sums; blocks (4/6 rule)
+    pending: dict[str, tuple[torch.Tensor, int | None]] = {}  # partial sums [rows, 2 or 3]; blocks (4/6 rule)
     checks: list[tuple[Planned, list]] = []
     input_scales: list[tuple[list, torch.Tensor | None, float, int, str]] = []
     todo = [p for p in plan if p.rule is not None]
@@ -460,7 +460,7 @@ def queue_weights(
                 qt = _nvfp4(w, rule, None if shared is None else shared.to(w.device), importance, backend, arith, deferred,
                             terms)
                 checks.append((p, deferred))
-                (sums, blocks), = terms  # sums: the partial sums, added at the read-back
+                (part, blocks), = terms
                 tensors = {
                     "weight": _split(qt.packed, stack),
                     "weight_scale": _split(qt.block_scale, stack),
@@ -481,12 +481,12 @@ def queue_weights(
                 checks.append((p, deferred))
                 tensors = {"weight": [q for q, _ in parts], "weight_scale": [s for _, s in parts], "input_scale": []}
                 input_scales.append((tensors["input_scale"], stats.input_amax.get(t.key), FP8_MAX, n, t.disk_names[0]))
-                sums = terms[0] if len(terms) == 1 else torch.cat(terms)
+                part = terms[0] if len(terms) == 1 else torch.cat(terms)
                 blocks = None
                 after = w.numel() + 4 * n
         except ValueError as exc:
             raise _named(t, w, exc) from None
-        pending[t.key] = (sums, blocks)
+        pending[t.key] = (part, blocks)
         out[t.key] = QuantizedTarget(
             target=t, rule=rule, algo=algo, tensors=tensors, sqnr_db=float("nan"), frac4=None,
             bytes_before=w.numel() * w.element_size(), bytes_after=after,

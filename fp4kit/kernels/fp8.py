@@ -191,11 +191,11 @@ def quantize_per_tensor(w: torch.Tensor, arith: str = DEFAULT_ARITH, *, amax_mul
         amax = member_amax(w.reshape(1, -1))  # one member; +Inf where w holds a NaN or an Inf
 
     def check() -> None:
-        if not bool(torch.isfinite(amax).all()):
+        if not bool(torch.isfinite(amax)):
             check_finite(w, _WHAT)
 
     if deferred is None:
         check()
     else:
-        deferred.append(DeferredCheck(check, finite=[amax.reshape(1)]))
-    return _fp8_pass(w, arith, terms, amax=amax.reshape(()).float())
+        deferred.append(DeferredCheck(check, finite=[amax]))
+    return _fp8_pass(w, arith, terms, amax=amax)
