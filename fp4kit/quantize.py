@@ -25,7 +25,7 @@ from .formats.arith import DEFAULT_ARITH, check_mode, div_const
 from .formats.constants import FP8_MAX, NVFP4_GLOBAL_DENOM
 from .formats.metrics import Terms, sqnr_db_of, sqnr_terms
 from .kernels.backend import BACKENDS
-from .kernels.deferred import failed as failed_checks
+from .kernels.deferred import failing, queue as queue_checks, to_device
 from .models import Role, adapter_for
 from .models.roles import input_device
 from .plan import Planned, QuantizedModel, QuantizedTarget, fused_group_amax, plan_targets
@@ -393,17 +393,53 @@ def _nvfp4_error(w: torch.Tensor, qt: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, 
     return signal, noise
 
 
-def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """1-d tensors copied to the host, one transfer per device (a model spread over the GPU and
-    the CPU by `--device auto` has both)."""
-    out: list = [None] * len(tensors)
-    by_device: dict = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    for idx in by_device.values():
-        parts = torch.cat([tensors[i] for i in idx]).cpu().split([tensors[i].numel() for i in idx])
-        for i, part in zip(idx, parts):
-            out[i] = part
+class _HostCopy:
+    """Tensors on their way to the host, one transfer per device: a GPU's are concatenated and
+    copied into pinned memory behind the work queued on its stream so far, without waiting, and
+    `get` waits for that copy alone, so the host can go on while later kernels run."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.sizes = [t.numel() for t in tensors]
+        self.groups: list[tuple[list[int], torch.Tensor, torch.cuda.Event | None]] = []
+        by_device: dict = {}
+        for i, t in enumerate(tensors):
+            by_device.setdefault(t.device, []).append(i)
+        for device, idx in by_device.items():
+            flat = torch.cat([tensors[i].reshape(-1) for i in idx])  # dtypes promote
+            event = None
+            if device.type == "cuda":
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                flat = host
+            self.groups.append((idx, flat, event))
+
+    def get(self) -> list[torch.Tensor]:
+        out: list = [None] * len(self.sizes)
+        for idx, host, event in self.groups:
+            if event is not None:
+                event.synchronize()
+            for i, part in zip(idx, host.split([self.sizes[i] for i in idx])):
+                out[i] = part
+        return out
+
+
+def _column_sums(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each [rows, c] tensor's column sums in float64, in a few launches per device and column
+    count (a reduction per tensor would be hundreds of small kernels after the last quantize
+    kernel)."""
+    out: list = [None] * len(parts)
+    groups: dict = {}
+    for i, part in enumerate(parts):
+        groups.setdefault((part.device, part.shape[-1]), []).append(i)
+    for (device, cols), idx in groups.items():
+        data = torch.cat([parts[i].reshape(-1, cols) for i in idx]).to(torch.float64)
+        lengths = to_device(torch.tensor([parts[i].numel() // cols for i in idx]), device)
+        # unsafe: the lengths are known to add up (the safe path reads them back to check)
+        sums = torch.segment_reduce(data, "sum", lengths=lengths, axis=0, unsafe=True)
+        for i, row in zip(idx, sums.unbind(0)):
+            out[i] = row
     return out
 
 
@@ -433,8 +469,13 @@ def queue_weights(
     out: dict[str, QuantizedTarget] = {}
     pending: dict[str, tuple[torch.Tensor, int | None]] = {}  # partial sums [rows, 2 or 3]; blocks (4/6 rule)
     checks: list[tuple[Planned, list]] = []
-    input_scales: list[tuple[list, torch.Tensor | None, float, int, str]] = []
+    input_scales: list[tuple[list, str, float, int, str]] = []  # (slot, target key, denominator, members, name)
     todo = [p for p in plan if p.rule is not None]
+    # The input amaxes go to the host ahead of every quantize kernel: their scales are made on
+    # the host while the kernels run (`_read_back_results`).
+    amaxes = {p.target.key: a.detach().float() for p in todo
+              if p.rule.format in ("nvfp4", "fp8") and (a := stats.input_amax.get(p.target.key)) is not None}
+    amax_copy = _HostCopy(list(amaxes.values()))
     # With the Triton kernels every weight is quantized on the GPU, also one that `--device auto`
     # placed on the CPU (copied over for its turn, its statistics with it).
     gpu = next((p.target.weight.device for p in todo if p.target.weight.device.type == "cuda"), None) \
@@ -468,7 +509,7 @@ def queue_weights(
                 }
                 if rule.format == "nvfp4":
                     tensors["input_scale"] = []  # filled after the loop (`input_scales`)
-                    input_scales.append((tensors["input_scale"], stats.input_amax.get(t.key), NVFP4_GLOBAL_DENOM, n, t.disk_names[0]))
+                    input_scales.append((tensors["input_scale"], t.key, NVFP4_GLOBAL_DENOM, n, t.disk_names[0]))
                 if rule.scale_rule != "4o6":
                     blocks = None
                 after = qt.packed.numel() + qt.block_scale.numel() + 4 * qt.global_scale.numel()
@@ -480,7 +521,7 @@ def queue_weights(
                 parts = [_fp8(x, arith, search, backend, deferred, terms) for x in members]
                 checks.append((p, deferred))
                 tensors = {"weight": [q for q, _ in parts], "weight_scale": [s for _, s in parts], "input_scale": []}
-                input_scales.append((tensors["input_scale"], stats.input_amax.get(t.key), FP8_MAX, n, t.disk_names[0]))
+                input_scales.append((tensors["input_scale"], t.key, FP8_MAX, n, t.disk_names[0]))
                 part = terms[0] if len(terms) == 1 else torch.cat(terms)
                 blocks = None
                 after = w.numel() + 4 * n
@@ -491,31 +532,32 @@ def queue_weights(
             target=t, rule=rule, algo=algo, tensors=tensors, sqnr_db=float("nan"), frac4=None,
             bytes_before=w.numel() * w.element_size(), bytes_after=after,
         )
-    return out, pending, checks, input_scales
+    return out, pending, checks, (input_scales, list(amaxes), amax_copy)
 
 
-def _read_back_results(out: dict, pending: dict, checks: list, input_scales: list, warnings: list[str],
+def _read_back_results(out: dict, pending: dict, checks: list, input_scales: tuple, warnings: list[str],
                        arith: str) -> dict[str, QuantizedTarget]:
-    # Each weight's error terms added up in float64, queued behind the kernels that write them
-    # (no wait), then read back with every layer's input amax in one transfer per device.
+    # The input scales first: their amaxes were copied ahead of the kernels, so this host work
+    # overlaps the kernels still running.
+    slots, amax_keys, amax_copy = input_scales
+    amax_host = dict(zip(amax_keys, amax_copy.get()))
+    for slot, key, denom, n, what in slots:
+        slot.extend(_input_scale(amax_host.get(key), denom, n, what, warnings, arith))
+    # Each weight's error terms added up in float64 and the data checks' flags, queued behind the
+    # kernels that write them, then read back in one transfer per device.
     keys = list(pending)
-    sums = [pending[key][0].sum(0, dtype=torch.float64) for key in keys]
-    amaxes = [a.detach().float().reshape(-1) for _, a, _, _, _ in input_scales if a is not None]
-    host = _to_host(amaxes + sums)
-    amax_host = iter(host[:len(amaxes)])
-    for slot, amax, denom, n, what in input_scales:
-        slot.extend(_input_scale(None if amax is None else next(amax_host), denom, n, what, warnings, arith))
-    # The data checks of every weight: one read-back, then the first failure's error, named.
-    flat = [(p, c) for p, deferred in checks for c in deferred]
-    bad = failed_checks([c for _, c in flat])
-    if bad:
+    flat = [(p, c) for p, of_weight in checks for c in of_weight]
+    flags = queue_checks([c for _, c in flat])
+    host = _HostCopy(_column_sums([pending[key][0] for key in keys]) + [f for f, _ in flags]).get()
+    bad = failing(flags, host[len(keys):])
+    if bad:  # the first failure's error, named
         p, c = flat[bad[0]]
         try:
             c.fail()
         except ValueError as exc:
             raise _named(p.target, p.target.weight.detach(), exc) from None
     # The error terms and 4/6 fractions of every weight.
-    for key, total in zip(keys, host[len(amaxes):]):
+    for key, total in zip(keys, host[:len(keys)]):
         signal, noise, *count4 = total.tolist()
         blocks = pending[key][1]
         out[key].sqnr_db = sqnr_db_of(signal, noise)

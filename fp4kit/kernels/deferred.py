@@ -55,10 +55,11 @@ class DeferredCheck:
         raise AssertionError("a deferred check failed on the device but its error function did not raise")
 
 
-def failed(checks: Iterable[DeferredCheck]) -> list[int]:
-    """Indices of the failing checks. Per device and kind of condition, the tensors are
-    concatenated and tested at once, each condition's flag is the maximum of its segment, and
-    all flags come back in one transfer per device."""
+def queue(checks: Iterable[DeferredCheck]) -> list[tuple[torch.Tensor, list[int]]]:
+    """The checks' flags, queued and not read: per device, a bool tensor of one flag per condition
+    and the index of the check each flag belongs to. Per device and kind of condition the
+    tensors are concatenated and tested at once, each condition's flag being the maximum of its
+    segment; nothing waits for the device."""
     checks = list(checks)
     groups: dict[tuple[torch.device, str], list[tuple[int, tuple[torch.Tensor, ...]]]] = {}
     for i, c in enumerate(checks):
@@ -77,11 +78,22 @@ def failed(checks: Iterable[DeferredCheck]) -> list[int]:
             bad = _VIOLATION[kind](*(torch.cat([t.reshape(-1) for t in col]) for col in columns))  # dtypes promote
         flags.setdefault(device, []).append(_segment_any(bad, [ts[0].numel() for _, ts in nonempty]))
         owners.setdefault(device, []).extend(i for i, _ in nonempty)
+    return [(torch.cat(parts), owners[device]) for device, parts in flags.items()]
+
+
+def failing(queued: list[tuple[torch.Tensor, list[int]]], host_flags: Sequence[torch.Tensor]) -> list[int]:
+    """Indices of the failing checks, from `queue`'s flags as read back (`host_flags`, in the
+    same order)."""
     out: set[int] = set()
-    for device, parts in flags.items():
-        host = torch.cat(parts).cpu().tolist()
-        out.update(i for i, f in zip(owners[device], host) if f)
+    for (_, owners), host in zip(queued, host_flags):
+        out.update(i for i, f in zip(owners, host.tolist()) if f)
     return sorted(out)
+
+
+def failed(checks: Iterable[DeferredCheck]) -> list[int]:
+    """Indices of the failing checks: `queue`, then all flags back in one transfer per device."""
+    queued = queue(checks)
+    return failing(queued, [flags.cpu() for flags, _ in queued])
 
 
 def _segment_any(bad: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -92,8 +104,16 @@ def _segment_any(bad: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     # The running count of Trues, read at each segment's end: a segment holds a True where its
     # count rose.
     counts = torch.cat([bad.new_zeros(1, dtype=torch.int64), bad.long().cumsum(0)])
-    at = counts[torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(bad.device)]
+    at = counts[to_device(torch.cat([torch.zeros(1, dtype=torch.int64), ends]), bad.device)]
     return at[1:] > at[:-1]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the device: to a GPU through pinned
+    memory, asynchronously (a plain copy from pageable memory waits for the stream)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def run_all(checks: Iterable[DeferredCheck]) -> None:

@@ -104,3 +104,37 @@ def test_queueing_a_weight_launches_few_torch_operations_beside_its_kernels(monk
         queue_weights(qm.plan, qm.stats, backend="triton", progress=False, warnings=[], arith=qm.arith)
     assert count.launches >= len(weights)
     assert len(count.ops) <= 1.5 * len(weights), sorted(count.ops)
+
+
+def test_the_read_back_adds_every_weights_partial_sums_in_a_few_operations():
+    # The stage adds up each weight's per-program partial sums after the last weight is queued:
+    # one reduction per weight would put hundreds of small kernels behind the last quantize kernel.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp4kit.quantize import _column_sums
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    def parts(n):
+        g = torch.Generator().manual_seed(n)
+        # [programs, 3] float32 (NVFP4 kernels), [1, 2] float64 (FP8 terms, the torch stage), one empty
+        return [torch.randn(i % 7, 3, generator=g) if i % 3 else torch.randn(1, 2, generator=g, dtype=torch.float64)
+                for i in range(n)]
+
+    counts = []
+    for n in (4, 60):
+        given = parts(n)
+        with Count() as c:
+            got = _column_sums(given)
+        counts.append(c.ops)
+        for p, s in zip(given, got):
+            assert s.dtype == torch.float64 and s.shape == (p.shape[1],)
+            torch.testing.assert_close(s, p.sum(0, dtype=torch.float64), rtol=1e-15, atol=1e-15)
+    assert counts[0] == counts[1], counts
