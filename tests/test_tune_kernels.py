@@ -97,6 +97,21 @@ def test_pick_gemv_max_m_stops_at_first_loss():
     assert sw.pick_gemv(rows)["max_m"] == 0
 
 
+def test_pick_gemv_weighs_each_shape_alike():
+    # A large weight's 60 us against two small ones' 3 us: the sum of times would pick tile 16
+    # (60 + 3.6 + 3.6 = 67.2 against 62 + 3 + 3 = 68); relative to each shape's best, tile 8
+    # (62/60 + 1 + 1 = 3.03 against 1 + 1.2 + 1.2 = 3.4).
+    def gemv(n, bn, t):
+        return {"N": n, "K": 2688, "M": 1, "kernel": "gemv", "tile": [1, bn, 1024, 2], "programs_per_sm": 8,
+                "maxnreg": None, "ms": t}
+
+    rows = [gemv(131072, 8, 62.0), gemv(131072, 16, 60.0), gemv(3712, 8, 3.0), gemv(3712, 16, 3.6),
+            gemv(2688, 8, 3.0), gemv(2688, 16, 3.6)]
+    rows += [{"N": n, "K": 2688, "M": 1, "kernel": "matrix-unit", "ms": 100.0} for n in (131072, 3712, 2688)]
+    got = sw.pick_gemv(rows)
+    assert got["1"]["BLOCK_N"] == 8 and got["max_m"] == 1
+
+
 def test_pick_mma_sums_relative_times_over_problems():
     def row(n, m, launch, t):
         nw, pps, rows, pf, kw = launch

@@ -10,18 +10,39 @@ import torch
 from fp4kit.kernels import launch
 
 
-def time_if_right(fn, ref: torch.Tensor) -> dict:
+def time_if_right(fn, ref: torch.Tensor, others=()) -> dict:
     """{"ms": CUDA-graph median time of fn()} if fn() is within 1e-2 relative of ref (a launch
-    shape must be right before it is fast), else {"ms": None, "error": why}."""
+    shape must be right before it is fast), else {"ms": None, "error": why}. others: the same
+    call on copies of its weights (`weight_copies`); the graph then runs fn and each of them in
+    turn and "ms" is the time per call, with the weights coming from memory as in a model's step
+    rather than from the L2 cache of the call before."""
     from triton.testing import do_bench_cudagraph
 
+    calls = (fn, *others)
     try:
         err = float((fn().float() - ref).norm() / ref.norm())
         if not err < 1e-2:
             raise ArithmeticError(f"relative error {err:.3g}")
-        return {"ms": do_bench_cudagraph(fn, rep=30, return_mode="median")}
+        return {"ms": do_bench_cudagraph(lambda: [f() for f in calls], rep=30, return_mode="median") / len(calls)}
     except Exception as exc:  # noqa: BLE001 -- e.g. out of shared memory or registers
         return {"ms": None, "error": f"{type(exc).__name__}: {exc}"[:160]}
+
+
+def weight_copies(w, touched_bytes: int, l2_multiple: int = 4, most: int = 64) -> list:
+    """Copies of NVFP4 weight w in memory of their own (w itself first), as many as make one call
+    on each touch `l2_multiple` times the GPU's L2 cache (`touched_bytes`: what one call reads of
+    a weight), at least 2: a graph running the calls in turn reads each weight cold, as a
+    model's step reads its layers' weights."""
+    from fp4kit.formats.nvfp4 import NVFP4Tensor
+
+    l2 = torch.cuda.get_device_properties(w.packed.device).L2_cache_size
+    n = max(2, min(most, -(-l2_multiple * l2 // max(1, touched_bytes))))
+    return [w] + [NVFP4Tensor(w.packed.clone(), w.block_scale.clone(), w.global_scale.clone()) for _ in range(n - 1)]
+
+
+def nvfp4_bytes(w) -> int:
+    """Bytes of an NVFP4 weight's packed values and block scales."""
+    return w.packed.numel() * w.packed.element_size() + w.block_scale.numel() * w.block_scale.element_size()
 
 
 def with_maxnreg(cfg: dict, maxnreg) -> dict:

@@ -16,7 +16,7 @@ from fp4kit.kernels import launch, moe_gemm as mg
 from fp4kit.kernels.quantize import quantize
 
 from . import Sweep
-from .common import merged, time_if_right, with_maxnreg
+from .common import merged, nvfp4_bytes, time_if_right, weight_copies, with_maxnreg
 
 
 def _nano_experts(n_exp, hid, inter):
@@ -51,46 +51,71 @@ def sweep(tokens=(1, 8, 64), n_exp=128, top_k=6, hid=2688, inter=1856,
     return out
 
 
-def sweep_small(tokens=(1, 2, 4, 8, 64), n_exp=128, top_k=6, hid=2688, inter=1856, programs_per_sm=(2, 4),
-                max_parts=(4,), tables=None):
-    """CUDA-graph times of the in-kernel-routing path (`_moe_small`) per split-K target and
-    split cap, and of the sort-based path, on Nano's experts, each checked first."""
+def _cold_copies(t, top_k, n_exp, up, down):
+    """(up, down) copies for `time_if_right`'s others: enough that a graph over them reads the
+    routed experts from memory (t tokens touch up to t * top_k experts of each stack)."""
+    touched = min(n_exp, t * top_k) * (nvfp4_bytes(up) + nvfp4_bytes(down)) // n_exp
+    ups = weight_copies(up, touched)
+    downs = [down] + [type(down)(down.packed.clone(), down.block_scale.clone(), down.global_scale.clone())
+                      for _ in ups[1:]]
+    return list(zip(ups, downs))[1:]
+
+
+def sweep_small(tokens=(1, 2, 4, 8, 64), n_exp=128, top_k=6, hid=2688, inter=1856, programs_per_sm=(2, 4, 8),
+                max_parts=(4, 8), tables=None):
+    """Times of the in-kernel-routing path (`_moe_small`) per split-K target and split cap, and
+    of the sort-based path, on Nano's experts, each checked first; timed cold (`time_if_right`
+    over copies of the stacks)."""
     up, down = _nano_experts(n_exp, hid, inter)
     out = []
     tables = tables or launch.table("moe")
     for t in tokens:
         h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
+        copies = _cold_copies(t, top_k, n_exp, up, down)
         cfg = mg.matrix_unit_config(t * top_k, n_exp, h.device, tables)
-        row = {"tokens": t, "path": "sorted"}
-        row.update(time_if_right(lambda: mg.moe_experts(h, ids, w, up, down, cfg=dict(cfg, small=False)), ref))
+
+        def timed(run):
+            return time_if_right(lambda: run(up, down), ref, [lambda u=u, d=d: run(u, d) for u, d in copies])
+
+        row = {"tokens": t, "path": "sorted", "weight_copies": 1 + len(copies)}
+        row.update(timed(lambda u, d: mg.moe_experts(h, ids, w, u, d, cfg=dict(cfg, small=False))))
         out.append(row)
         for pps, parts in itertools.product(programs_per_sm, max_parts):
             small = launch.override(tables, SMALL={"programs_per_sm": pps, "max_parts": parts})
-            row = {"tokens": t, "path": "small", "programs_per_sm": pps, "max_parts": parts}
-            row.update(time_if_right(lambda: mg.moe_experts(h, ids, w, up, down, cfg=dict(cfg, small=True),
-                                                            tables=small), ref))
+            row = {"tokens": t, "path": "small", "programs_per_sm": pps, "max_parts": parts,
+                   "weight_copies": 1 + len(copies)}
+            row.update(timed(lambda u, d: mg.moe_experts(h, ids, w, u, d, cfg=dict(cfg, small=True), tables=small)))
             out.append(row)
     return out
 
 
-def sweep_gemv(tokens=(1, 2, 4, 8, 16, 32, 64), n_exp=128, top_k=6, hid=2688, inter=1856,
-               tiles=((1, 4, 512, 1), (1, 8, 512, 1), (1, 4, 2048, 4), (1, 8, 2048, 4), (2, 8, 512, 1)), tables=None):
-    """CUDA-graph times of the CUDA-core tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps) on the
-    in-kernel-routing path, and of the default beyond them (`beyond_gemv_config`: the register-fed
-    or the wgmma matrix units) at the same token count, side by side, on Nano's experts; each
-    checked first."""
+def sweep_gemv(tokens=(1, 2, 4, 8, 16), n_exp=128, top_k=6, hid=2688, inter=1856,
+               tiles=((1, 4, 512, 1), (1, 8, 512, 1), (1, 4, 1024, 2), (1, 8, 1024, 2), (1, 16, 1024, 2),
+                      (1, 4, 2048, 4), (1, 8, 2048, 4), (1, 16, 2048, 4), (2, 8, 512, 1), (2, 8, 1024, 2)),
+               tables=None):
+    """Times of the CUDA-core tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps) on the in-kernel-routing
+    path, and of the default beyond them (`beyond_gemv_config`: the register-fed or the wgmma
+    matrix units) at the same token count, side by side, on Nano's experts; each checked first,
+    timed cold (`time_if_right` over copies of the stacks)."""
     up, down = _nano_experts(n_exp, hid, inter)
     out = []
     for t in tokens:
         h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
+        copies = _cold_copies(t, top_k, n_exp, up, down)
+
+        def timed(cfg):
+            def run(u, d):
+                return mg.moe_experts(h, ids, w, u, d, cfg=dict(cfg))
+            return time_if_right(lambda: run(up, down), ref, [lambda u=u, d=d: run(u, d) for u, d in copies])
+
         base = mg.beyond_gemv_config(t * top_k, n_exp, h.device, h.dtype, tables)
-        row = {"tokens": t, "path": "matrix-unit"}
-        row.update(time_if_right(lambda: mg.moe_experts(h, ids, w, up, down, cfg=dict(base)), ref))
+        row = {"tokens": t, "path": "matrix-unit", "weight_copies": 1 + len(copies)}
+        row.update(timed(base))
         out.append(row)
         for bm, bn, bk, nw in tiles:
             cfg = dict(gemv=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1)
-            row = {"tokens": t, "path": "gemv", "tile": [bm, bn, bk, nw]}
-            row.update(time_if_right(lambda: mg.moe_experts(h, ids, w, up, down, cfg=dict(cfg)), ref))
+            row = {"tokens": t, "path": "gemv", "tile": [bm, bn, bk, nw], "weight_copies": 1 + len(copies)}
+            row.update(timed(cfg))
             out.append(row)
     return out
 
