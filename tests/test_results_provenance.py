@@ -321,6 +321,7 @@ FIGURES = [
      "quantize-profile-before-host-h200.json", ("stage_best_s",), _f(3)),
     (README, "The stage's best wall is 0.059 s (1.04 TB/s)", "quantize-profile-h200.json", ("stage_best_s",), _f(3)),
     (README, "The stage's best wall is 0.059 s (1.04 TB/s)", "quantize-profile-h200.json", ("stage_tb_per_s",), _f(2)),
+    (README, "the first stage in a process takes 0.072 s", "quantize-profile-h200.json", ("first_stage_s",), _f(3)),
     (README, "the whole 8-sample processes take 46.5 s against 137.4 s (2.95x)", "vs-modelopt-h200.json",
      ("half@8x32k+mamba-kernels+fresh-triton-cache+compiled-bytecode", "fp4kit", "wall_s"), _f(1)),
     (README, "the whole 8-sample processes take 46.5 s against 137.4 s (2.95x)", "vs-modelopt-h200.json",
