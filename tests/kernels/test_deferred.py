@@ -74,24 +74,13 @@ def test_a_non_finite_cover_fails_even_above_the_floor():
         DeferredCheck(_raiser("x"), covers=[(torch.ones(3), own)])
 
 
-def test_the_checks_of_many_tensors_take_as_many_operations_as_those_of_few():
+def test_the_checks_of_many_tensors_take_as_many_operations_as_those_of_few(op_counter):
     # The stage defers one check per weight; reading them back must not launch per check
     # (views of the checked tensors are not launches, and are not counted).
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops += not func.is_view
-            return func(*args, **(kwargs or {}))
-
     counts = []
     for n in (3, 40):
         checks = _mixed_checks(n, {1})
-        with Count() as c:
+        with op_counter() as c:
             assert failed(checks) == [1]
         counts.append(c.ops)
     assert counts[0] == counts[1], counts

@@ -106,21 +106,10 @@ def test_queueing_a_weight_launches_few_torch_operations_beside_its_kernels(monk
     assert len(count.ops) <= 1.5 * len(weights), sorted(count.ops)
 
 
-def test_the_read_back_adds_every_weights_partial_sums_in_a_few_operations():
+def test_the_read_back_adds_every_weights_partial_sums_in_a_few_operations(op_counter):
     # The stage adds up each weight's per-program partial sums after the last weight is queued:
     # one reduction per weight would put hundreds of small kernels behind the last quantize kernel.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from fp4kit.quantize import _column_sums
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops += not func.is_view
-            return func(*args, **(kwargs or {}))
 
     def parts(n):
         g = torch.Generator().manual_seed(n)
@@ -131,7 +120,7 @@ def test_the_read_back_adds_every_weights_partial_sums_in_a_few_operations():
     counts = []
     for n in (4, 60):
         given = parts(n)
-        with Count() as c:
+        with op_counter() as c:
             got = _column_sums(given)
         counts.append(c.ops)
         for p, s in zip(given, got):
