@@ -33,11 +33,16 @@ def weight_copies(w, touched_bytes: int, l2_multiple: int = 4, most: int = 64) -
     on each touch `l2_multiple` times the GPU's L2 cache (`touched_bytes`: what one call reads of
     a weight), at least 2: a graph running the calls in turn reads each weight cold, as a
     model's step reads its layers' weights."""
-    from fp4kit.formats.nvfp4 import NVFP4Tensor
-
     l2 = torch.cuda.get_device_properties(w.packed.device).L2_cache_size
     n = max(2, min(most, -(-l2_multiple * l2 // max(1, touched_bytes))))
-    return [w] + [NVFP4Tensor(w.packed.clone(), w.block_scale.clone(), w.global_scale.clone()) for _ in range(n - 1)]
+    return [w] + [weight_copy(w) for _ in range(n - 1)]
+
+
+def weight_copy(w):
+    """NVFP4 weight w in memory of its own."""
+    from fp4kit.formats.nvfp4 import NVFP4Tensor
+
+    return NVFP4Tensor(w.packed.clone(), w.block_scale.clone(), w.global_scale.clone())
 
 
 def nvfp4_bytes(w) -> int:

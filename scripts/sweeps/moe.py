@@ -16,7 +16,7 @@ from fp4kit.kernels import launch, moe_gemm as mg
 from fp4kit.kernels.quantize import quantize
 
 from . import Sweep
-from .common import merged, nvfp4_bytes, time_if_right, weight_copies, with_maxnreg
+from .common import merged, nvfp4_bytes, time_if_right, weight_copies, weight_copy, with_maxnreg
 
 
 def _nano_experts(n_exp, hid, inter):
@@ -55,10 +55,7 @@ def _cold_copies(t, top_k, n_exp, up, down):
     """(up, down) copies for `time_if_right`'s others: enough that a graph over them reads the
     routed experts from memory (t tokens touch up to t * top_k experts of each stack)."""
     touched = min(n_exp, t * top_k) * (nvfp4_bytes(up) + nvfp4_bytes(down)) // n_exp
-    ups = weight_copies(up, touched)
-    downs = [down] + [type(down)(down.packed.clone(), down.block_scale.clone(), down.global_scale.clone())
-                      for _ in ups[1:]]
-    return list(zip(ups, downs))[1:]
+    return [(u, weight_copy(down)) for u in weight_copies(up, touched)[1:]]
 
 
 def sweep_small(tokens=(1, 2, 4, 8, 64), n_exp=128, top_k=6, hid=2688, inter=1856, programs_per_sm=(2, 4, 8),

@@ -78,17 +78,15 @@ def sweep_gemv(shapes=((3712, 2688), (2688, 3712), (131072, 2688)), ms=(1, 2, 4)
     """Times of the CUDA-core kernel's launch shapes (BLOCK_M, BLOCK_N, BLOCK_K, warps) x split-K
     target x stages on Nemotron-3-Nano's decode GEMVs (shared-expert up and down, lm_head), and
     of the matrix-unit kernel's launch shape at the same M, side by side; tiles with BLOCK_M < M
-    run several row tiles. Each launch shape is checked against an fp32
-    reference first (a wrong one is not timed), and timed cold (`time_if_right` over copies of
-    the weight)."""
+    run several row tiles. Each launch shape is checked against an fp32 reference first (a wrong
+    one is not timed), and timed cold (`time_if_right` over copies of the weight)."""
     out = []
     # config() at GEMV and MMA max_m 0 gives the wgmma kernel's launch shape at every M
     wgmma = launch.override(tables or launch.table("w4a16"), GEMV={"max_m": 0}, MMA={"max_m": 0})
-    copies: dict = {}
+    copied, others = None, []
     for n, k, m, wq, x, ref in _sweep_problems(shapes, ms):
-        if copies.get("of") is not wq:
-            copies = {"of": wq, "others": weight_copies(wq, nvfp4_bytes(wq))[1:]}
-        others = copies["others"]
+        if copied is not wq:  # one set of copies per shape, for its M values
+            copied, others = wq, weight_copies(wq, nvfp4_bytes(wq))[1:]
 
         def timed(cfg):
             return time_if_right(lambda: wg.w4a16_matmul(x, wq, cfg=cfg), ref,
