@@ -6,6 +6,7 @@ calibration set and the export for the CLI.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import statistics
 import threading
@@ -26,7 +27,7 @@ from .formats.constants import FP8_MAX, NVFP4_GLOBAL_DENOM
 from .formats.metrics import Terms, sqnr_db_of, sqnr_terms
 from .kernels.backend import BACKENDS
 from .kernels.deferred import failing, queue as queue_checks, to_device
-from .models import Role, adapter_for
+from .models import Role, adapter_for, mamba_compile
 from .models.roles import input_device
 from .plan import Planned, QuantizedModel, QuantizedTarget, fused_group_amax, plan_targets
 from .recipe import DEFAULT_RECIPE, QUANT_ALGO, Recipe, Rule
@@ -1181,12 +1182,19 @@ def run(job: QuantizeJob, log=print, checked: tuple | None = None) -> tuple[Quan
         state.clear()  # a snapshot left by an earlier run is not this run's to continue
     parallel.barrier()
     timings = {}
+    # mamba-ssm's kernels compile in worker processes while the model loads (rank 0's workers
+    # fill the Triton cache that every rank on this machine reads).
+    precompile = contextlib.nullcontext()
+    if rank == 0 and mamba_compile.wanted(model_ref, device, spec.seq_len, trust_remote_code=job.trust_remote_code):
+        first_batch = 1 if job.batch_size == AUTO_BATCH else min(job.batch_size, spec.samples)
+        precompile = mamba_compile.MambaPrecompile(model_ref, device, spec.seq_len, first_batch).start()
+        log(f"compiling mamba-ssm's kernels for {spec.seq_len}-token samples in {precompile.workers} processes beside the load")
     t0 = time.perf_counter()
     import transformers  # noqa: F401  (its import is a stage of its own, not part of loading the weights)
     from transformers import AutoModelForCausalLM  # noqa: F401
 
     timings["import"] = time.perf_counter() - t0
-    with _KernelFallbacks() as fallbacks:
+    with precompile, _KernelFallbacks() as fallbacks:
         t0 = time.perf_counter()
         log(f"loading {model_ref} on {job.device}" + (f" in each of {world} ranks" if world > 1 else ""))
         caps = parse_max_memory(job.max_memory, job.device) if job.max_memory is not None else None
@@ -1206,6 +1214,14 @@ def run(job: QuantizeJob, log=print, checked: tuple | None = None) -> tuple[Quan
             tokenizer, spec, job.dataset, seed=job.seed, allow_repeat=job.allow_repeat, progress=progress
         )
         timings["calibration set"] = time.perf_counter() - t0
+        if isinstance(precompile, mamba_compile.MambaPrecompile):
+            t0 = time.perf_counter()
+            precompile.wait()
+            timings["mamba compile beside load"] = precompile.seconds
+            timings["mamba compile wait"] = time.perf_counter() - t0
+            for failure in precompile.failures():
+                log(f"note: compiling mamba-ssm's kernels ahead failed in {failure}; the first sample compiles them")
+        parallel.barrier()
 
         qm = quantize(model, recipe, samples, backend=job.backend, batch_size=job.batch_size, progress=progress, state=state,
                       arith=job.arith)
