@@ -146,6 +146,14 @@ def _arg_class(a):
     return None
 
 
+def _arg_classes(args: tuple, tensor=torch.Tensor) -> tuple:
+    """tuple(map(_arg_class, args)), with the tensors and plain ints of a launch classified inline
+    (a launch's host time is counted in microseconds)."""
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, tensor)
+                 else (a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a >= 2**63) if type(a) is int
+                 else _arg_class(a) for a in args)
+
+
 @functools.cache
 def _runtime():
     """(current CUDA device, current raw stream of a device, Triton's launch hooks)."""
@@ -176,7 +184,7 @@ def launch_cached(kernel, grid: tuple, *args, constants: Constants | None = None
     if interpreted(kernel):
         kernel[grid](*args, **consts)
         return
-    classes = tuple(map(_arg_class, args))
+    classes = _arg_classes(args)
     current_device, current_stream, hooks = _runtime()
     device = current_device()
     key = None

@@ -545,10 +545,15 @@ def gemv_accumulate(acc, x_ptr, x4_ptr, rows, m_ok, wb_ptr, ws_ptr, gs, n64, n_o
 def activation_rows(x: torch.Tensor, k: int, n: int) -> tuple[tuple, torch.Tensor, torch.Tensor]:
     """(x's leading shape, x as rows [M, K] with unit stride along K, the output [M, N] to fill
     in x's dtype) for a GEMM launcher."""
-    x2 = x.reshape(-1, k)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # rows already: no view to make
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return x.shape[:-1], x2, torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    return x.shape[:-1], x2, x2.new_empty((x2.shape[0], n))
+
+
+def as_leading(out: torch.Tensor, lead: tuple, n: int) -> torch.Tensor:
+    """A launcher's [M, N] output in the activations' leading shape (itself where that is [M])."""
+    return out if len(lead) == 1 else out.reshape(*lead, n)
 
 
 # The table dequantization (inline PTX) for 16-bit activations on a GPU; the arithmetic one

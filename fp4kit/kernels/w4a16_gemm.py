@@ -40,7 +40,7 @@ from .backend import (Constants, cdiv, check_activations, check_backend, check_w
                       launch_options)
 from .mma import (first_group, mma_accumulate, mma_fragments, mma_lanes, mma_rows, mma_scales, mma_vec,
                   store_unscaled, sum_groups)
-from .tiles import (accumulate, activation_rows, dequant_tile, gemv_accumulate, gemv_k_tile, int64_activations,
+from .tiles import (accumulate, activation_rows, as_leading, dequant_tile, gemv_accumulate, gemv_k_tile, int64_activations,
                     load_weight_tile, lut_tile, split_counters, store_split, use_lut)
 
 _WHAT = "kernels.w4a16_matmul"
@@ -369,16 +369,17 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     cfg: a `config(...)` dict to force a launch shape (and the fused kernels at any M).
     tables: the launch table (default: the device's, `launch.table("w4a16", x.device)`).
     """
-    check_weight(w, _WHAT)
-    n, k = w.shape
+    ops = weight_operands(w)
+    n, k = ops.n, ops.k
     check_activations(x, k, _WHAT)
-    check_backend(backend, _w4a16_kernel, x, w.packed, w.block_scale, w.global_scale, what=_WHAT)
+    if not (backend == "triton" and ops.triton_ready and x.device == ops.device):
+        check_backend(backend, _w4a16_kernel, x, w.packed, w.block_scale, w.global_scale, what=_WHAT)
     if backend == "torch":
         return torch.nn.functional.linear(x, w.dequantize(x.dtype))
     lead, x2, out = activation_rows(x, k, n)
     m = x2.shape[0]
     if m == 0:
-        return out.reshape(*lead, n)
+        return as_leading(out, lead, n)
     if cfg is None and tables is None:
         plan = _default_plan(m, n, k, x.device, x.dtype)  # computed once per problem shape
     else:
@@ -392,18 +393,58 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
         counters = split_counters(x.device, grid[0] * grid[1])
     if mma:
         x2, x4 = int64_activations(x2)
-        scales, pairs = mma_scales(w)
         vec = mma_vec(w.packed, x4, x2.stride(0) // 4, k, _mma_kernel)
-        launch_cached(_mma_kernel, grid, x4, w.packed.view(torch.int64), scales, w.global_scale, out, part, counters,
-                      m, n, k, x2.stride(0) // 4, k_per_split, constants=consts[vec, pairs])
+        launch_cached(_mma_kernel, grid, x4, _need(ops.packed64, w, torch.int64), ops.mma_scales, w.global_scale, out, part, counters,
+                      m, n, k, x2.stride(0) // 4, k_per_split, constants=consts[vec, ops.mma_pairs])
     elif gemv:
         x2, x4 = int64_activations(x2)
-        launch_cached(_gemv_kernel, grid, x2, x4, w.packed.view(torch.int64), w.block_scale.view(torch.uint8),
-                      w.global_scale, out, part, counters, m, n, k, x2.stride(0), k_per_split, constants=consts)
+        launch_cached(_gemv_kernel, grid, x2, x4, _need(ops.packed64, w, torch.int64), ops.scales, w.global_scale, out, part, counters,
+                      m, n, k, x2.stride(0), k_per_split, constants=consts)
     else:
-        launch_cached(_w4a16_kernel, grid, x2, w.packed.view(torch.int32), w.block_scale.view(torch.uint8),
-                      w.global_scale, out, part, counters, m, n, k, x2.stride(0), k_per_split, constants=consts)
-    return out.reshape(*lead, n)
+        launch_cached(_w4a16_kernel, grid, x2, _need(ops.packed32, w, torch.int32), ops.scales, w.global_scale, out, part, counters,
+                      m, n, k, x2.stride(0), k_per_split, constants=consts)
+    return as_leading(out, lead, n)
+
+
+class _Operands:
+    """A 2-D NVFP4 weight checked for the kernels, and the views of its tensors they take: made
+    once per weight (`weight_operands`), since an NVFP4Tensor is frozen and its tensors' dtypes,
+    shapes, strides and device do not change."""
+
+    __slots__ = ("n", "k", "device", "triton_ready", "packed64", "packed32", "scales", "mma_scales", "mma_pairs")
+
+    def __init__(self, w: nvfp4.NVFP4Tensor) -> None:
+        check_weight(w, _WHAT)
+        self.n, self.k = w.shape
+        self.device = w.packed.device
+        try:  # one device, and one the kernels run on: a "triton" call on it needs no other check
+            check_backend("triton", _w4a16_kernel, w.packed, w.block_scale, w.global_scale, what=_WHAT)
+            self.triton_ready = True
+        except (RuntimeError, ValueError):
+            self.triton_ready = False
+        self.packed64, self.packed32 = (_view(w.packed, dtype) for dtype in (torch.int64, torch.int32))
+        self.scales = w.block_scale.view(torch.uint8)
+        self.mma_scales, self.mma_pairs = mma_scales(w)
+
+
+def _view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    try:
+        return t.view(dtype)
+    except RuntimeError:  # not viewable so (offset or shape): the launch that needs it says so
+        return None
+
+
+def _need(view: torch.Tensor | None, w: nvfp4.NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return view if view is not None else w.packed.view(dtype)  # raises torch's own error
+
+
+def weight_operands(w: nvfp4.NVFP4Tensor) -> _Operands:
+    """`w`'s `_Operands`, made at its first launch and kept on the (frozen) weight object."""
+    got = getattr(w, "_w4a16_operands", None) if isinstance(w, nvfp4.NVFP4Tensor) else None
+    if got is None:
+        got = _Operands(w)
+        object.__setattr__(w, "_w4a16_operands", got)
+    return got
 
 
 def dequantize(w: nvfp4.NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, backend: str = "triton",

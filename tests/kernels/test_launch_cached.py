@@ -169,6 +169,11 @@ def test_the_classes_are_at_least_as_fine_as_tritons_specialisation():
     assert len({backend._arg_class(a) for a in samples}) >= 10
 
 
+def test_a_launch_classifies_its_arguments_as_the_one_argument_rule_does():
+    samples = [*_samples(), torch.nn.Parameter(torch.zeros(4)), 7, -(2**31) - 1]
+    assert backend._arg_classes(tuple(samples)) == tuple(map(backend._arg_class, samples))
+
+
 def test_constants_made_once_are_keyed_by_their_own_number(runtime):
     k = Kernel()
     x, y = tensors()

@@ -346,3 +346,26 @@ def test_the_launch_shape_is_chosen_once_per_problem_shape(monkeypatch):
     w4a16_gemm.w4a16_matmul(_rand(3, 64, seed=2), w)
     assert chosen == [(2, 48, 64), (3, 48, 64)]
     assert torch.equal(first, again)
+
+
+def test_a_weight_is_checked_and_viewed_once(monkeypatch):
+    w = nvfp4.quantize(_rand(48, 64, seed=3))
+    checked = []
+    real = w4a16_gemm.check_weight
+    monkeypatch.setattr(w4a16_gemm, "check_weight", lambda *a, **k: checked.append(a[0]) or real(*a, **k))
+    first = w4a16_gemm.w4a16_matmul(_rand(2, 64, seed=1), w)
+    ops = w4a16_gemm.weight_operands(w)
+    again = w4a16_gemm.w4a16_matmul(_rand(2, 64, seed=1), w)
+    assert checked == [w]
+    assert w4a16_gemm.weight_operands(w) is ops and ops.scales.data_ptr() == w.block_scale.data_ptr()
+    assert torch.equal(first, again) and first.shape == (2, 48)
+    # The per-call checks stay: the activations, and any backend or device but the weight's own.
+    with pytest.raises(FormatError, match="does not end in K=64"):
+        w4a16_gemm.w4a16_matmul(_rand(2, 32), w)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        w4a16_gemm.w4a16_matmul(_rand(2, 64), w, backend="cutlass")
+    with pytest.raises(ValueError, match="all tensors must be on one device"):
+        w4a16_gemm.w4a16_matmul(_rand(2, 64).to("meta"), w)
+    # A weight made anew (another object) is checked anew.
+    w4a16_gemm.w4a16_matmul(_rand(2, 64), nvfp4.NVFP4Tensor(w.packed, w.block_scale, w.global_scale))
+    assert len(checked) == 2
