@@ -36,6 +36,10 @@ SCAN_MODULES = (
     "mamba_ssm.ops.triton.ssd_bmm",
     "mamba_ssm.ops.triton.ssd_chunk_scan",
 )
+# Their forward kernels and how many configurations mamba-ssm 2.3 autotunes each over: a Triton
+# cache holding that many compiled binaries of each has compiled them before.
+SCAN_KERNELS = {"_chunk_cumsum_fwd_kernel": 7, "_chunk_state_fwd_kernel": 9, "_state_passing_fwd_kernel": 6,
+                "_bmm_chunk_fwd_kernel": 9, "_chunk_scan_fwd_kernel": 11}
 MAMBA_LAYER_TYPES = ("mamba", "linear_attention")  # transformers 5.18 renames "mamba" to "linear_attention"
 SPECIALISED = 16  # Triton compiles an int argument apart when it is 1 or a multiple of 16
 
@@ -150,10 +154,36 @@ def _read_config(model_ref: str) -> dict | None:
         return None
 
 
+def triton_cache_dir() -> Path:
+    """The folder Triton keeps compiled kernels in (TRITON_CACHE_DIR, else under TRITON_HOME or ~)."""
+    try:
+        from triton import knobs
+
+        return Path(knobs.cache.dir)
+    except (ImportError, AttributeError):
+        home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")
+        return Path(os.environ.get("TRITON_CACHE_DIR") or Path(home, ".triton", "cache"))
+
+
+def compiled_before(cache: Path) -> bool:
+    """Whether `cache` already holds each chunked-scan kernel in at least as many compiled
+    binaries as it has configurations: then the first forward loads them from there, and workers
+    would only add their start-up to the wait. (Binaries compiled for another model's widths
+    count too; that model's first forward then compiles what it lacks, as without workers.)"""
+    if not cache.is_dir():
+        return False
+    found = dict.fromkeys(SCAN_KERNELS, 0)
+    for entry in cache.glob("*/*.cubin"):
+        if entry.stem in found:
+            found[entry.stem] += 1
+    return all(found[name] >= configs for name, configs in SCAN_KERNELS.items())
+
+
 def wanted(model_ref: str, device: str, seq_len: int, *, trust_remote_code: bool = False) -> bool:
     """Whether precompiling pays here: a Nemotron-H run by transformers' own code, on a GPU,
     calibrating in the chunked scan (2+ tokens), with mamba-ssm and causal-conv1d installed (the
-    kernels transformers then calls) and triton beside them. Not under `--device auto`: the
+    kernels transformers then calls) and triton beside them, and Triton's cache not holding them
+    compiled already (`compiled_before`). Not under `--device auto`: the
     workers' CUDA contexts would take GPU memory that accelerate measures while placing a model
     too large for the GPU."""
     if not device.startswith("cuda") or seq_len < 2:
@@ -164,6 +194,8 @@ def wanted(model_ref: str, device: str, seq_len: int, *, trust_remote_code: bool
     if trust_remote_code and "AutoModelForCausalLM" in (config.get("auto_map") or {}):
         return False  # the repository's own mixer may call the kernels differently
     if any(importlib.util.find_spec(name) is None for name in ("mamba_ssm", "causal_conv1d", "triton")):
+        return False
+    if compiled_before(triton_cache_dir()):
         return False
     import torch
 

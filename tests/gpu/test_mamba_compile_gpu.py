@@ -29,11 +29,13 @@ SCRIPT = textwrap.dedent("""
             out["wait_s"] = pre.wait()
             out["failures"] = pre.failures()
     out["before"] = compiled()
+    out["compiled_before"] = mc.compiled_before(cache)
     mixer = mc.mixer_for(folder, "cuda:0")
     t0 = time.perf_counter()
     mc.run_mixer(mixer, 1, seq_len)
     out["first_forward_s"] = time.perf_counter() - t0
     out["after"] = compiled()
+    out["compiled_after"] = mc.compiled_before(cache)
     mc.run_mixer(mixer, 2, seq_len)  # two rows: a variant the workers did not compile
     out["after_two_rows"] = compiled()
     print(json.dumps(out))
@@ -65,7 +67,9 @@ def test_the_workers_leave_the_first_forward_nothing_to_compile(tmp_path):
     assert with_workers["before"] >= 5, "each kernel of the chunked scan compiled by some worker"
     assert with_workers["after"] == with_workers["before"], "the first forward compiled nothing"
     assert with_workers["after_two_rows"] > with_workers["after"], "a new variant does compile (the count sees it)"
+    assert with_workers["compiled_before"], "a later job on this cache starts no workers"
     alone = _run(tmp_path, "alone", seq_len, workers=0)
     print("alone", alone)
     assert alone["before"] == 0 and alone["after"] >= with_workers["before"]
+    assert not alone["compiled_before"] and alone["compiled_after"]
     assert with_workers["first_forward_s"] < alone["first_forward_s"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import types
 
@@ -53,11 +54,14 @@ def _nemotron_folder(tmp_path, **changes):
 
 
 @pytest.fixture
-def kernels_here(monkeypatch):
-    """As on a GPU machine with mamba-ssm, causal-conv1d and triton installed."""
+def kernels_here(monkeypatch, tmp_path):
+    """As on a GPU machine with mamba-ssm, causal-conv1d and triton installed, and an empty
+    Triton cache."""
     import importlib.util
 
     import torch
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: types.SimpleNamespace(name=name)
@@ -166,3 +170,28 @@ def test_the_quantize_job_starts_the_workers_before_loading_and_waits_before_cal
     assert events[0][1:] == (64, 2)
     assert any("compiling mamba-ssm's kernels for 64-token samples" in line for line in lines)
     assert {"mamba compile beside load", "mamba compile wait"} <= set(qm.timings)
+
+
+def _compiled(cache, counts):
+    """Triton's layout: a folder per compiled binary, named by its hash, holding <kernel>.cubin."""
+    for name, n in counts.items():
+        for _ in range(n):
+            entry = cache / os.urandom(8).hex()
+            entry.mkdir(parents=True)
+            (entry / f"{name}.cubin").write_bytes(b"")
+            (entry / f"{name}.json").write_text("{}")
+
+
+def test_a_cache_holding_every_configuration_compiled_is_not_compiled_again(tmp_path, kernels_here):
+    folder = _nemotron_folder(tmp_path)
+    cache = mc.triton_cache_dir()
+    assert cache == tmp_path / "triton-cache"
+    assert mc.wanted(folder, "cuda", 32768)
+    _compiled(cache, {**mc.SCAN_KERNELS, "_chunk_scan_fwd_kernel": mc.SCAN_KERNELS["_chunk_scan_fwd_kernel"] - 1,
+                      "_other_kernel": 50})
+    assert not mc.compiled_before(cache), "one configuration of one kernel short"
+    assert mc.wanted(folder, "cuda", 32768)
+    _compiled(cache, {"_chunk_scan_fwd_kernel": 1})
+    assert mc.compiled_before(cache)
+    assert not mc.wanted(folder, "cuda", 32768)
+    assert sum(mc.SCAN_KERNELS.values()) == 42  # mamba-ssm 2.3's configurations, as tests/gpu counts them
