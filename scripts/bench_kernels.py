@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -51,6 +52,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<gpu>.json)")
     parser.add_argument("--skip-modelopt", action="store_true", help="do not time ModelOpt")
     parser.add_argument("--skip-quantize", action="store_true", help="do not time quantize (trial runs)")
+    parser.add_argument("--host-only", action="store_true",
+                        help="only the host time of an eager W4A16 call at one row against torch.matmul's, five "
+                             "times in this process (default out: benchmarks/results/kernels-host-<gpu>.json)")
     parser.add_argument("--targets", metavar="JSON", default=None,
                         help="print the targets table of an earlier run's JSON and exit (no GPU needed)")
     args = parser.parse_args()
@@ -60,6 +64,19 @@ def main() -> None:
         return
     from benchlib import moe as moe_bench, quantize as quantize_bench, w4a16 as w4a16_bench
 
+    if args.host_only:
+        out_path, result = run_record("kernels-host", args.out)
+        runs = [w4a16_bench.host_overhead_us(calls=2000) for _ in range(5)]
+        result["host_overhead_runs"] = runs
+        result["host_overhead"] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+        for r in runs:
+            print("  ".join(f"{key} {value:.1f}" for key, value in r.items()))
+        print(f"median: {result['host_overhead']}")
+        print(f"wrote {out_path}")
+        return
     out_path, result = run_record("kernels", args.out)
     result["copy_ceiling_tbps"] = copy_ceiling_tbps()
     print(f"copy ceiling {result['copy_ceiling_tbps']:.2f} TB/s", flush=True)

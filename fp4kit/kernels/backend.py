@@ -164,7 +164,7 @@ def _runtime():
     return active.get_current_device, active.get_current_stream, knobs.runtime
 
 
-def launch_cached(kernel, grid: tuple, *args, constants: Constants | None = None, **consts) -> None:
+def launch_cached(kernel, grid: tuple, *args, constants: Constants | None = None, **consts) -> tuple | None:
     """`kernel[grid](*args, **consts)`, with Triton's per-call dispatch done once per class of call.
 
     args: the kernel's runtime arguments, in order; consts: its constexprs and launch options, by
@@ -176,14 +176,17 @@ def launch_cached(kernel, grid: tuple, *args, constants: Constants | None = None
     kernel; later calls of that class launch it directly with the same argument list Triton
     would pass (the constexprs in the kernel's order, defaults filled in), skipping Triton's
     argument binding and cache key. Under Triton's interpreter, or for an argument of another
-    kind, every call goes through Triton."""
+    kind, every call goes through Triton.
+
+    Returns the kept (compiled kernel, constexpr tail) of the call's class, for `launch_kept`
+    (None where nothing is kept: the interpreter, an argument of another kind)."""
     if constants is not None:
         consts, which = constants, constants.token
     else:
         which = None
     if interpreted(kernel):
         kernel[grid](*args, **consts)
-        return
+        return None
     classes = _arg_classes(args)
     current_device, current_stream, hooks = _runtime()
     device = current_device()
@@ -204,9 +207,28 @@ def launch_cached(kernel, grid: tuple, *args, constants: Constants | None = None
                          for name in list(params)[len(args):])
             compiled.run  # loads the binary (sets `function`) if the launch above did not
             _COMPILED[key] = (compiled, tail)
-        return
-    compiled, tail = hit
-    stream = current_stream(device)
+            return _COMPILED[key]
+        return None
+    _launch(hit, grid, current_stream(device), hooks, args)
+    return hit
+
+
+def current_device() -> int:
+    """The current CUDA device's index, as Triton launches on it."""
+    return _runtime()[0]()
+
+
+def launch_kept(kept: tuple, grid: tuple, *args, device: int | None = None) -> None:
+    """Launches `kept` (what `launch_cached` returned) on `args` without classifying them: the
+    caller vouches that they are of the class of that call (the same kernel, constants, current
+    device, dtypes, 16-byte alignments and integer classes), as a launcher that keys its kept
+    launches by all of these does. device: the current device, where the caller has it."""
+    _, current_stream, hooks = _runtime()
+    _launch(kept, grid, current_stream(current_device() if device is None else device), hooks, args)
+
+
+def _launch(kept: tuple, grid: tuple, stream, hooks, args: tuple) -> None:
+    compiled, tail = kept
     g = (*grid, 1, 1)
     full = (*args, *tail)
     enter = hooks.launch_enter_hook

@@ -36,14 +36,15 @@ import triton.language as tl
 from fp4kit.formats import nvfp4
 
 from . import backend, launch
-from .backend import (Constants, cdiv, check_activations, check_backend, check_weight, interpreted, launch_cached,
-                      launch_options)
+from .backend import (Constants, cdiv, check_activations, check_backend, check_weight, current_device, interpreted,
+                      launch_cached, launch_kept, launch_options)
 from .mma import (first_group, mma_accumulate, mma_fragments, mma_lanes, mma_rows, mma_scales, mma_vec,
                   store_unscaled, sum_groups)
 from .tiles import (accumulate, activation_rows, as_leading, dequant_tile, gemv_accumulate, gemv_k_tile, int64_activations,
                     load_weight_tile, lut_tile, split_counters, store_split, use_lut)
 
 _WHAT = "kernels.w4a16_matmul"
+_KEPT_PER_WEIGHT = 64  # kept launches per weight: a decode's batch buckets, not every prefill length
 
 
 @triton.jit
@@ -391,18 +392,37 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, grid[0] * grid[1])
+    if mma or gemv:
+        x2, x4 = int64_activations(x2)
+    stride = x2.stride(0)
     if mma:
-        x2, x4 = int64_activations(x2)
-        vec = mma_vec(w.packed, x4, x2.stride(0) // 4, k, _mma_kernel)
-        launch_cached(_mma_kernel, grid, x4, _need(ops.packed64, w, torch.int64), ops.mma_scales, w.global_scale, out, part, counters,
-                      m, n, k, x2.stride(0) // 4, k_per_split, constants=consts[vec, ops.mma_pairs])
+        kernel = _mma_kernel
+        args = (x4, _need(ops.packed64, w, torch.int64), ops.mma_scales, w.global_scale, out, part, counters,
+                m, n, k, stride // 4, k_per_split)
     elif gemv:
-        x2, x4 = int64_activations(x2)
-        launch_cached(_gemv_kernel, grid, x2, x4, _need(ops.packed64, w, torch.int64), ops.scales, w.global_scale, out, part, counters,
-                      m, n, k, x2.stride(0), k_per_split, constants=consts)
+        kernel = _gemv_kernel
+        args = (x2, x4, _need(ops.packed64, w, torch.int64), ops.scales, w.global_scale, out, part, counters,
+                m, n, k, stride, k_per_split)
     else:
-        launch_cached(_w4a16_kernel, grid, x2, _need(ops.packed32, w, torch.int32), ops.scales, w.global_scale, out, part, counters,
-                      m, n, k, x2.stride(0), k_per_split, constants=consts)
+        kernel = _w4a16_kernel
+        args = (x2, _need(ops.packed32, w, torch.int32), ops.scales, w.global_scale, out, part, counters,
+                m, n, k, stride, k_per_split)
+    # Under the default plan every argument's class is fixed by the weight but for these, so a
+    # launch kept under this key needs no classifying (backend.launch_kept).
+    key = None
+    if cfg is None and tables is None and not interpreted(kernel):
+        device = current_device()
+        key = (m, x2.dtype, x2.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, part.data_ptr() % 16 == 0,
+               counters.data_ptr() % 16 == 0, stride, device)
+        kept = ops.launches.get(key)
+        if kept is not None:
+            launch_kept(kept, grid, *args, device=device)
+            return as_leading(out, lead, n)
+    if mma:
+        consts = consts[mma_vec(w.packed, x4, stride // 4, k, _mma_kernel), ops.mma_pairs]
+    kept = launch_cached(kernel, grid, *args, constants=consts)
+    if key is not None and kept is not None and len(ops.launches) < _KEPT_PER_WEIGHT:
+        ops.launches[key] = kept
     return as_leading(out, lead, n)
 
 
@@ -411,7 +431,8 @@ class _Operands:
     once per weight (`weight_operands`), since an NVFP4Tensor is frozen and its tensors' dtypes,
     shapes, strides and device do not change."""
 
-    __slots__ = ("n", "k", "device", "triton_ready", "packed64", "packed32", "scales", "mma_scales", "mma_pairs")
+    __slots__ = ("n", "k", "device", "triton_ready", "packed64", "packed32", "scales", "mma_scales", "mma_pairs",
+                 "launches")
 
     def __init__(self, w: nvfp4.NVFP4Tensor) -> None:
         check_weight(w, _WHAT)
@@ -425,6 +446,7 @@ class _Operands:
         self.packed64, self.packed32 = (_view(w.packed, dtype) for dtype in (torch.int64, torch.int32))
         self.scales = w.block_scale.view(torch.uint8)
         self.mma_scales, self.mma_pairs = mma_scales(w)
+        self.launches: dict = {}  # kept launches (backend.launch_cached) by the call's key in w4a16_matmul
 
 
 def _view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

@@ -340,10 +340,18 @@ def test_cached_launches_equal_tritons_own(monkeypatch):
         return dense + packed + [moe_gemm.moe_experts(moe_x, ids, weights, up, down)]
 
     backend._COMPILED.clear()
+    relaunched = []
+    real_kept = w4a16_gemm.launch_kept
+    monkeypatch.setattr(w4a16_gemm, "launch_kept", lambda *a, **k: relaunched.append(a[0]) or real_kept(*a, **k))
     fast = [run() for _ in range(3)]  # the first through Triton, the others from the kept binaries
     kept = {key[0] for key in backend._COMPILED}
     assert {w4a16_gemm._gemv_kernel, w4a16_gemm._mma_kernel, w4a16_gemm._w4a16_kernel,
             moe_gemm._moe_small_kernel, packed_gemm._packed_kernel} <= kept
+    # The dense calls of the second and third runs relaunch the weight's kept launches.
+    assert len(relaunched) == 2 * len(xs)
+    assert len(w4a16_gemm.weight_operands(wq).launches) == len(xs)
+    w4a16_gemm.weight_operands(wq).launches.clear()
+    monkeypatch.setattr(w4a16_gemm, "launch_kept", None)  # the reference never takes the kept path
     monkeypatch.setattr(w4a16_gemm, "launch_cached", _through_triton)
     monkeypatch.setattr(packed_gemm, "launch_cached", _through_triton)
     monkeypatch.setattr(moe_gemm, "launch_cached", _through_triton)

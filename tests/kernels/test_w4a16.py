@@ -369,3 +369,36 @@ def test_a_weight_is_checked_and_viewed_once(monkeypatch):
     # A weight made anew (another object) is checked anew.
     w4a16_gemm.w4a16_matmul(_rand(2, 64), nvfp4.NVFP4Tensor(w.packed, w.block_scale, w.global_scale))
     assert len(checked) == 2
+
+
+def test_a_launch_of_a_known_class_is_kept_per_weight_and_relaunched_without_classifying(monkeypatch):
+    """The key w4a16_matmul keeps a weight's launches under: a call of another row count, dtype,
+    16-byte alignment or row stride goes through launch_cached again (run here with a recording
+    stand-in for both launch paths, since the interpreter keeps no compiled kernel)."""
+    cached, kept = [], []
+    monkeypatch.setattr(w4a16_gemm, "interpreted", lambda kernel: False)
+    monkeypatch.setattr(w4a16_gemm, "current_device", lambda: 0)
+    monkeypatch.setattr(w4a16_gemm, "launch_cached",
+                        lambda kernel, grid, *args, constants: cached.append((kernel, grid, args)) or ("kept", len(cached)))
+    monkeypatch.setattr(w4a16_gemm, "launch_kept", lambda entry, grid, *args, device: kept.append((entry, grid, args)))
+    monkeypatch.setattr(w4a16_gemm, "_KEPT_PER_WEIGHT", 4)
+    w = nvfp4.quantize(_rand(48, 64, seed=4))
+    x = _rand(2, 64, seed=5)
+    w4a16_gemm.w4a16_matmul(x, w)
+    w4a16_gemm.w4a16_matmul(x.clone(), w)
+    assert len(cached) == 1 and len(kept) == 1
+    entry, grid, args = kept[0]
+    assert entry == ("kept", 1) and grid == cached[0][1]
+    assert [a for a in args if not isinstance(a, torch.Tensor)] == [a for a in cached[0][2] if not isinstance(a, torch.Tensor)]
+    # Each of these is a call of another class: through launch_cached, then kept under its own key.
+    wide = torch.zeros(2, 64 + 1)  # rows 65 apart; the second view's start 4 bytes past 16-byte alignment
+    for other in (_rand(3, 64), x.half(), wide[:, :64].copy_(x), wide[:, 1:].copy_(x)):
+        before = len(cached)
+        w4a16_gemm.w4a16_matmul(other, w)
+        assert len(cached) == before + 1, (other.shape, other.dtype, other.stride(), other.data_ptr() % 16)
+    assert len(w4a16_gemm.weight_operands(w).launches) == 4
+    w4a16_gemm.w4a16_matmul(_rand(5, 64), w)  # past the cap: launched, not kept
+    assert len(w4a16_gemm.weight_operands(w).launches) == 4 and len(cached) == 6
+    # A forced launch shape is never kept.
+    w4a16_gemm.w4a16_matmul(x, w, cfg=w4a16_gemm.config(2, 48, 64, x.device))
+    assert len(cached) == 7 and len(kept) == 1
