@@ -448,6 +448,11 @@ class _Operands:
         self.mma_scales, self.mma_pairs = mma_scales(w)
         self.launches: dict = {}  # kept launches (backend.launch_cached) by the call's key in w4a16_matmul
 
+    def __reduce__(self):
+        # A copied or pickled weight makes its own at its first call: the views would not follow
+        # the copy's tensors, and a compiled kernel does not pickle.
+        return type(None), ()
+
 
 def _view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     try:

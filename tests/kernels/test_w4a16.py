@@ -402,3 +402,23 @@ def test_a_launch_of_a_known_class_is_kept_per_weight_and_relaunched_without_cla
     # A forced launch shape is never kept.
     w4a16_gemm.w4a16_matmul(x, w, cfg=w4a16_gemm.config(2, 48, 64, x.device))
     assert len(cached) == 7 and len(kept) == 1
+
+
+def test_a_copied_or_pickled_weight_makes_its_own_operands():
+    import copy
+    import io
+
+    def saved_and_loaded(obj):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    w = nvfp4.quantize(_rand(48, 64, seed=6))
+    y = w4a16_gemm.w4a16_matmul(_rand(2, 64, seed=7), w)
+    w4a16_gemm.weight_operands(w).launches["k"] = (lambda: None, ())  # as a compiled kernel: no pickling it
+    for other in (copy.deepcopy(w), saved_and_loaded(w)):
+        assert getattr(other, "_w4a16_operands") is None
+        assert torch.equal(w4a16_gemm.w4a16_matmul(_rand(2, 64, seed=7), other), y)
+        ops = w4a16_gemm.weight_operands(other)
+        assert ops.launches == {} and ops.scales.data_ptr() == other.block_scale.data_ptr() != w.block_scale.data_ptr()
