@@ -1215,10 +1215,8 @@ def run(job: QuantizeJob, log=print, checked: tuple | None = None) -> tuple[Quan
         )
         timings["calibration set"] = time.perf_counter() - t0
         if isinstance(precompile, mamba_compile.MambaPrecompile):
-            t0 = time.perf_counter()
-            precompile.wait()
-            timings["mamba compile beside load"] = precompile.seconds
-            timings["mamba compile wait"] = time.perf_counter() - t0
+            waited = precompile.wait()
+            timings["mamba compile beside load"], timings["mamba compile wait"] = precompile.seconds, waited
             for failure in precompile.failures():
                 log(f"note: compiling mamba-ssm's kernels ahead failed in {failure}; the first sample compiles them")
         parallel.barrier()

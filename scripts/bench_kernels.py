@@ -47,6 +47,12 @@ def copy_ceiling_tbps(n_bytes: int = 2 << 30) -> float:
     return 2 * n_bytes / (ms * 1e-3) / 1e12
 
 
+def write(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<gpu>.json)")
@@ -69,9 +75,7 @@ def main() -> None:
         runs = [w4a16_bench.host_overhead_us(calls=2000) for _ in range(5)]
         result["host_overhead_runs"] = runs
         result["host_overhead"] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-        with open(out_path, "w") as f:
-            json.dump(result, f, indent=1)
+        write(out_path, result)
         for r in runs:
             print("  ".join(f"{key} {value:.1f}" for key, value in r.items()))
         print(f"median: {result['host_overhead']}")
@@ -131,9 +135,7 @@ def main() -> None:
 
     result["targets"] = targets(result)
 
-    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1)
+    write(out_path, result)
     print_table(result)
     print_targets(result["targets"])
     print(f"wrote {out_path}")

@@ -156,13 +156,9 @@ def _read_config(model_ref: str) -> dict | None:
 
 def triton_cache_dir() -> Path:
     """The folder Triton keeps compiled kernels in (TRITON_CACHE_DIR, else under TRITON_HOME or ~)."""
-    try:
-        from triton import knobs
+    from triton import knobs
 
-        return Path(knobs.cache.dir)
-    except (ImportError, AttributeError):
-        home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")
-        return Path(os.environ.get("TRITON_CACHE_DIR") or Path(home, ".triton", "cache"))
+    return Path(knobs.cache.dir)
 
 
 def compiled_before(cache: Path) -> bool:
@@ -195,11 +191,9 @@ def wanted(model_ref: str, device: str, seq_len: int, *, trust_remote_code: bool
         return False  # the repository's own mixer may call the kernels differently
     if any(importlib.util.find_spec(name) is None for name in ("mamba_ssm", "causal_conv1d", "triton")):
         return False
-    if compiled_before(triton_cache_dir()):
-        return False
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.is_available() and not compiled_before(triton_cache_dir())
 
 
 def default_workers() -> int:
