@@ -1187,8 +1187,13 @@ def run(job: QuantizeJob, log=print, checked: tuple | None = None) -> tuple[Quan
     precompile = contextlib.nullcontext()
     if rank == 0 and mamba_compile.wanted(model_ref, device, spec.seq_len, trust_remote_code=job.trust_remote_code):
         first_batch = 1 if job.batch_size == AUTO_BATCH else min(job.batch_size, spec.samples)
-        precompile = mamba_compile.MambaPrecompile(model_ref, device, spec.seq_len, first_batch).start()
-        log(f"compiling mamba-ssm's kernels for {spec.seq_len}-token samples in {precompile.workers} processes beside the load")
+        workers, free, weights = mamba_compile.workers_for(model_ref, device)
+        if workers:
+            precompile = mamba_compile.MambaPrecompile(model_ref, device, spec.seq_len, first_batch, workers=workers).start()
+            log(f"compiling mamba-ssm's kernels for {spec.seq_len}-token samples in {workers} processes beside the load")
+        else:
+            log(f"not compiling mamba-ssm's kernels ahead: {free / 1e9:.1f} GB free on {device} leaves no room beside "
+                f"the {weights / 1e9:.1f} GB model; the first sample compiles them")
     t0 = time.perf_counter()
     import transformers  # noqa: F401  (its import is a stage of its own, not part of loading the weights)
     from transformers import AutoModelForCausalLM  # noqa: F401

@@ -200,6 +200,41 @@ def default_workers() -> int:
     return max(1, min(MAX_WORKERS, (os.cpu_count() or 2) // 2))
 
 
+# GPU memory one worker may take: its CUDA context, one mixer's weights and the activations of a
+# compile_length forward, rounded up.
+WORKER_GPU_BYTES = 1 << 30
+
+
+def weight_bytes(model_ref: str) -> int | None:
+    """The bytes of a model folder's weight files (what its BF16 weights take on the GPU), or None."""
+    folder = Path(model_ref)
+    if not folder.is_dir():
+        return None
+    files = list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))
+    return sum(f.stat().st_size for f in files) or None
+
+
+def workers_that_fit(free: int, weights: int | None, most: int) -> int:
+    """How many workers fit in `free` bytes of GPU memory while `weights` bytes of model load
+    beside them: the model and a tenth of it on top come first, then WORKER_GPU_BYTES a worker."""
+    if weights is None:
+        return most
+    return max(0, min(most, (free - weights - weights // 10) // WORKER_GPU_BYTES))
+
+
+def workers_for(model_ref: str, device: str) -> tuple[int, int, int | None]:
+    """(workers, free GPU bytes, model bytes): as many workers as default_workers() allows and
+    the GPU has room for beside the model the job is about to load."""
+    most = default_workers()
+    if not device.startswith("cuda"):
+        return most, 0, None
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    weights = weight_bytes(model_ref)
+    return workers_that_fit(free, weights, most), free, weights
+
+
 @dataclass
 class MambaPrecompile:
     """Worker processes compiling mamba-ssm's kernels for `model_ref`'s Mamba mixer at `seq_len`

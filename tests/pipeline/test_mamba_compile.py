@@ -172,6 +172,52 @@ def test_the_quantize_job_starts_the_workers_before_loading_and_waits_before_cal
     assert {"mamba compile beside load", "mamba compile wait"} <= set(qm.timings)
 
 
+GB = 10**9
+
+
+def test_the_workers_take_only_the_gpu_memory_the_model_leaves():
+    gib = mc.WORKER_GPU_BYTES
+    assert mc.workers_that_fit(141 * GB, 31 * GB, 8) == 8  # the half model on an H200
+    assert mc.workers_that_fit(141 * GB, 63 * GB, 8) == 8  # the full model
+    # the full model on an 80 GB GPU: 80 - 63 - 6.3 GB leaves room for 9 workers of 1 GiB, 8 wanted
+    assert mc.workers_that_fit(80 * GB, 63 * GB, 8) == 8
+    assert mc.workers_that_fit(int(63 * 1.1 * GB) + 3 * gib + gib // 2, 63 * GB, 8) == 3
+    assert mc.workers_that_fit(int(63 * 1.1 * GB) + gib - 1, 63 * GB, 8) == 0
+    assert mc.workers_that_fit(40 * GB, 63 * GB, 8) == 0
+    assert mc.workers_that_fit(1, None, 5) == 5  # a hub id: nothing to weigh
+
+
+def test_the_model_bytes_are_its_weight_files(tmp_path):
+    assert mc.weight_bytes(str(tmp_path)) is None
+    (tmp_path / "model-00001.safetensors").write_bytes(b"x" * 300)
+    (tmp_path / "model-00002.safetensors").write_bytes(b"x" * 200)
+    (tmp_path / "config.json").write_text("{}")
+    assert mc.weight_bytes(str(tmp_path)) == 500
+    assert mc.weight_bytes(str(tmp_path / "absent")) is None
+
+
+@pytest.mark.parametrize("room", [0, 3])
+def test_the_quantize_job_starts_as_many_workers_as_the_gpu_has_room_for(tmp_path, monkeypatch, room):
+    started = []
+
+    class Recorded(_Scripted):
+        def start(self):
+            started.append(self.workers)
+            self.scripts = ("pass",) * self.workers
+            return super().start()
+
+    monkeypatch.setattr(mc, "wanted", lambda *a, **k: True)
+    monkeypatch.setattr(mc, "workers_for", lambda model_ref, device: (room, 70 * GB, 63 * GB))
+    monkeypatch.setattr(mc, "MambaPrecompile", Recorded)
+    lines = []
+    qm, _ = run(QuantizeJob(calib="2x64", output=str(tmp_path / "out"), progress=False), log=lines.append)
+    assert started == ([room] if room else [])
+    assert ("mamba compile wait" in qm.timings) == bool(room)
+    if not room:
+        assert any("not compiling mamba-ssm's kernels ahead: 70.0 GB free on cpu leaves no room beside the 63.0 GB model"
+                   in line for line in lines), lines
+
+
 def _compiled(cache, counts):
     """Triton's layout: a folder per compiled binary, named by its hash, holding <kernel>.cubin."""
     for name, n in counts.items():
