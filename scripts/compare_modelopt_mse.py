@@ -865,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            print(f"fp4kit again with eager experts: {len(differing)} activation scales differ ...", file=sys.stderr)
+            print(f"fp4kit again with eager experts, for {len(differing)} activation scales ...", file=sys.stderr)
             control = activation_scale_control(model_ref, str(spec), args.seed, device, arith, work / "fp4kit-eager-experts",
                                                shown, mo, differing)
             analysis["activation_scale_control"] = control
