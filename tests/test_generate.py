@@ -382,6 +382,24 @@ def test_only_single_group_routers_take_the_short_forward_and_only_within_the_bl
     assert all(type(m) is NemotronHTopkRouter for m in _routers(one))
 
 
+def test_a_16_bit_router_keeps_an_fp32_copy_of_its_weight_within_the_block_only():
+    from fp4kit.models.nemotron_h import single_group_routing
+
+    model = models.build_nemotron_h().to(torch.bfloat16)
+    routers = _routers(model)
+    x = torch.randn((3, routers[0].hidden_dim)).to(torch.bfloat16)
+    want = routers[0](x)
+    with single_group_routing(model):
+        for m in routers:
+            assert m._weight_fp32.dtype == torch.float32 and torch.equal(m._weight_fp32, m.weight.float())
+        got = routers[0](x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not any(hasattr(m, "_weight_fp32") for m in routers)
+    fp32 = models.build_nemotron_h().to(torch.float32)
+    with single_group_routing(fp32):  # already fp32: nothing to copy
+        assert not any(hasattr(m, "_weight_fp32") for m in _routers(fp32))
+
+
 def test_the_short_router_launches_one_top_k_where_the_full_one_launches_three():
     from torch.utils._python_dispatch import TorchDispatchMode
 

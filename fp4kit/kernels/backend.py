@@ -133,10 +133,11 @@ class Constants(dict):
 
 def _arg_class(a):
     """What Triton's specialisation can tell apart in a runtime argument, or a finer class: a
-    tensor's dtype and 16-byte alignment; an int's equality to 1, divisibility by 16 and width;
-    a bool's value; a float or None as such. Unknown kinds give None (no cached launch)."""
+    tensor's dtype, 16-byte alignment and whether it is on a GPU; an int's equality to 1,
+    divisibility by 16 and width; a bool's value; a float or None as such. Unknown kinds give
+    None (no cached launch)."""
     if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
+        return a.dtype, a.data_ptr() % 16 == 0, a.is_cuda
     if isinstance(a, bool) or a is None:
         return a, 0
     if isinstance(a, int):
@@ -146,12 +147,30 @@ def _arg_class(a):
     return None
 
 
-def _arg_classes(args: tuple, tensor=torch.Tensor) -> tuple:
-    """tuple(map(_arg_class, args)), with the tensors and plain ints of a launch classified inline
-    (a launch's host time is counted in microseconds)."""
-    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, tensor)
-                 else (a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a >= 2**63) if type(a) is int
-                 else _arg_class(a) for a in args)
+def _classify(args: tuple, tensor=torch.Tensor) -> tuple[tuple, tuple]:
+    """(tuple(map(_arg_class, args)), the arguments as a kept launch passes them: each tensor by
+    its data pointer, an int). The tensors and plain ints of a launch are classified inline (a
+    launch's host time is counted in microseconds). Triton's launcher takes an int for a pointer
+    as the address itself; given a tensor it asks the driver about the pointer on every launch
+    (cuPointerGetAttribute), which the class's `is_cuda` makes needless here."""
+    classes, flat = [], []
+    for a in args:
+        if isinstance(a, tensor):
+            p = a.data_ptr()
+            classes.append((a.dtype, p % 16 == 0, a.is_cuda))
+            flat.append(p)
+        elif type(a) is int:
+            classes.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a >= 2**63))
+            flat.append(a)
+        else:
+            classes.append(_arg_class(a))
+            flat.append(a)
+    return tuple(classes), tuple(flat)
+
+
+def _arg_classes(args: tuple) -> tuple:
+    """tuple(map(_arg_class, args)), as a launch classifies them (`_classify`)."""
+    return _classify(args)[0]
 
 
 @functools.cache
@@ -161,7 +180,10 @@ def _runtime():
     from triton.runtime import driver
 
     active = driver.active
-    return active.get_current_device, active.get_current_stream, knobs.runtime
+    device = active.get_current_device
+    if device is torch.cuda.current_device and torch.cuda.is_initialized() and hasattr(torch._C, "_cuda_getDevice"):
+        device = torch._C._cuda_getDevice  # the same answer without torch's lazy-initialisation check
+    return device, active.get_current_stream, knobs.runtime
 
 
 def launch_cached(kernel, grid: tuple, *args, constants: Constants | None = None, **consts) -> tuple | None:
@@ -173,9 +195,9 @@ def launch_cached(kernel, grid: tuple, *args, constants: Constants | None = None
     what Triton specialises a compiled binary on (dtypes, 16-byte alignment of pointers, integers
     equal to 1 or divisible by 16, integer widths). The
     first call of a class goes through Triton (compiling if it must) and keeps the compiled
-    kernel; later calls of that class launch it directly with the same argument list Triton
-    would pass (the constexprs in the kernel's order, defaults filled in), skipping Triton's
-    argument binding and cache key. Under Triton's interpreter, or for an argument of another
+    kernel; later calls of that class launch it directly with the argument list Triton would
+    pass (the constexprs in the kernel's order, defaults filled in; each tensor by its address),
+    skipping Triton's argument binding and cache key. Under Triton's interpreter, or for an argument of another
     kind, every call goes through Triton.
 
     Returns the kept (compiled kernel, constexpr tail) of the call's class, for `launch_kept`
@@ -187,7 +209,7 @@ def launch_cached(kernel, grid: tuple, *args, constants: Constants | None = None
     if interpreted(kernel):
         kernel[grid](*args, **consts)
         return None
-    classes = _arg_classes(args)
+    classes, flat = _classify(args)
     current_device, current_stream, hooks = _runtime()
     device = current_device()
     key = None
@@ -209,7 +231,7 @@ def launch_cached(kernel, grid: tuple, *args, constants: Constants | None = None
             _COMPILED[key] = (compiled, tail)
             return _COMPILED[key]
         return None
-    _launch(hit, grid, current_stream(device), hooks, args)
+    _launch(hit, grid, current_stream(device), hooks, flat)
     return hit
 
 
@@ -222,7 +244,8 @@ def launch_kept(kept: tuple, grid: tuple, *args, device: int | None = None) -> N
     """Launches `kept` (what `launch_cached` returned) on `args` without classifying them: the
     caller vouches that they are of the class of that call (the same kernel, constants, current
     device, dtypes, 16-byte alignments and integer classes), as a launcher that keys its kept
-    launches by all of these does. device: the current device, where the caller has it."""
+    launches by all of these does, and passes its tensors on the current GPU or their addresses
+    (ints; `_classify`). device: the current device, where the caller has it."""
     _, current_stream, hooks = _runtime()
     _launch(kept, grid, current_stream(current_device() if device is None else device), hooks, args)
 

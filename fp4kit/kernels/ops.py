@@ -1,4 +1,4 @@
-"""fp4kit's Triton GEMMs as torch operators (`torch.ops.fp4kit.*`), for code that `torch.compile` traces.
+"""fp4kit's Triton kernels as torch operators (`torch.ops.fp4kit.*`), for code that `torch.compile` traces.
 
 Dynamo cannot see through a launcher (launch tables, checks, host-side routing), so a compiled
 model calls these operators instead: each is opaque to the compiler, which fuses the code around
@@ -9,6 +9,7 @@ directly: the dispatcher adds host time to every call.
     packed_matmul(x, words, scales, global_scale, n, k)           kernels.packed_gemm.packed_matmul
     moe_experts(hidden, top_k_index, top_k_weights, up_packed, up_block_scale, up_global_scale,
                 down_packed, down_block_scale, down_global_scale)  kernels.moe_gemm.moe_experts
+    topk_gather(scores, bias, k)                                  kernels.router.topk_gather
 
 Each runs the Triton backend (compiled on a GPU, interpreted on the CPU under TRITON_INTERPRET=1).
 """
@@ -61,3 +62,34 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
 def _(hidden_states, top_k_index, top_k_weights, up_packed, up_block_scale, up_global_scale,
       down_packed, down_block_scale, down_global_scale):
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("fp4kit::topk_gather", mutates_args=())
+def topk_gather(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from .router import topk_gather as launch
+
+    return launch(scores, bias, k, backend="triton")
+
+
+@topk_gather.register_fake
+def _(scores, bias, k):
+    t = scores.shape[0]
+    return scores.new_empty((t, k), dtype=torch.int64), scores.new_empty((t, k))
+
+
+def _topk_gather_context(ctx, inputs, output):
+    scores, _, _ = inputs
+    chosen, _ = output
+    ctx.mark_non_differentiable(chosen)
+    ctx.save_for_backward(chosen)
+    ctx.scores_shape = scores.shape
+
+
+def _topk_gather_backward(ctx, grad_chosen, grad_gathered):
+    # as scores.gather(1, chosen)'s: each gathered gradient back to the score it came from
+    (chosen,) = ctx.saved_tensors
+    grad = grad_gathered.new_zeros(ctx.scores_shape).scatter_add_(1, chosen, grad_gathered)
+    return grad, None, None
+
+
+topk_gather.register_autograd(_topk_gather_backward, setup_context=_topk_gather_context)

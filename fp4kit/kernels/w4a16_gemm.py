@@ -373,7 +373,10 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     ops = weight_operands(w)
     n, k = ops.n, ops.k
     check_activations(x, k, _WHAT)
-    if not (backend == "triton" and ops.triton_ready and x.device == ops.device):
+    # On the weight's own device a "triton" call needs no other check (the weight's were made once).
+    own = backend == "triton" and ops.triton_ready and (
+        x.get_device() == ops.device_index if x.is_cuda else x.device == ops.device)
+    if not own:
         check_backend(backend, _w4a16_kernel, x, w.packed, w.block_scale, w.global_scale, what=_WHAT)
     if backend == "torch":
         return torch.nn.functional.linear(x, w.dequantize(x.dtype))
@@ -381,8 +384,13 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     m = x2.shape[0]
     if m == 0:
         return as_leading(out, lead, n)
-    if cfg is None and tables is None:
-        plan = _default_plan(m, n, k, x.device, x.dtype)  # computed once per problem shape
+    default = cfg is None and tables is None
+    if default:
+        plan = ops.plans.get((m, x.dtype)) if own else None
+        if plan is None:
+            plan = _default_plan(m, n, k, x.device, x.dtype)  # computed once per problem shape
+            if own and len(ops.plans) < _KEPT_PER_WEIGHT:
+                ops.plans[(m, x.dtype)] = plan
     else:
         plan = _plan(m, n, k, x.device, x.dtype, _table(tables, x.device), cfg)
     if plan is None:
@@ -392,34 +400,47 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, grid[0] * grid[1])
+    stride = x2.stride(0)
+    px = x2.data_ptr()
+    if (mma or gemv) and x2.dtype != torch.float32 and (stride % 4 or px % 8):
+        # 16-bit activations are read 8 bytes at a time (`int64_activations`): rows 8-byte aligned
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+        stride, px = x2.stride(0), x2.data_ptr()
+    # Under the default plan every argument's class is fixed by the weight but for these, so a
+    # launch kept under this key needs no classifying (backend.launch_kept); its tensors are
+    # passed by their addresses (backend._classify says why).
+    key = None
+    kernel = _mma_kernel if mma else _gemv_kernel if gemv else _w4a16_kernel
+    if default and own and not interpreted(kernel):
+        device = current_device()
+        po, pp, pc = out.data_ptr(), part.data_ptr(), counters.data_ptr()
+        key = (m, x2.dtype, px % 16 == 0, po % 16 == 0, pp % 16 == 0, pc % 16 == 0, stride, device)
+        kept = ops.launches.get(key)
+        if kept is not None:
+            if ops.pointers is None:
+                ops.pointers = tuple(t.data_ptr() if t is not None else None
+                                     for t in (ops.packed64, ops.packed32, ops.scales, ops.mma_scales, w.global_scale))
+            p64, p32, psc, pmma, pgs = ops.pointers
+            if mma:
+                args = (px, p64, pmma, pgs, po, pp, pc, m, n, k, stride // 4, k_per_split)
+            elif gemv:
+                args = (px, px, p64, psc, pgs, po, pp, pc, m, n, k, stride, k_per_split)
+            else:
+                args = (px, p32, psc, pgs, po, pp, pc, m, n, k, stride, k_per_split)
+            launch_kept(kept, grid, *args, device=device)
+            return as_leading(out, lead, n)
     if mma or gemv:
         x2, x4 = int64_activations(x2)
-    stride = x2.stride(0)
     if mma:
-        kernel = _mma_kernel
         args = (x4, _need(ops.packed64, w, torch.int64), ops.mma_scales, w.global_scale, out, part, counters,
                 m, n, k, stride // 4, k_per_split)
+        consts = consts[mma_vec(w.packed, x4, stride // 4, k, _mma_kernel), ops.mma_pairs]
     elif gemv:
-        kernel = _gemv_kernel
         args = (x2, x4, _need(ops.packed64, w, torch.int64), ops.scales, w.global_scale, out, part, counters,
                 m, n, k, stride, k_per_split)
     else:
-        kernel = _w4a16_kernel
         args = (x2, _need(ops.packed32, w, torch.int32), ops.scales, w.global_scale, out, part, counters,
                 m, n, k, stride, k_per_split)
-    # Under the default plan every argument's class is fixed by the weight but for these, so a
-    # launch kept under this key needs no classifying (backend.launch_kept).
-    key = None
-    if cfg is None and tables is None and not interpreted(kernel):
-        device = current_device()
-        key = (m, x2.dtype, x2.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, part.data_ptr() % 16 == 0,
-               counters.data_ptr() % 16 == 0, stride, device)
-        kept = ops.launches.get(key)
-        if kept is not None:
-            launch_kept(kept, grid, *args, device=device)
-            return as_leading(out, lead, n)
-    if mma:
-        consts = consts[mma_vec(w.packed, x4, stride // 4, k, _mma_kernel), ops.mma_pairs]
     kept = launch_cached(kernel, grid, *args, constants=consts)
     if key is not None and kept is not None and len(ops.launches) < _KEPT_PER_WEIGHT:
         ops.launches[key] = kept
@@ -431,13 +452,14 @@ class _Operands:
     once per weight (`weight_operands`), since an NVFP4Tensor is frozen and its tensors' dtypes,
     shapes, strides and device do not change."""
 
-    __slots__ = ("n", "k", "device", "triton_ready", "packed64", "packed32", "scales", "mma_scales", "mma_pairs",
-                 "launches")
+    __slots__ = ("n", "k", "device", "device_index", "triton_ready", "packed64", "packed32", "scales", "mma_scales",
+                 "mma_pairs", "launches", "plans", "pointers")
 
     def __init__(self, w: nvfp4.NVFP4Tensor) -> None:
         check_weight(w, _WHAT)
         self.n, self.k = w.shape
         self.device = w.packed.device
+        self.device_index = self.device.index if self.device.type == "cuda" else -1
         try:  # one device, and one the kernels run on: a "triton" call on it needs no other check
             check_backend("triton", _w4a16_kernel, w.packed, w.block_scale, w.global_scale, what=_WHAT)
             self.triton_ready = True
@@ -447,6 +469,8 @@ class _Operands:
         self.scales = w.block_scale.view(torch.uint8)
         self.mma_scales, self.mma_pairs = mma_scales(w)
         self.launches: dict = {}  # kept launches (backend.launch_cached) by the call's key in w4a16_matmul
+        self.plans: dict = {}  # the default launch plan (`_default_plan`) by (rows, activation dtype)
+        self.pointers: tuple | None = None  # the views' and the global scale's addresses, for kept launches
 
     def __reduce__(self):
         # A copied or pickled weight makes its own at its first call: the views would not follow

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import ops as kernel_ops, router as router_kernels
+from ..kernels.backend import interpreted
 from .roles import AttentionKV, Role, Target
 
 MODEL_TYPE = "nemotron_h"
@@ -134,17 +136,31 @@ def attention_kv(model: nn.Module) -> list[AttentionKV]:
     ]
 
 
+# Whether the pick kernel runs compiled (not in Triton's interpreter): fixed at import, and a
+# constant to code that torch.compile traces.
+_PICK_KERNEL = not interpreted(router_kernels._topk_gather_kernel)
+
+
 def _one_group_route(router: nn.Module, hidden_states):
     """`NemotronHTopkRouter.forward` for a router whose experts form one group (n_group and
     topk_group 1). The group step there picks that one group and masks nothing, so it is left
     out: sigmoid scores, the correction bias added for the choice, the top-k experts by it
     (unsorted), their plain scores gathered, normalised and scaled. The same operations on the
-    same values as the full forward, so the same experts and weights, bit for bit."""
+    same values as the full forward, so the same experts and weights, bit for bit. On a GPU the
+    pick and the gather are one launch (`kernels.router.topk_gather`, torch's top-k order), and
+    the weight's fp32 copy is made once per `single_group_routing` block, not per call."""
     x = hidden_states.view(-1, router.hidden_dim).to(torch.float32)
-    logits = F.linear(x, router.weight.to(torch.float32))
+    weight = getattr(router, "_weight_fp32", None)
+    logits = F.linear(x, router.weight.to(torch.float32) if weight is None else weight)
     scores = logits.sigmoid()
-    chosen = torch.topk(scores + router.e_score_correction_bias, k=router.top_k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, chosen)
+    if scores.is_cuda and _PICK_KERNEL:
+        if torch.compiler.is_compiling() or scores.requires_grad:  # one opaque operator, with a gradient
+            chosen, weights = kernel_ops.topk_gather(scores, router.e_score_correction_bias, router.top_k)
+        else:
+            chosen, weights = router_kernels.topk_gather(scores, router.e_score_correction_bias, router.top_k)
+    else:
+        chosen = torch.topk(scores + router.e_score_correction_bias, k=router.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
     if router.norm_topk_prob:
         weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
     return logits, weights * router.routed_scaling_factor, chosen
@@ -188,14 +204,18 @@ def single_group_routing(model: nn.Module):
     """Within the block, each single-group MoE router of `model` (every Nemotron-3 router:
     n_group 1) runs the forward without the group step (`_one_group_route`): two top-k launches
     and the masking fewer per layer and decode step. Yields how many routers do; each is its own
-    class again at the end."""
+    class again at the end. A router whose weight is not fp32 keeps an fp32 copy of it for the
+    block (the forward computes its logits in fp32)."""
     router_class = getattr(_classes(), "NemotronHTopkRouter", None)
     routers = [] if router_class is None else [
         m for m in model.modules() if type(m) is router_class and _takes_short_forward(m)]
     for m in routers:
         m.__class__ = _short_class(router_class)
+        if m.weight.dtype != torch.float32:
+            m.__dict__["_weight_fp32"] = m.weight.detach().to(torch.float32)
     try:
         yield len(routers)
     finally:
         for m in routers:
             m.__class__ = router_class
+            m.__dict__.pop("_weight_fp32", None)

@@ -88,14 +88,33 @@ def gemv_limits(shapes=((8192, 8192), (28672, 8192))) -> list:
 
 
 def host_overhead_us(n=3712, k=2688, calls=200):
-    """Host time per eager call (M=1), launch path included, vs torch.matmul's."""
+    """Host time per eager call (M=1), launch path included, vs torch.matmul's; and, taken apart,
+    the kept binary's launch alone (`backend.launch_kept`) with the tensors passed by address as
+    w4a16_matmul passes them, and with the tensors themselves (Triton's launcher then asks the
+    driver about each pointer), and the output's allocation alone."""
     import time
+
+    from fp4kit.kernels import backend
 
     wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda")
     wq = quantize(wb)
     x = torch.randn((1, k), dtype=torch.bfloat16, device="cuda")
-    out = {}
-    for name, fn in (("w4a16", lambda: w4a16_matmul(x, wq)), ("bf16", lambda: torch.matmul(x, wb.T))):
+    w4a16_matmul(x, wq)
+    ops = wg.weight_operands(wq)
+    (kept,) = ops.launches.values()
+    split, k_per_split, gemv, mma, grid, consts = wg._default_plan(1, n, k, x.device, x.dtype)
+    out = x.new_empty((1, n))
+    tensors = (x, x.view(torch.int64), ops.packed64, ops.scales, wq.global_scale, out, out, out, 1, n, k, k,
+               k_per_split)
+    addresses = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tensors)
+    out_us = {}
+    timed = (("w4a16", lambda: w4a16_matmul(x, wq)), ("bf16", lambda: torch.matmul(x, wb.T)),
+             ("launch_kept_addresses", lambda: backend.launch_kept(kept, grid, *addresses)),
+             ("launch_kept_tensors", lambda: backend.launch_kept(kept, grid, *tensors)),
+             ("output_alloc", lambda: x.new_empty((1, n))))
+    if not gemv:  # the parts are the one-row GEMV's arguments
+        timed = timed[:2]
+    for name, fn in timed:
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
@@ -104,5 +123,5 @@ def host_overhead_us(n=3712, k=2688, calls=200):
             fn()
         t1 = time.perf_counter()
         torch.cuda.synchronize()
-        out[f"{name}_host_us_per_call"] = (t1 - t0) / calls * 1e6
-    return out
+        out_us[f"{name}_host_us_per_call"] = (t1 - t0) / calls * 1e6
+    return out_us

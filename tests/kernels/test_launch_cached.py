@@ -68,6 +68,15 @@ def runtime(monkeypatch):
     return state
 
 
+class OnGPU(torch.Tensor):
+    """A CPU tensor that says it is on a GPU: a class apart from the CPU's, whose address a kept
+    launch would pass unchecked."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
 def tensors():
     buf = torch.zeros(256, dtype=torch.float32)
     return buf[:64], buf[64:128]  # both 16-byte aligned (256-byte offset)
@@ -87,8 +96,9 @@ def test_the_first_call_compiles_and_later_ones_launch_the_kept_binary(runtime):
     grid, stream, meta, hooks, args = launch[:3], launch[3], launch[4:7], launch[7:9], launch[9:]
     assert grid == (8, 1, 1) and stream == 1000
     assert meta == ("fn-handle", "packed", None) and hooks == (None, None)
-    # the runtime arguments, then every constexpr in the kernel's order, defaults filled in
-    assert args[:4] == (x2, y2, 48, 16) and args[4:] == (16, False, 3)
+    # the runtime arguments (tensors by their addresses), then every constexpr in the kernel's
+    # order, defaults filled in
+    assert args[:4] == (x2.data_ptr(), y2.data_ptr(), 48, 16) and args[4:] == (16, False, 3)
 
 
 def test_a_call_triton_would_compile_apart_goes_through_triton(runtime):
@@ -105,6 +115,7 @@ def test_a_call_triton_would_compile_apart_goes_through_triton(runtime):
         ((x, y, 64, 32), dict(base, BLOCK=32)),  # another constexpr
         ((x, y, 64, 32), dict(base, num_warps=8)),  # another launch option
         ((x, y, 64, 32), dict(base, MODE=4)),  # a default overridden
+        ((x.as_subclass(OnGPU), y, 64, 32), base),  # a tensor on a GPU where the kept one was not
     ]
     for i, (args, consts) in enumerate(variants):
         backend.launch_cached(k, (1,), *args, **consts)
@@ -133,7 +144,7 @@ def test_a_launch_hook_gets_its_metadata(runtime):
     backend.launch_cached(k, (2,), x, y, 64, 32, BLOCK=16)
     (launch,) = k.compiled[0].launches
     assert launch[6] == {"meta": True} and launch[7:9] == (enter, leave)
-    assert k.compiled[0].metadata_calls == [((2,), 1000, (x, y, 64, 32, 16, False, 3))]
+    assert k.compiled[0].metadata_calls == [((2,), 1000, (x.data_ptr(), y.data_ptr(), 64, 32, 16, False, 3))]
 
 
 def test_the_interpreter_is_never_bypassed(runtime, monkeypatch):
@@ -170,8 +181,12 @@ def test_the_classes_are_at_least_as_fine_as_tritons_specialisation():
 
 
 def test_a_launch_classifies_its_arguments_as_the_one_argument_rule_does():
-    samples = [*_samples(), torch.nn.Parameter(torch.zeros(4)), 7, -(2**31) - 1]
-    assert backend._arg_classes(tuple(samples)) == tuple(map(backend._arg_class, samples))
+    samples = [*_samples(), torch.nn.Parameter(torch.zeros(4)), 7, -(2**31) - 1, torch.zeros(4).as_subclass(OnGPU)]
+    classes, passed = backend._classify(tuple(samples))
+    assert classes == backend._arg_classes(tuple(samples)) == tuple(map(backend._arg_class, samples))
+    # what a kept launch passes: each tensor's address, everything else as it is
+    assert passed == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in samples)
+    assert all(type(p) is int for a, p in zip(samples, passed) if isinstance(a, torch.Tensor))
 
 
 def test_constants_made_once_are_keyed_by_their_own_number(runtime):
@@ -187,6 +202,6 @@ def test_constants_made_once_are_keyed_by_their_own_number(runtime):
     assert k.jit_calls[0][2] == {"BLOCK": 16, "num_warps": 4}
     backend.launch_cached(k, (1,), x, y, 64, 32, constants=plan)
     assert len(k.jit_calls) == 1 and len(k.compiled[0].launches) == 1
-    assert k.compiled[0].launches[0][9:] == (x, y, 64, 32, 16, False, 3)
+    assert k.compiled[0].launches[0][9:] == (x.data_ptr(), y.data_ptr(), 64, 32, 16, False, 3)
     backend.launch_cached(k, (1,), x, y, 64, 32, constants=backend.Constants(BLOCK=32, num_warps=4))
     assert len(k.jit_calls) == 2 and k.jit_calls[1][2]["BLOCK"] == 32

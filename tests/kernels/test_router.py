@@ -1,0 +1,132 @@
+"""fp4kit.kernels.router: the router's expert pick (torch's CUDA top-k order) and the gather, in
+Triton's interpreter against the reference, and the reference against the rule written out
+expert by expert. tests/gpu/test_router_gpu.py compares the kernel with torch.topk on a GPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from fp4kit.kernels import router  # noqa: E402
+
+
+def _rule(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[list, list]:
+    """The pick written out per token: values compared as torch's radix select compares fp32
+    (their bit patterns made order-preserving: -0.0 below +0.0, NaN above all); the k-th largest
+    value v (k-th in that order, lower experts first among equals); the experts above v in
+    increasing order, then those equal to v in increasing order until k are taken."""
+    def key(v: float) -> tuple:
+        if math.isnan(v):
+            return (2, 0)
+        bits = int(torch.tensor(v, dtype=torch.float32).view(torch.int32))
+        return (1, bits if bits >= 0 else -(bits & 0x7FFFFFFF) - 1)
+
+    ids, vals = [], []
+    c = (scores.float() + bias.float()).tolist()
+    for t, row in enumerate(c):
+        keys = [key(v) for v in row]
+        ranked = sorted(range(len(row)), key=lambda e: (keys[e], -e), reverse=True)[:k]
+        kth = keys[ranked[-1]]
+        above = sorted(e for e in ranked if keys[e] > kth)
+        equal = sorted(e for e in ranked if keys[e] == kth)
+        chosen = (above + equal)[:k]
+        ids.append(chosen)
+        vals.append([scores[t, e].item() for e in chosen])
+    return ids, vals
+
+
+def _scores(t: int, e: int, seed: int, levels: int | None = None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    s = torch.rand((t, e), generator=g)
+    if levels:  # few distinct values: ties across the k-th place
+        s = torch.floor(s * levels) / levels
+    return s
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+CASES = [  # tokens, experts, k, distinct levels (None: continuous)
+    (5, 128, 6, None), (9, 128, 6, 7), (4, 128, 6, 2), (3, 20, 1, None), (3, 20, 20, 3), (6, 37, 5, 4),
+]
+
+
+@pytest.mark.parametrize("t,e,k,levels", CASES)
+def test_the_reference_is_the_rule(t, e, k, levels):
+    s = _scores(t, e, seed=t * e + k, levels=levels)
+    bias = (torch.rand(e, generator=torch.Generator().manual_seed(1)) - 0.5) * (0 if levels else 0.1)
+    ids, vals = router.topk_gather_reference(s, bias, k)
+    want_ids, want_vals = _rule(s, bias, k)
+    assert ids.tolist() == want_ids
+    assert torch.equal(_bits(vals), _bits(torch.tensor(want_vals, dtype=torch.float32)))
+
+
+def test_the_rule_orders_signed_zeros_and_nans_as_torch_does():
+    s = torch.tensor([[0.0, -0.0, float("nan"), -1.0, 2.0, -float("inf")]])
+    zero = torch.full((6,), -0.0)  # adds nothing, keeps -0.0 (+0.0 would make it +0.0)
+    ids, _ = router.topk_gather_reference(s, zero, 4)
+    # NaN above everything, +0.0 above -0.0; the ones above the 4th value first, by expert
+    assert ids.tolist() == [[0, 2, 4, 1]]
+    assert _rule(s, zero, 4)[0] == [[0, 2, 4, 1]]
+    assert router.topk_gather_reference(s, zero, 6)[0].tolist() == [[0, 1, 2, 3, 4, 5]]
+    # with +0.0 added the two zeros are equal: both after the experts above them
+    assert router.topk_gather_reference(s, torch.zeros(6), 4)[0].tolist() == [[2, 4, 0, 1]]
+
+
+@pytest.mark.parametrize("t,e,k,levels", CASES)
+def test_the_kernel_equals_the_reference(t, e, k, levels):
+    s = _scores(t, e, seed=100 + t * e + k, levels=levels)
+    bias = torch.linspace(-0.01, 0.01, e) if levels is None else torch.zeros(e)
+    got = router.topk_gather(s, bias, k)
+    want = router.topk_gather_reference(s, bias, k)
+    assert torch.equal(got[0], want[0]) and got[0].dtype == torch.int64
+    assert torch.equal(_bits(got[1]), _bits(want[1]))
+
+
+def test_the_kernel_takes_special_values_strided_rows_and_a_bf16_bias():
+    s = torch.tensor([[0.0, -0.0, float("nan"), -1.0, 2.0, -float("inf"), 0.5, 0.5]])
+    got = router.topk_gather(s, torch.full((8,), -0.0), 5)
+    want = router.topk_gather_reference(s, torch.full((8,), -0.0), 5)
+    assert got[0].tolist() == want[0].tolist() == [[2, 4, 6, 7, 0]]  # the 5th value +0.0: last
+    got = router.topk_gather(s, torch.full((8,), -0.0), 6)
+    assert got[0].tolist() == [[0, 2, 4, 6, 7, 1]]
+    wide = _scores(4, 64, seed=7)
+    rows = wide[:, :48]  # rows 64 apart
+    bias = (torch.rand(48, generator=torch.Generator().manual_seed(8)) * 0.1).to(torch.bfloat16)
+    got = router.topk_gather(rows, bias, 6)
+    want = router.topk_gather_reference(rows, bias, 6)
+    assert torch.equal(got[0], want[0]) and torch.equal(_bits(got[1]), _bits(want[1]))
+
+
+def test_bad_inputs_are_named():
+    s = _scores(2, 16, seed=1)
+    with pytest.raises(ValueError, match="scores must be an fp32"):
+        router.topk_gather(s.double(), torch.zeros(16), 2)
+    with pytest.raises(ValueError, match=r"bias must be a float \[16\]"):
+        router.topk_gather(s, torch.zeros(15), 2)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 16\]"):
+        router.topk_gather(s, torch.zeros(16), 17)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        router.topk_gather(s, torch.zeros(16), 2, backend="cuda")
+
+
+def test_the_operator_gives_the_launchers_pick_and_the_gathers_gradient():
+    from fp4kit.kernels import ops
+
+    s = _scores(3, 16, seed=9).requires_grad_()
+    bias = torch.linspace(-0.01, 0.01, 16)
+    chosen, gathered = ops.topk_gather(s, bias, 4)
+    want = router.topk_gather(s.detach(), bias, 4)
+    assert torch.equal(chosen, want[0]) and torch.equal(gathered.detach(), want[1])
+    assert not chosen.requires_grad and gathered.requires_grad
+    g = torch.arange(12.0).view(3, 4)
+    (gathered * g).sum().backward()
+    # as torch's gather: each pick's gradient at the score it came from, zero elsewhere
+    ref = s.detach().clone().requires_grad_()
+    (ref.gather(1, chosen) * g).sum().backward()
+    assert torch.equal(s.grad, ref.grad)
