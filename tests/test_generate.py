@@ -382,6 +382,43 @@ def test_only_single_group_routers_take_the_short_forward_and_only_within_the_bl
     assert all(type(m) is NemotronHTopkRouter for m in _routers(one))
 
 
+def test_a_single_group_router_whose_short_forward_differs_says_so_and_keeps_its_own(monkeypatch):
+    import warnings
+
+    from fp4kit.models import nemotron_h
+
+    model = models.build_nemotron_h()
+    real = nemotron_h._one_group_route
+
+    def off_by_one_ulp(router, x):
+        logits, weights, chosen = real(router, x)
+        return logits, torch.nextafter(weights, torch.full_like(weights, 2.0)), chosen
+
+    monkeypatch.setattr(nemotron_h, "_one_group_route", off_by_one_ulp)
+    monkeypatch.setattr(nemotron_h, "_VERDICTS", nemotron_h.weakref.WeakKeyDictionary())
+    with pytest.warns(RuntimeWarning, match="keeps transformers' full forward.*differ from the full forward"):
+        with nemotron_h.single_group_routing(model) as n:
+            assert n == 0
+    monkeypatch.setattr(nemotron_h, "_one_group_route", lambda router, x: 1 / 0)
+    monkeypatch.setattr(nemotron_h, "_VERDICTS", nemotron_h.weakref.WeakKeyDictionary())
+    with pytest.warns(RuntimeWarning, match="failed on a probe \\(ZeroDivisionError"):
+        with nemotron_h.single_group_routing(model) as n:
+            assert n == 0
+    # a router with groups is not meant to take it: no word
+    grouped = models.build_nemotron_h(n_group=2, topk_group=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nemotron_h.single_group_routing(grouped) as n:
+            assert n == 0
+    # and one whose short forward agrees takes it without a word
+    monkeypatch.setattr(nemotron_h, "_one_group_route", real)
+    monkeypatch.setattr(nemotron_h, "_VERDICTS", nemotron_h.weakref.WeakKeyDictionary())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nemotron_h.single_group_routing(model) as n:
+            assert n == len(_routers(model)) > 0
+
+
 def test_a_16_bit_router_keeps_an_fp32_copy_of_its_weight_within_the_block_only():
     from fp4kit.models.nemotron_h import single_group_routing
 

@@ -8,6 +8,7 @@ transformers holds them fused as [E, N, K] parameters.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import torch
@@ -186,8 +187,12 @@ def _takes_short_forward(router: nn.Module) -> bool:
                 with torch.no_grad():
                     full, short = router(probe), _one_group_route(router, probe)
                 same = all(torch.equal(a, b) for a, b in zip(full, short))
-            except Exception:  # a router this forward does not fit keeps its own
-                same = False
+                why = "its experts or weights differ from the full forward's on a probe"
+            except Exception as e:  # a router this forward does not fit keeps its own
+                same, why = False, f"the short forward failed on a probe ({type(e).__name__}: {e})"
+            if not same:
+                warnings.warn(f"{type(router).__name__} (n_group 1) keeps transformers' full forward, two top-k launches "
+                              f"more per layer and step: {why}", RuntimeWarning, stacklevel=3)
         _VERDICTS[router] = same
     return _VERDICTS[router]
 
