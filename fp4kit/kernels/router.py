@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import check_backend, interpreted, launch_cached, launch_options, next_power_of_2
+from .backend import check_backend, current_device, interpreted, launch_cached, launch_options, next_power_of_2
 
 _WHAT = "kernels.router_topk"
 _LOWEST = -(2**31)  # below every value's key: the padding past E, and a pick once taken
@@ -103,7 +103,13 @@ def topk_gather(scores: torch.Tensor, bias: torch.Tensor, k: int, *, backend: st
     chosen = torch.empty((t, k), dtype=torch.int64, device=scores.device)
     gathered = torch.empty((t, k), dtype=torch.float32, device=scores.device)
     if t:
-        launch_cached(_topk_gather_kernel, (t,), scores, bias, chosen, gathered, n, scores.stride(0),
-                      TOPK=k, BLOCK_E=max(next_power_of_2(n), 16),
+        args = (scores, bias, chosen, gathered, n, scores.stride(0))
+        consts = dict(TOPK=k, BLOCK_E=max(next_power_of_2(n), 16),
                       num_warps=1 if n <= 256 or interpreted(_topk_gather_kernel) else 4, **launch_options())
+        gpu = scores.get_device()
+        if gpu >= 0 and gpu != current_device():  # a router on another GPU than the current one
+            with torch.cuda.device(gpu):
+                launch_cached(_topk_gather_kernel, (t,), *args, **consts)
+        else:
+            launch_cached(_topk_gather_kernel, (t,), *args, **consts)
     return chosen, gathered

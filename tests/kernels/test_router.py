@@ -130,3 +130,33 @@ def test_the_operator_gives_the_launchers_pick_and_the_gathers_gradient():
     ref = s.detach().clone().requires_grad_()
     (ref.gather(1, chosen) * g).sum().backward()
     assert torch.equal(s.grad, ref.grad)
+
+
+class _OnSecondGPU(torch.Tensor):
+    """CPU scores that say they are on GPU 1."""
+
+    def get_device(self):
+        return 1
+
+
+def test_scores_on_another_gpu_than_the_current_one_launch_on_theirs(monkeypatch):
+    import contextlib
+
+    entered, launched_in = [], []
+
+    @contextlib.contextmanager
+    def device(index):
+        entered.append(index)
+        yield
+        entered.pop()
+
+    real = router.launch_cached
+    monkeypatch.setattr(router.torch.cuda, "device", device)
+    monkeypatch.setattr(router, "current_device", lambda: 0)
+    monkeypatch.setattr(router, "launch_cached", lambda *a, **k: launched_in.append(list(entered)) or real(*a, **k))
+    s = _scores(2, 16, seed=3)
+    got = router.topk_gather(s.as_subclass(_OnSecondGPU), torch.zeros(16), 3)
+    assert launched_in == [[1]]
+    assert torch.equal(got[0], router.topk_gather_reference(s, torch.zeros(16), 3)[0])
+    router.topk_gather(s, torch.zeros(16), 3)  # on the CPU (the interpreter): no device to make current
+    assert launched_in == [[1], []]
