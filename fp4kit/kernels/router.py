@@ -17,6 +17,8 @@ stays an opaque library call, which the compiled step pays for at every layer.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -107,9 +109,7 @@ def topk_gather(scores: torch.Tensor, bias: torch.Tensor, k: int, *, backend: st
         consts = dict(TOPK=k, BLOCK_E=max(next_power_of_2(n), 16),
                       num_warps=1 if n <= 256 or interpreted(_topk_gather_kernel) else 4, **launch_options())
         gpu = scores.get_device()
-        if gpu >= 0 and gpu != current_device():  # a router on another GPU than the current one
-            with torch.cuda.device(gpu):
-                launch_cached(_topk_gather_kernel, (t,), *args, **consts)
-        else:
+        # a router on another GPU than the current one launches on its own
+        with torch.cuda.device(gpu) if gpu >= 0 and gpu != current_device() else contextlib.nullcontext():
             launch_cached(_topk_gather_kernel, (t,), *args, **consts)
     return chosen, gathered

@@ -385,12 +385,8 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
     if m == 0:
         return as_leading(out, lead, n)
     default = cfg is None and tables is None
-    if default:
-        plan = ops.plans.get((m, x.dtype)) if own else None
-        if plan is None:
-            plan = _default_plan(m, n, k, x.device, x.dtype)  # computed once per problem shape
-            if own and len(ops.plans) < _KEPT_PER_WEIGHT:
-                ops.plans[(m, x.dtype)] = plan
+    if default:  # computed once per problem shape; the weight's device is x's and needs no making
+        plan = _default_plan(m, n, k, ops.device if own else x.device, x.dtype)
     else:
         plan = _plan(m, n, k, x.device, x.dtype, _table(tables, x.device), cfg)
     if plan is None:
@@ -417,9 +413,6 @@ def w4a16_matmul(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, backend: str = "trito
         key = (m, x2.dtype, px % 16 == 0, po % 16 == 0, pp % 16 == 0, pc % 16 == 0, stride, device)
         kept = ops.launches.get(key)
         if kept is not None:
-            if ops.pointers is None:
-                ops.pointers = tuple(t.data_ptr() if t is not None else None
-                                     for t in (ops.packed64, ops.packed32, ops.scales, ops.mma_scales, w.global_scale))
             p64, p32, psc, pmma, pgs = ops.pointers
             if mma:
                 args = (px, p64, pmma, pgs, po, pp, pc, m, n, k, stride // 4, k_per_split)
@@ -453,7 +446,7 @@ class _Operands:
     shapes, strides and device do not change."""
 
     __slots__ = ("n", "k", "device", "device_index", "triton_ready", "packed64", "packed32", "scales", "mma_scales",
-                 "mma_pairs", "launches", "plans", "pointers")
+                 "mma_pairs", "launches", "pointers")
 
     def __init__(self, w: nvfp4.NVFP4Tensor) -> None:
         check_weight(w, _WHAT)
@@ -469,8 +462,9 @@ class _Operands:
         self.scales = w.block_scale.view(torch.uint8)
         self.mma_scales, self.mma_pairs = mma_scales(w)
         self.launches: dict = {}  # kept launches (backend.launch_cached) by the call's key in w4a16_matmul
-        self.plans: dict = {}  # the default launch plan (`_default_plan`) by (rows, activation dtype)
-        self.pointers: tuple | None = None  # the views' and the global scale's addresses, for kept launches
+        # the views' and the global scale's addresses, as kept launches pass them
+        self.pointers = tuple(t.data_ptr() if t is not None else None
+                              for t in (self.packed64, self.packed32, self.scales, self.mma_scales, w.global_scale))
 
     def __reduce__(self):
         # A copied or pickled weight makes its own at its first call: the views would not follow
