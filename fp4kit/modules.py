@@ -16,8 +16,10 @@ with them; `export.load.load_quantized` puts them into a transformers model.
   rounded once to the activation dtype.
 - `FP8Linear` (FP8): W8A8 with the static `input_scale`: x_q = e4m3(x / input_scale), saturating
   at +-448; y = F.linear(x_q * input_scale, w_q * weight_scale) in fp32, rounded once to the
-  activation dtype. Backend "triton" on CUDA runs `torch._scaled_mm` (fp8 x fp8, fp32
-  accumulation, both scales in its epilogue): the same values up to summation order.
+  activation dtype. Backend "triton" runs `kernels.fp8_matmul` (the CUDA-core GEMV, fp32 sums of
+  the exact products, both scales after) for the few rows of a decode step (up to the launch
+  table's max_m) and `torch._scaled_mm` (fp8 x fp8, fp32 accumulation, both scales in its
+  epilogue) beyond: the same values up to summation order.
 - `NVFP4Experts` (Nemotron-H routed experts, stored one module per expert): the per-expert
   tensors stacked into [E, ...] NVFP4Tensors; the forward is transformers' eager
   `NemotronHExperts.forward` (same loop, same dtypes) on the stacks dequantized to the activation
@@ -216,6 +218,13 @@ class FP8Linear(nn.Module):
         return y.to(x.dtype)
 
     def _scaled_mm(self, xq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        from .kernels.fp8_gemm import fp8_matmul, use_gemv
+
+        if use_gemv(xq.numel() // max(1, self.in_features), xq.device):
+            xs, ws = self.input_scale.float(), self.weight_scale.float()
+            if torch.compiler.is_compiling():  # an operator the compiler sees as one opaque call
+                return kernel_ops.fp8_matmul(xq, self.weight, xs, ws, dtype)
+            return fp8_matmul(xq, self.weight, xs, ws, dtype)
         lead = xq.shape[:-1]
         a = xq.reshape(-1, self.in_features)
         b = self.weight

@@ -645,6 +645,14 @@ FIGURES = [
       for model in ("nemotron-h-w4a16-4o6", "bf16")],
     (BENCH, "exported the same 19.4 GB in 3.6 s", "dry-run-h200.json", ("library_earlier", "export_s"), _f(1)),
     (BENCH, "each a separate process: fp4kit 33.8 s, ModelOpt 155.0 s", "vs-modelopt-h200.json", ("half@8x32k", "fp4kit", "wall_s"), _f(1)),
+    # benchmarks/README.md: the FP8 GEMV's K loop, compiled ahead of time (scripts/sass_loop.py)
+    (BENCH, "512 columns per four-warp program the loop takes 3.84 instructions per weight", "fp8-gemv-sass.json",
+     ("rows", {"rows": 1, "tile": [8, 512, 4]}, "per_weight"), _f(2)),
+    (BENCH, "one fma each) at 63 registers", "fp8-gemv-sass.json", ("rows", {"rows": 1, "tile": [8, 512, 4]}, "registers"), str),
+    (BENCH, "16 weight rows take 3.27 at 119 registers", "fp8-gemv-sass.json", ("rows", {"rows": 1, "tile": [16, 512, 4]}, "per_weight"),
+     _f(2)),
+    (BENCH, "16 weight rows take 3.27 at 119 registers", "fp8-gemv-sass.json", ("rows", {"rows": 1, "tile": [16, 512, 4]}, "registers"), str),
+    (BENCH, "4 weight rows 4.94.", "fp8-gemv-sass.json", ("rows", {"rows": 1, "tile": [4, 512, 4]}, "per_weight"), _f(2)),
 ]
 
 

@@ -14,7 +14,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT / "scripts"))
 
 import tune_kernels  # noqa: E402
-from sweeps import Sweep, moe as sm, packed as sp, w4a16 as sw  # noqa: E402
+from sweeps import Sweep, fp8 as sf, moe as sm, packed as sp, w4a16 as sw  # noqa: E402
 from sweeps.common import updated, with_maxnreg  # noqa: E402
 
 from fp4kit.kernels import launch  # noqa: E402
@@ -23,7 +23,7 @@ from fp4kit.kernels import launch  # noqa: E402
 def test_every_sweep_names_a_table_of_its_kernel():
     known = tune_kernels.sweeps()
     assert {"w4a16.gemv", "w4a16.mma", "w4a16.mma_wide", "w4a16.row_mma", "w4a16.decode", "w4a16.mid", "moe.decode",
-            "moe.small", "moe.gemv", "moe.mma", "packed.launch"} <= set(known)
+            "moe.small", "moe.gemv", "moe.mma", "packed.launch", "fp8.gemv"} <= set(known)
     for name, sweep in known.items():
         assert isinstance(sweep, Sweep) and name.split(".")[0] == sweep.kernel
         assert sweep.table in launch.table(sweep.kernel), name
@@ -47,7 +47,7 @@ def test_write_pick_records_the_table_and_who_chose_it(tmp_path, monkeypatch):
 
 def test_every_table_says_who_chose_it():
     doc = json.loads(launch.tuning_path("h200").read_text())
-    for kernel in ("w4a16", "moe", "packed"):
+    for kernel in ("w4a16", "moe", "packed", "fp8"):
         entry = doc["kernels"][kernel]
         assert set(entry["chosen_by"]) == set(entry["tables"]), kernel
         for name, by in entry["chosen_by"].items():
@@ -110,6 +110,33 @@ def test_pick_gemv_weighs_each_shape_alike():
     rows += [{"N": n, "K": 2688, "M": 1, "kernel": "matrix-unit", "ms": 100.0} for n in (131072, 3712, 2688)]
     got = sw.pick_gemv(rows)
     assert got["1"]["BLOCK_N"] == 8 and got["max_m"] == 1
+
+
+# --------------------------------------------------------------------------------------------
+# fp8 (scripts/sweeps/fp8.py)
+# --------------------------------------------------------------------------------------------
+def test_pick_fp8_gemv_tiles_per_row_class_and_max_m_against_the_library():
+    def gemv(n, m, tile, t):
+        return {"N": n, "K": 2688, "M": m, "kernel": "gemv", "tile": list(tile), "ms": t}
+
+    def lib(n, m, t):
+        return {"N": n, "K": 2688, "M": m, "kernel": "_scaled_mm", "ms": t}
+
+    a, b = (8, 512, 4), (4, 256, 2)
+    rows = []
+    for n, big in ((10304, 1.0), (2688, 0.1)):  # each shape counts alike, whatever its size
+        rows += [gemv(n, 1, a, 6.0 * big), gemv(n, 1, b, 6.6 * big)]   # a at 1 row (sum 2.0 against 2.2)
+        rows += [gemv(n, 2, a, 8.0 * big), gemv(n, 2, b, 7.0 * big)]   # b at 2 rows
+        rows += [gemv(n, 4, a, 9.0 * big), gemv(n, 4, b, None)]         # a failed launch is never picked
+        rows += [gemv(n, 8, a, 19.0 * big), gemv(n, 8, b, 12.0 * big)]  # 8 rows run class 4's tile: a
+        rows += [lib(n, m, 10.0 * big) for m in (1, 2, 4, 8)]
+    got = sf.pick_gemv(rows)
+    assert got == {"1": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), a)),
+                   "2": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), b)),
+                   "4": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), a)), "max_m": 4}  # a loses at 8 rows
+    slower = [dict(r, ms=0.5) if r["kernel"] == "_scaled_mm" and r["M"] == 2 and r["N"] == 2688 else r for r in rows]
+    assert sf.pick_gemv(slower)["max_m"] == 1  # the library wins at 2 rows on one shape
+    assert sf.pick_gemv([dict(r, ms=0.01) if r["kernel"] == "_scaled_mm" else r for r in rows])["max_m"] == 0
 
 
 def test_pick_mma_sums_relative_times_over_problems():

@@ -10,6 +10,7 @@ directly: the dispatcher adds host time to every call.
     moe_experts(hidden, top_k_index, top_k_weights, up_packed, up_block_scale, up_global_scale,
                 down_packed, down_block_scale, down_global_scale)  kernels.moe_gemm.moe_experts
     topk_gather(scores, bias, k)                                  kernels.router.topk_gather
+    fp8_matmul(xq, weight, input_scale, weight_scale, out_dtype)  kernels.fp8_gemm.fp8_matmul
 
 Each runs the Triton backend (compiled on a GPU, interpreted on the CPU under TRITON_INTERPRET=1).
 """
@@ -62,6 +63,19 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
 def _(hidden_states, top_k_index, top_k_weights, up_packed, up_block_scale, up_global_scale,
       down_packed, down_block_scale, down_global_scale):
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("fp4kit::fp8_matmul", mutates_args=())
+def fp8_matmul(xq: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor, weight_scale: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    from .fp8_gemm import fp8_matmul as launch
+
+    return launch(xq, weight, input_scale, weight_scale, out_dtype, backend="triton")
+
+
+@fp8_matmul.register_fake
+def _(xq, weight, input_scale, weight_scale, out_dtype):
+    return xq.new_empty((*xq.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
 
 @torch.library.custom_op("fp4kit::topk_gather", mutates_args=())

@@ -1,0 +1,116 @@
+"""Launch-shape sweep of the FP8 GEMV (fp4kit.kernels.fp8_gemm) on a GPU, beside torch._scaled_mm.
+
+`sweep_gemv` times the GEMV's launch shapes on Nemotron-3-Nano's Mamba projections (in_proj
+10304 x 2688, out_proj 2688 x 4096) at 1-8 activation rows, and `torch._scaled_mm` (the launch
+FP8Linear makes past the GEMV's rows) on the same problems; `pick_gemv` turns the rows into the
+"fp8" table's GEMV entry.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from fp4kit.kernels import fp8_gemm as fg
+
+from . import Sweep
+
+SHAPES = ((10304, 2688), (2688, 4096))
+TILES = tuple((bn, bk, nw) for bn, bk, nw in itertools.product((2, 4, 8, 16), (256, 512, 1024), (2, 4, 8)))
+
+
+def _time(fns) -> float:
+    """Median ms per call of `fns` run in turn from one CUDA graph."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(lambda: [f() for f in fns], rep=30, return_mode="median") / len(fns)
+
+
+def _scaled_mm(xq, w, xs, ws):
+    return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+
+
+def _timed(fn, ref, copies) -> dict:
+    """{"ms": time per call over the weight's copies} if fn(weight) (bf16) is within 1e-2 relative
+    of the fp64 reference, else {"ms": None, "error": why}."""
+    try:
+        err = float((fn(copies[0]).float() - ref).norm() / ref.norm())
+        if not err < 1e-2:
+            raise ArithmeticError(f"relative error {err:.3g}")
+        return {"ms": _time([lambda c=c: fn(c) for c in copies])}
+    except Exception as exc:  # noqa: BLE001 -- e.g. out of registers
+        return {"ms": None, "error": f"{type(exc).__name__}: {exc}"[:160]}
+
+
+def sweep_gemv(shapes=SHAPES, ms=(1, 2, 4, 8), tiles=TILES, max_acc=64) -> list:
+    """Rows {N, K, M, kernel ("gemv" with tile [BLOCK_N, BLOCK_K, num_warps], or "_scaled_mm"),
+    weight_copies, ms}: each launch checked against the fp64 reference first, then timed from a
+    CUDA graph over copies of the weight that together exceed four times the L2 cache (each call
+    reads its weight from memory, as a model's step does). Tiles with more than max_acc fp32
+    partial sums per thread at a row class are skipped (they spill)."""
+    rows = []
+    dev = torch.device("cuda")
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    for n, k in shapes:
+        w = (torch.randn((n, k), device=dev) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        copies = [w] + [w.clone() for _ in range(max(1, -(-4 * l2 // w.numel())) - 1)]
+        ws = torch.tensor(0.0123, device=dev)
+        for m in ms:
+            xq = (torch.randn((m, k), device=dev) * 32).clamp(-448, 448).to(torch.float8_e4m3fn)
+            xs = torch.tensor(0.0317, device=dev)
+            ref = fg.fp8_matmul_reference(xq, w, xs, ws, torch.float32).float()
+            base = {"N": n, "K": k, "M": m, "weight_copies": len(copies)}
+            rows.append({**base, "kernel": "_scaled_mm",
+                         **_timed(lambda c: _scaled_mm(xq, c, xs, ws), ref, copies)})
+            bm = fg.row_class(m)
+            for bn, bk, nw in tiles:
+                if bm * bn * bk > max_acc * 32 * nw or bk > k:
+                    continue
+                cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
+                rows.append({**base, "kernel": "gemv", "tile": [bn, bk, nw],
+                             **_timed(lambda c, cfg=cfg: fg.fp8_matmul(xq, c, xs, ws, cfg=cfg), ref, copies)})
+        del w, copies
+    return rows
+
+
+def pick_gemv(rows) -> dict:
+    """The GEMV entry: per row class c (1, 2, 4: the activation rows of one program), the tile with
+    the smallest sum over the swept shapes of its time relative to the shape's best GEMV time, at
+    the swept M of class c nearest to c (each shape counts alike); max_m: the largest swept M up
+    to which the GEMV with its class's tile beats `torch._scaled_mm` on every swept shape (0 if
+    not at M = 1: FP8Linear then always calls the library)."""
+    def ms(r):
+        return r["ms"] if r["ms"] is not None else math.inf
+
+    gemv = [r for r in rows if r["kernel"] == "gemv"]
+    best = {}
+    for r in gemv:
+        p = (r["N"], r["K"], r["M"])
+        best[p] = min(best.get(p, math.inf), ms(r))
+    out = {}
+    for c in sorted({fg.row_class(r["M"]) for r in gemv}):
+        m = min((r["M"] for r in gemv if fg.row_class(r["M"]) == c), key=lambda v: abs(v - c))
+        totals = {}
+        for r in gemv:
+            if r["M"] == m:
+                totals[tuple(r["tile"])] = totals.get(tuple(r["tile"]), 0.0) + ms(r) / best[r["N"], r["K"], m]
+        tile = min(totals, key=totals.get)
+        out[str(c)] = {"BLOCK_N": tile[0], "BLOCK_K": tile[1], "num_warps": tile[2]}
+    picked = {(r["N"], r["K"], r["M"]): ms(r) for r in gemv
+              if [r["tile"][0], r["tile"][1], r["tile"][2]] == list(out[str(fg.row_class(r["M"]))].values())}
+    library = {(r["N"], r["K"], r["M"]): ms(r) for r in rows if r["kernel"] == "_scaled_mm"}
+    max_m = 0
+    for m in sorted({p[2] for p in library}):
+        if not all(picked.get(p, math.inf) < t for p, t in library.items() if p[2] == m):
+            break
+        max_m = m
+    out["max_m"] = max_m
+    return out
+
+
+SWEEPS = {
+    "gemv": Sweep("fp8", "GEMV", sweep_gemv, pick_gemv,
+                  "the FP8 GEMV's tiles per row class and the rows up to which it beats torch._scaled_mm"),
+}

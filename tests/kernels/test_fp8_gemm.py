@@ -1,0 +1,170 @@
+"""fp4kit.kernels.fp8_gemm: the FP8 GEMV in Triton's interpreter against its fp64 reference, every
+E4M3 byte decoded exactly, the launch rule, and FP8Linear's use of it.
+tests/gpu/test_kernels_gpu.py runs it compiled on real shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from fp4kit.formats import e4m3  # noqa: E402
+from fp4kit.kernels import fp8_gemm as fg  # noqa: E402
+from fp4kit.kernels import launch, ops  # noqa: E402
+from fp4kit.modules import FP8Linear  # noqa: E402
+
+TABLE = launch.freeze({"GEMV": {"max_m": 4, "1": {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1},
+                                "2": {"BLOCK_N": 8, "BLOCK_K": 16, "num_warps": 1},
+                                "4": {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 1}}})
+
+
+def _ints(*shape, seed, low=-12, high=13) -> torch.Tensor:
+    """float8_e4m3fn integers in [low, high): every one is exact in E4M3 (3 mantissa bits)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, shape, generator=g).float().to(torch.float8_e4m3fn)
+
+
+def _e4m3(*shape, seed, spread=64.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * spread).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def _scale(v: float) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 13, 96), (2, 16, 48), (3, 9, 200), (4, 7, 64), (5, 5, 40)])
+def test_integer_sums_equal_the_reference_exactly(m, n, k):
+    # Integer operands and power-of-two scales: every partial sum is exact in fp32, so the kernel's
+    # order of summation cannot show and its output equals the reference bit for bit. Ragged N and
+    # K (masks, the clamped last rows), the K loop over several tiles, and 3-5 rows (padded to a
+    # power of two) are all taken.
+    xq, w = _ints(m, k, seed=m), _ints(n, k, seed=10 + n)
+    xs, ws = _scale(0.25), _scale(8.0)
+    for out_dtype in (torch.float32, torch.float16):
+        got = fg.fp8_matmul(xq, w, xs, ws, out_dtype, tables=TABLE)
+        want = fg.fp8_matmul(xq, w, xs, ws, out_dtype, backend="torch")
+        assert got.dtype == out_dtype and got.shape == (m, n)
+        assert torch.equal(got, want)
+        exact = (xq.double() @ w.double().t() * 2.0).to(out_dtype)  # the scales' product is 2
+        assert torch.equal(got, exact)
+
+
+def test_every_e4m3_byte_is_decoded_exactly():
+    # Weight row n holds byte n at column 0 (and zeros elsewhere); x is one at column 0: output n
+    # is byte n's value, exactly, NaN for 0x7F and 0xFF. The activations' decoding: the same with
+    # x and w swapped (256 rows of x, one weight row).
+    k = 32
+    codes = torch.arange(256, dtype=torch.uint8)
+    w = torch.zeros((256, k), dtype=torch.uint8)
+    w[:, 0] = codes
+    one = torch.zeros((1, k), dtype=torch.float8_e4m3fn)
+    one[0, 0] = 1.0
+    values = e4m3.decode(codes.view(torch.float8_e4m3fn)).float()
+    got = fg.fp8_matmul(one, w.view(torch.float8_e4m3fn), _scale(1.0), _scale(1.0), torch.float32, tables=TABLE)[0]
+    assert torch.equal(got.isnan(), values.isnan())
+    assert torch.equal(got[~values.isnan()], values[~values.isnan()])
+    table = launch.freeze({"GEMV": {"max_m": 256, "256": {"BLOCK_N": 1, "BLOCK_K": 32, "num_warps": 1}}})
+    got = fg.fp8_matmul(w.view(torch.float8_e4m3fn), one, _scale(1.0), _scale(1.0), torch.float32, tables=table)[:, 0]
+    assert torch.equal(got.isnan(), values.isnan())
+    assert torch.equal(got[~values.isnan()], values[~values.isnan()])
+
+
+def test_random_operands_are_within_fp32_summation_error():
+    # Full-range operands: the kernel's fp32 sums against the fp64 ones; the bound is K fp32
+    # roundings of the running sum of magnitudes.
+    m, n, k = 2, 24, 320
+    xq, w = _e4m3(m, k, seed=1), _e4m3(n, k, seed=2)
+    xs, ws = _scale(0.0371), _scale(0.00213)
+    got = fg.fp8_matmul(xq, w, xs, ws, torch.float32, tables=TABLE).double()
+    exact = (xq.double() @ w.double().t()) * (0.0371 * 0.00213)
+    bound = (xq.double().abs() @ w.double().abs().t()) * (0.0371 * 0.00213) * k * 2.0**-24 + exact.abs() * 2.0**-22
+    assert bool(((got - exact).abs() <= bound).all())
+    assert not torch.equal(got, torch.zeros_like(got))
+
+
+def test_leading_dims_and_strided_rows():
+    xq_wide = _ints(3, 2, 80, seed=4)
+    xq = xq_wide[..., :64]  # rows 80 bytes apart
+    w = _ints(10, 64, seed=5)
+    got = fg.fp8_matmul(xq, w, _scale(1.0), _scale(0.5), torch.float32, tables=TABLE)
+    assert got.shape == (3, 2, 10)
+    want = fg.fp8_matmul(xq.contiguous().reshape(6, 64), w, _scale(1.0), _scale(0.5), torch.float32, tables=TABLE)
+    assert torch.equal(got.reshape(6, 10), want)
+
+
+def test_nan_in_a_weight_row_reaches_only_its_outputs():
+    xq, w = _ints(1, 48, seed=6), _ints(6, 48, seed=7)
+    w.view(torch.uint8)[3, 17] = 0x7F
+    got = fg.fp8_matmul(xq, w, _scale(1.0), _scale(1.0), torch.float32, tables=TABLE)
+    assert got.isnan().tolist() == [[False, False, False, True, False, False]]
+
+
+def test_empty_problems():
+    w = _ints(4, 32, seed=8)
+    assert fg.fp8_matmul(_ints(0, 32, seed=9), w, _scale(1.0), _scale(1.0), tables=TABLE).shape == (0, 4)
+    z = fg.fp8_matmul(torch.zeros((2, 0), dtype=torch.float8_e4m3fn), torch.zeros((3, 0), dtype=torch.float8_e4m3fn),
+                      _scale(1.0), _scale(1.0), torch.float32, tables=TABLE)
+    assert torch.equal(z, torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(xq=torch.zeros(1, 32)), "xq must be a float8_e4m3fn"),
+    (dict(weight=torch.zeros(4, 32, dtype=torch.bfloat16)), "weight must be a float8_e4m3fn"),
+    (dict(xq=torch.zeros(1, 16, dtype=torch.float8_e4m3fn)), r"does not end in K=32"),
+    (dict(weight=torch.zeros(32, 4, dtype=torch.float8_e4m3fn).t()), "contiguous"),
+    (dict(input_scale=torch.tensor([1.0, 2.0])), "input_scale must be a one-element fp32"),
+    (dict(weight_scale=torch.tensor(1.0, dtype=torch.bfloat16)), "weight_scale must be a one-element fp32"),
+    (dict(out_dtype=torch.int32), "out_dtype must be one of"),
+])
+def test_bad_inputs_are_named(bad, match):
+    args = dict(xq=torch.zeros(1, 32, dtype=torch.float8_e4m3fn), weight=torch.zeros(4, 32, dtype=torch.float8_e4m3fn),
+                input_scale=_scale(1.0), weight_scale=_scale(1.0), out_dtype=torch.bfloat16)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        fg.fp8_matmul(**args)
+
+
+def test_launch_rule():
+    cpu = torch.device("cpu")
+    assert [fg.use_gemv(m, cpu, TABLE) for m in (0, 1, 4, 5)] == [False, True, True, False]
+    assert fg.config(1, 1024, cpu, tables=TABLE) == {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1}
+    assert fg.config(3, 1024, cpu, tables=TABLE)["BLOCK_N"] == 2  # row class 4
+    assert fg.config(9, 1024, cpu, tables=TABLE)["BLOCK_N"] == 2  # 4 rows per program from 4 on
+    assert fg.config(1, 20, cpu, {"BLOCK_K": 256}, TABLE)["BLOCK_K"] == 32  # at most K rounded up
+    with pytest.raises(ValueError, match="unknown launch keys"):
+        fg.config(1, 64, cpu, {"BLOCK_M": 4}, TABLE)
+    with pytest.raises(ValueError, match="powers of two"):
+        fg.config(1, 64, cpu, {"BLOCK_N": 3}, TABLE)
+    live = launch.table("fp8")["GEMV"]
+    assert live["max_m"] >= 0 and all(str(fg.row_class(m)) in live for m in range(1, live["max_m"] + 1))
+
+
+def test_operator_is_the_launcher():
+    xq, w = _e4m3(2, 64, seed=11), _e4m3(8, 64, seed=12)
+    args = (xq, w, _scale(0.5), _scale(0.25), torch.float32)
+    assert torch.equal(ops.fp8_matmul(*args), fg.fp8_matmul(*args))
+    torch.library.opcheck(torch.ops.fp4kit.fp8_matmul.default, args, test_utils=("test_faketensor",))
+
+
+def test_fp8_linear_runs_the_gemv_up_to_max_m_and_the_library_past_it(monkeypatch):
+    w = _e4m3(16, 32, seed=13)
+    layer = FP8Linear(w, _scale(0.01), _scale(0.02), None, backend="triton", name="mixer.in_proj")
+    calls = []
+
+    def library(a, b, scale_a, scale_b, out_dtype):
+        calls.append(a.shape[0])
+        return (a.float() @ b.float()) * (scale_a * scale_b)
+
+    monkeypatch.setattr(torch, "_scaled_mm", library)
+    live = launch.table
+    monkeypatch.setattr(launch, "table", lambda kernel, device=None: TABLE if kernel == "fp8" else live(kernel, device))
+    limit = TABLE["GEMV"]["max_m"]
+    x = torch.randn(limit + 1, 32, generator=torch.Generator().manual_seed(14))
+    few = layer(x[:1])
+    assert calls == []  # one row: the GEMV
+    xq = e4m3.cast(x[:1] / 0.02)
+    assert torch.equal(few, fg.fp8_matmul(xq, w, _scale(0.02), _scale(0.01), torch.float32))
+    layer(x)
+    assert calls == [limit + 1]

@@ -1,0 +1,66 @@
+"""scripts/sass_loop.py: the innermost loop found in a SASS listing, and one real sm_90 compile of
+the FP8 GEMV (Triton's bundled ptxas and cuobjdump; no GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import sass_loop  # noqa: E402
+
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E R2, desc[UR4][R2.64] ;
+        /*0020*/                   FFMA R3, R2, R2, R3 ;
+        /*0030*/              @!P0 BRA 0x10 ;
+        /*0040*/                   LDS R4, [R5] ;
+        /*0050*/                   FFMA R6, R4, R4, R6 ;
+        /*0060*/                   FFMA R6, R4, R4, R6 ;
+        /*0070*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0080*/              @!P1 BRA 0x40 ;
+        /*0090*/                   STG.E desc[UR4][R8.64], R6 ;
+        /*00a0*/                   EXIT ;
+        /*00b0*/                   BRA 0xb0;
+"""
+
+
+def test_the_loop_is_the_last_backward_branch():
+    # 0x40..0x80 (the branch to itself at 0xb0 is the end padding, not a loop)
+    assert sass_loop.loop_ops(LISTING) == {"FFMA": 2, "BAR": 1, "BRA": 1, "LDS": 1}
+    assert sass_loop.loop_ops("        /*0000*/  EXIT ;\n") == {}
+
+
+def test_fp8_gemv_one_tile_compiles_for_sm90():
+    # In a process of its own: this one may run Triton's interpreter, which compiles nothing.
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sass_loop; "
+            "print(json.dumps(sass_loop.fp8_gemv(rows=(1,), tiles=((8, 512, 4),))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=SCRIPTS, env=env, capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode and "FileNotFoundError" in done.stderr:  # a triton without its bundled CUDA tools
+        pytest.skip("no sm_90 toolchain")
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["tile"] == [8, 512, 4] and row["registers"] > 0
+    # 32 weights per thread and step: one fma each, plus their decoding
+    assert row["ops"]["FFMA"] == 32 and row["per_weight"] == round(row["loop_instructions"] / 32, 3)
+
+
+def test_an_interpreted_kernel_is_refused():
+    pytest.importorskip("triton")
+    from fp4kit.kernels import fp8_gemm
+    from fp4kit.kernels.backend import interpreted
+
+    if not interpreted(fp8_gemm._fp8_gemv_kernel):
+        pytest.skip("the kernels are compiled in this process")
+    with pytest.raises(RuntimeError, match="without TRITON_INTERPRET=1"):
+        sass_loop.compile_sm90(fp8_gemm._fp8_gemv_kernel, {}, {}, 4, ())
