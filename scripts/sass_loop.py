@@ -1,12 +1,14 @@
 """Counts the instructions of a Triton kernel's innermost loop on sm_90, without a GPU.
 
-    python scripts/sass_loop.py fp8-gemv [--out benchmarks/results/fp8-gemv-sass.json]
+    python scripts/sass_loop.py fp8-gemv|moe-gemv|packed [--out benchmarks/results/<kernel>-sass.json]
 
 Triton compiles the kernel ahead of time for sm_90 (its bundled ptxas), cuobjdump (bundled too)
-disassembles it, and the loop is the range of the last backward branch. Per launch shape the
-JSON rows give the registers, the loop's instructions by opcode and per weight it decodes. This
-says what the compiler made of a tile (layout conversions through shared memory, byte permutes,
-spills), not how fast it runs: the timings come from the sweeps on a GPU (scripts/tune_kernels.py).
+disassembles it, and the loop is the last innermost one (a backward branch's range that holds no
+other). Per launch shape the JSON rows give the registers, the loop's instructions by opcode and
+per weight a thread decodes in one step. This says what the compiler made of a tile (layout
+conversions through shared memory, byte permutes, spills), not how fast it runs: the timings come
+from the sweeps on a GPU (scripts/tune_kernels.py). Triton here is the installed one, which may
+not be the one a GPU machine runs (the JSON's versions say which).
 """
 
 from __future__ import annotations
@@ -29,20 +31,25 @@ _BRA = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)|(0x[0-9a-f]+))")
 
 
 def loop_ops(sass: str) -> dict:
-    """Opcode counts of the innermost loop in a cuobjdump listing: the instructions from the target
-    of the last backward branch to that branch ({} where there is none)."""
+    """Opcode counts of the innermost loop in a cuobjdump listing: of the backward branches whose
+    range (from the branch's target to the branch) holds no other backward branch, the last one;
+    {} where there is none."""
     lines = [ln for ln in sass.splitlines() if _OP.search(ln)]
-    body: list = []
-    for ln in lines:
-        here = int(_ADDR.search(ln).group(1), 16)
+    addr = [int(_ADDR.search(ln).group(1), 16) for ln in lines]
+    loops = []
+    for ln, here in zip(lines, addr):
         m = _BRA.search(ln)
         if m and m.group(1) and int(m.group(1), 16) < here:
-            start = int(m.group(1), 16)
-            body = [x for x in lines if start <= int(_ADDR.search(x).group(1), 16) <= here]
+            loops.append((int(m.group(1), 16), here))
+    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    if not inner:
+        return {}
+    start, end = inner[-1]
     ops: dict = {}
-    for ln in body:
-        op = _OP.search(ln).group(1)
-        ops[op] = ops.get(op, 0) + 1
+    for ln, here in zip(lines, addr):
+        if start <= here <= end:
+            op = _OP.search(ln).group(1)
+            ops[op] = ops.get(op, 0) + 1
     return dict(sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
@@ -85,21 +92,71 @@ def fp8_gemv(rows=(1, 2, 4), tiles=FP8_GEMV_TILES) -> list:
            "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "BLOCK_M": "constexpr",
            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "NATIVE": "constexpr"}
     divisible = ("x_ptr", "w_ptr", "xs_ptr", "ws_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om")
-    out = []
+    launches = []
     for bm in rows:
         for bn, bk, nw in tiles:
             s, consts = dict(sig), dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, NATIVE=True)
             if bm == 1:
                 s["M"], consts["M"] = "constexpr", 1
-            regs, sass = compile_sm90(fg._fp8_gemv_kernel, s, consts, nw, divisible)
-            ops = loop_ops(sass)
-            weights = bn * bk / (32 * nw)  # per thread and loop step
-            out.append({"rows": bm, "tile": [bn, bk, nw], "registers": regs, "loop_instructions": sum(ops.values()),
-                        "per_weight": round(sum(ops.values()) / weights, 3), "ops": ops})
+            launches.append(({"rows": bm, "tile": [bn, bk, nw], "_sig": s}, consts, nw, bn * bk / (32 * nw)))
+    out = []
+    for tag, consts, nw, weights in launches:
+        s = tag.pop("_sig")
+        out += _rows(fg._fp8_gemv_kernel, s, divisible, [(tag, consts, nw, weights)])
     return out
 
 
-KERNELS = {"fp8-gemv": fp8_gemv}
+def _rows(fn, signature, divisible, launches) -> list:
+    """One row per (tag, constexprs, warps, weights decoded per thread and loop step) in `launches`."""
+    out = []
+    for tag, consts, nw, weights in launches:
+        regs, sass = compile_sm90(fn, signature, consts, nw, divisible)
+        ops = loop_ops(sass)
+        out.append({**tag, "registers": regs, "loop_instructions": sum(ops.values()),
+                    "per_weight": round(sum(ops.values()) / weights, 3), "ops": ops})
+    return out
+
+
+def moe_gemv(tiles=((4, 512, 1), (8, 512, 1), (4, 1024, 2))) -> list:
+    """`_moe_small_kernel`'s K loop on the CUDA cores (`tiles.gemv_accumulate`) as one token's up
+    projection launches it on Nemotron-3-Nano (K = 2688, not a multiple of BLOCK_K: masked loads),
+    per (BLOCK_N, BLOCK_K, warps); one activation row."""
+    import triton.language as tl
+
+    from fp4kit.kernels import moe_gemm as mg
+
+    sig = {"x_ptr": "*bf16", "x4_ptr": "*i64", "ids_ptr": "*i64", "wq_ptr": "*i64", "ws_ptr": "*u8", "gs_ptr": "*fp32",
+           "part_ptr": "*bf16", "A": "i32", "E": "i32", "N": "i32", "K": "i32", "TOPK": "i32", "k_per_split": "i32",
+           "part_stride": "i32"}
+    sig.update({name: "constexpr" for name in ("A_PAD", "BY_ASSIGNMENT", "UP", "X_PARTS", "RELU2_OUT", "ACT", "BLOCK_M",
+                                               "BLOCK_N", "BLOCK_K", "IEEE", "LUT", "EVEN_N", "EVEN_K", "GEMV")})
+    divisible = ("x_ptr", "x4_ptr", "ids_ptr", "wq_ptr", "ws_ptr", "gs_ptr", "part_ptr", "E", "N", "K", "k_per_split",
+                 "part_stride")
+    launches = [({"tile": [bn, bk, nw]},
+                 dict(A_PAD=8, BY_ASSIGNMENT=True, UP=True, X_PARTS=0, RELU2_OUT=True, ACT=tl.bfloat16, BLOCK_M=1,
+                      BLOCK_N=bn, BLOCK_K=bk, IEEE=False, LUT=True, EVEN_N=True, EVEN_K=False, GEMV=True),
+                 nw, bn * bk / (32 * nw)) for bn, bk, nw in tiles]
+    return _rows(mg._moe_small_kernel, sig, divisible, launches)
+
+
+def packed(launches=((16, 1), (32, 1), (64, 1), (32, 2), (64, 2))) -> list:
+    """`packed_gemm._packed_kernel`'s K loop per (BLOCK_M, UNROLL), one warpgroup (64 weight rows),
+    split-K, bf16: per K tile of 128 a thread decodes 64 weights and the warpgroup issues eight
+    wgmma of K 16."""
+    from fp4kit.kernels import packed_gemm as pg
+
+    sig = {"x_ptr": "*bf16", "x_desc": "*bf16", "w_ptr": "*i16", "s_ptr": "*bf16", "gs_ptr": "*fp32",
+           "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+           "N16": "i32", "KT": "i32", "stride_xm": "i32", "kt_per_split": "i32"}
+    sig.update({name: "constexpr" for name in ("BLOCK_M", "W", "SPLIT", "UNROLL", "PREFETCH", "F16", "EVEN_K",
+                                               "EMULATE", "TMA")})
+    divisible = ("x_ptr", "w_ptr", "s_ptr", "gs_ptr", "out_ptr", "part_ptr", "cnt_ptr", "N", "K", "stride_xm")
+    rows = [({"BLOCK_M": bm, "UNROLL": u}, dict(BLOCK_M=bm, W=4, SPLIT=3, UNROLL=u, PREFETCH=0, F16=False, EVEN_K=True,
+                                                EMULATE=False, TMA=False), 4, 64 * u) for bm, u in launches]
+    return _rows(pg._packed_kernel, sig, divisible, rows)
+
+
+KERNELS = {"fp8-gemv": fp8_gemv, "moe-gemv": moe_gemv, "packed": packed}
 
 
 def main(argv=None) -> int:
@@ -108,11 +165,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the rows as JSON (date, command, versions) here")
     args = ap.parse_args(argv)
     rows = KERNELS[args.kernel]()
-    print(f"{'rows':>4} {'tile (N, K, warps)':>20} {'regs':>5} {'loop':>5} {'per weight':>10}  shared-memory ops")
+    print(f"{'launch':>36} {'regs':>5} {'loop':>5} {'per weight':>10}  shared-memory ops and permutes")
     for r in rows:
-        smem = {k: v for k, v in r["ops"].items() if k in ("BAR", "STS", "STSM", "LDS", "PRMT")}
-        print(f"{r['rows']:>4} {str(tuple(r['tile'])):>20} {r['registers']:>5} {r['loop_instructions']:>5} "
-              f"{r['per_weight']:>10}  {smem}")
+        tag = {k: v for k, v in r.items() if k not in ("registers", "loop_instructions", "per_weight", "ops")}
+        smem = {k: v for k, v in r["ops"].items() if k in ("BAR", "STS", "STSM", "LDS", "LDGSTS", "PRMT")}
+        print(f"{json.dumps(tag):>36} {r['registers']:>5} {r['loop_instructions']:>5} {r['per_weight']:>10}  {smem}")
     if args.out:
         from benchlib.record import run_record
 

@@ -653,6 +653,14 @@ FIGURES = [
      _f(2)),
     (BENCH, "16 weight rows take 3.27 at 119 registers", "fp8-gemv-sass.json", ("rows", {"rows": 1, "tile": [16, 512, 4]}, "registers"), str),
     (BENCH, "4 weight rows 4.94.", "fp8-gemv-sass.json", ("rows", {"rows": 1, "tile": [4, 512, 4]}, "per_weight"), _f(2)),
+    (BENCH, "one-warp tile of 4 x 512) takes 5.06 instructions per weight at 86 registers", "moe-gemv-sass.json",
+     ("rows", {"tile": [4, 512, 1]}, "per_weight"), _f(2)),
+    (BENCH, "one-warp tile of 4 x 512) takes 5.06 instructions per weight at 86 registers", "moe-gemv-sass.json",
+     ("rows", {"tile": [4, 512, 1]}, "registers"), str),
+    (BENCH, "the packed kernel's (`packed`) 4.0 per weight at 64 rows", "packed-sass.json",
+     ("rows", {"BLOCK_M": 64, "UNROLL": 1}, "per_weight"), _f(1)),
+    (BENCH, "of which eight are\nwgmma per K tile", "packed-sass.json", ("rows", {"BLOCK_M": 64, "UNROLL": 1}, "ops", "HGMMA"),
+     lambda v: {8: "eight"}[v]),
 ]
 
 

@@ -27,13 +27,15 @@ LISTING = """
         /*0070*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
         /*0080*/              @!P1 BRA 0x40 ;
         /*0090*/                   STG.E desc[UR4][R8.64], R6 ;
-        /*00a0*/                   EXIT ;
-        /*00b0*/                   BRA 0xb0;
+        /*00a0*/              @P2 BRA 0x40 ;
+        /*00b0*/                   EXIT ;
+        /*00c0*/                   BRA 0xc0;
 """
 
 
 def test_the_loop_is_the_last_backward_branch():
-    # 0x40..0x80 (the branch to itself at 0xb0 is the end padding, not a loop)
+    # 0x40..0x80: inside the outer loop 0x40..0xa0, after the loop 0x10..0x30 (the branch to itself
+    # at 0xc0 is the end padding, not a loop)
     assert sass_loop.loop_ops(LISTING) == {"FFMA": 2, "BAR": 1, "BRA": 1, "LDS": 1}
     assert sass_loop.loop_ops("        /*0000*/  EXIT ;\n") == {}
 

@@ -168,3 +168,21 @@ def test_fp8_linear_runs_the_gemv_up_to_max_m_and_the_library_past_it(monkeypatc
     assert torch.equal(few, fg.fp8_matmul(xq, w, _scale(0.02), _scale(0.01), torch.float32))
     layer(x)
     assert calls == [limit + 1]
+
+
+def test_a_compiled_fp8_linear_calls_the_operator(monkeypatch):
+    # Under torch.compile (fullgraph: no break at the launch rule) the GEMV is the opaque operator,
+    # with eager's result. aot_eager: inductor's CPU code for the E4M3 emulation is not what this tests.
+    w = _e4m3(16, 32, seed=15)
+    layer = FP8Linear(w, _scale(0.01), _scale(0.02), None, backend="triton", name="mixer.out_proj")
+    live = launch.table
+    monkeypatch.setattr(launch, "table", lambda kernel, device=None: TABLE if kernel == "fp8" else live(kernel, device))
+    calls = []
+    real = ops.fp8_matmul
+    monkeypatch.setattr(ops, "fp8_matmul", lambda *a: calls.append(a[0].shape) or real(*a))
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(16))
+    eager = layer(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    assert calls == [torch.Size([2, 32])]
+    assert torch.equal(compiled, eager)
