@@ -78,8 +78,10 @@ def compile_sm90(fn, signature: dict, constants: dict, num_warps: int, divisible
     return int(re.search(r"REG:(\d+)", usage).group(1)), sass
 
 
-FP8_GEMV_TILES = ((4, 512, 4), (8, 512, 4), (16, 512, 4), (8, 256, 2), (16, 256, 4), (4, 256, 2), (2, 512, 2),
-                  (4, 1024, 4))
+# (BLOCK_N, BLOCK_K, warps): BLOCK_K = 512 x warps gives each lane 16 columns of every weight row,
+# the activations' own layout; the others put the activation tile through shared memory
+FP8_GEMV_TILES = ((1, 512, 1), (2, 512, 1), (4, 512, 1), (2, 1024, 2), (4, 1024, 2), (4, 2048, 4), (8, 512, 4),
+                  (16, 512, 4), (8, 256, 2), (4, 512, 4))
 
 
 def fp8_gemv(rows=(1, 2, 4), tiles=FP8_GEMV_TILES) -> list:

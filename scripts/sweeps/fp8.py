@@ -18,7 +18,10 @@ from fp4kit.kernels import fp8_gemm as fg
 from . import Sweep
 
 SHAPES = ((10304, 2688), (2688, 4096))
-TILES = tuple((bn, bk, nw) for bn, bk, nw in itertools.product((2, 4, 8, 16), (256, 512, 1024), (2, 4, 8)))
+# (BLOCK_N, BLOCK_K, warps): every lane holding 16 columns of its rows (BLOCK_K = 512 x warps), and
+# tiles with more rows or warps than that, whose activation tile passes through shared memory
+TILES = (tuple((bn, 512 * nw, nw) for bn, nw in itertools.product((1, 2, 4, 8), (1, 2, 4)))
+         + ((8, 512, 4), (16, 512, 4), (8, 256, 2), (16, 256, 4)))
 
 
 def _time(fns) -> float:
