@@ -38,6 +38,14 @@ CASES = {
     "quantize 4/6 [128,1856,2688]": ("quantize:4o6:two", "_quantize_kernel", 128 * 1856 * 2688),
     "stack kernel plain [128,1856,2688]": ("quantize:6:stack", "_stack_kernel", 128 * 1856 * 2688),
     "stack kernel 4/6 [128,1856,2688]": ("quantize:4o6:stack", "_stack_kernel", 128 * 1856 * 2688),
+    # One token through Nemotron-3-Nano's routed experts on the CUDA cores (the second launch:
+    # the down projection, as many weights as the up one).
+    "moe small 1 token": ("moe:1", "_moe_small_kernel", 6 * 1856 * 2688),
+    # The FP8 Mamba projections at one row: fp4kit's GEMV (kernels.fp8_gemm) and torch._scaled_mm.
+    "fp8 gemv 10304x2688 M=1": ("fp8:10304:2688:1", "_fp8_gemv_kernel", 10304 * 2688),
+    "fp8 gemv 2688x4096 M=1": ("fp8:2688:4096:1", "_fp8_gemv_kernel", 2688 * 4096),
+    "fp8 _scaled_mm 10304x2688 M=1": ("fp8lib:10304:2688:1", "regex:nvjet|gemm|gemv", 10304 * 2688),
+    "fp8 _scaled_mm 2688x4096 M=1": ("fp8lib:2688:4096:1", "regex:nvjet|gemm|gemv", 2688 * 4096),
     # Quantize items close behind the max items (lag 1 and 2, 8-tile items): how much of the
     # second read L2 serves, against the waits.
     "stack kernel plain lag 1 [128,1856,2688]": ("quantize:6:stack:1:8:8", "_stack_kernel", 128 * 1856 * 2688),
@@ -82,6 +90,29 @@ def run_case(case: str) -> None:
             call = lambda: w4a16_gemm.w4a16_matmul(x, wq)  # noqa: E731
         for _ in range(3):
             call()
+    elif kind == "moe":
+        from fp4kit.kernels import moe_gemm
+
+        t = int(args[0])
+        up = kquant.quantize(torch.randn(128, 1856, 2688, device="cuda", dtype=torch.bfloat16) * 0.02)
+        down = kquant.quantize(torch.randn(128, 2688, 1856, device="cuda", dtype=torch.bfloat16) * 0.02)
+        x = torch.randn(t, 2688, device="cuda", dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(128, device="cuda")[:6] for _ in range(t)])
+        wts = torch.rand(t, 6, device="cuda")
+        for _ in range(3):
+            moe_gemm.moe_experts(x, ids, wts, up, down)
+    elif kind in ("fp8", "fp8lib"):
+        from fp4kit.kernels import fp8_gemm
+
+        n, k, m = map(int, args)
+        w = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        xq = (torch.randn(m, k, device="cuda") * 32).clamp(-448, 448).to(torch.float8_e4m3fn)
+        xs, ws = torch.tensor(0.03, device="cuda"), torch.tensor(0.01, device="cuda")
+        for _ in range(3):
+            if kind == "fp8":
+                fp8_gemm.fp8_matmul(xq, w, xs, ws)
+            else:
+                torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
     elif kind == "quantize":  # rule, then "two" (max pass and quantize launches) or "stack" (one launch)
         stack = {}
         if args[1] == "two":
