@@ -78,6 +78,17 @@ def compile_sm90(fn, signature: dict, constants: dict, num_warps: int, divisible
     return int(re.search(r"REG:(\d+)", usage).group(1)), sass
 
 
+def _rows(fn, signature, divisible, launches) -> list:
+    """One row per (tag, constexprs, warps, weights decoded per thread and loop step) in `launches`."""
+    out = []
+    for tag, consts, nw, weights in launches:
+        regs, sass = compile_sm90(fn, signature, consts, nw, divisible)
+        ops = loop_ops(sass)
+        out.append({**tag, "registers": regs, "loop_instructions": sum(ops.values()),
+                    "per_weight": round(sum(ops.values()) / weights, 3), "ops": ops})
+    return out
+
+
 # (BLOCK_N, BLOCK_K, warps): BLOCK_K = 512 x warps gives each lane 16 columns of every weight row,
 # the activations' own layout; the others put the activation tile through shared memory
 FP8_GEMV_TILES = ((1, 512, 1), (2, 512, 1), (4, 512, 1), (2, 1024, 2), (4, 1024, 2), (4, 2048, 4), (8, 512, 4),
@@ -94,28 +105,13 @@ def fp8_gemv(rows=(1, 2, 4), tiles=FP8_GEMV_TILES) -> list:
            "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "BLOCK_M": "constexpr",
            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "NATIVE": "constexpr"}
     divisible = ("x_ptr", "w_ptr", "xs_ptr", "ws_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om")
-    launches = []
-    for bm in rows:
-        for bn, bk, nw in tiles:
-            s, consts = dict(sig), dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, NATIVE=True)
-            if bm == 1:
-                s["M"], consts["M"] = "constexpr", 1
-            launches.append(({"rows": bm, "tile": [bn, bk, nw], "_sig": s}, consts, nw, bn * bk / (32 * nw)))
     out = []
-    for tag, consts, nw, weights in launches:
-        s = tag.pop("_sig")
-        out += _rows(fg._fp8_gemv_kernel, s, divisible, [(tag, consts, nw, weights)])
-    return out
-
-
-def _rows(fn, signature, divisible, launches) -> list:
-    """One row per (tag, constexprs, warps, weights decoded per thread and loop step) in `launches`."""
-    out = []
-    for tag, consts, nw, weights in launches:
-        regs, sass = compile_sm90(fn, signature, consts, nw, divisible)
-        ops = loop_ops(sass)
-        out.append({**tag, "registers": regs, "loop_instructions": sum(ops.values()),
-                    "per_weight": round(sum(ops.values()) / weights, 3), "ops": ops})
+    for bm in rows:  # one row: M = 1, which Triton makes a constant
+        s, fixed = (dict(sig, M="constexpr"), {"M": 1}) if bm == 1 else (sig, {})
+        out += _rows(fg._fp8_gemv_kernel, s, divisible,
+                     [({"rows": bm, "tile": [bn, bk, nw]},
+                       dict(fixed, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, NATIVE=True), nw, bn * bk / (32 * nw))
+                      for bn, bk, nw in tiles])
     return out
 
 

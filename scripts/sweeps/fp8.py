@@ -16,6 +16,7 @@ import torch
 from fp4kit.kernels import fp8_gemm as fg
 
 from . import Sweep
+from .common import time_if_right
 
 SHAPES = ((10304, 2688), (2688, 4096))
 # (BLOCK_N, BLOCK_K, warps): every lane holding 16 columns of its rows (BLOCK_K = 512 x warps), and
@@ -24,34 +25,20 @@ TILES = (tuple((bn, 512 * nw, nw) for bn, nw in itertools.product((1, 2, 4, 8), 
          + ((8, 512, 4), (16, 512, 4), (8, 256, 2), (16, 256, 4)))
 
 
-def _time(fns) -> float:
-    """Median ms per call of `fns` run in turn from one CUDA graph."""
-    from triton.testing import do_bench_cudagraph
-
-    return do_bench_cudagraph(lambda: [f() for f in fns], rep=30, return_mode="median") / len(fns)
-
-
 def _scaled_mm(xq, w, xs, ws):
     return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
 
 
 def _timed(fn, ref, copies) -> dict:
-    """{"ms": time per call over the weight's copies} if fn(weight) (bf16) is within 1e-2 relative
-    of the fp64 reference, else {"ms": None, "error": why}."""
-    try:
-        err = float((fn(copies[0]).float() - ref).norm() / ref.norm())
-        if not err < 1e-2:
-            raise ArithmeticError(f"relative error {err:.3g}")
-        return {"ms": _time([lambda c=c: fn(c) for c in copies])}
-    except Exception as exc:  # noqa: BLE001 -- e.g. out of registers
-        return {"ms": None, "error": f"{type(exc).__name__}: {exc}"[:160]}
+    """`time_if_right` of fn on the weight's first copy, the others run in turn in the same graph."""
+    return time_if_right(lambda: fn(copies[0]), ref, [lambda c=c: fn(c) for c in copies[1:]])
 
 
 def sweep_gemv(shapes=SHAPES, ms=(1, 2, 4, 8), tiles=TILES, max_acc=64) -> list:
     """Rows {N, K, M, kernel ("gemv" with tile [BLOCK_N, BLOCK_K, num_warps], or "_scaled_mm"),
-    weight_copies, ms}: each launch checked against the fp64 reference first, then timed from a
-    CUDA graph over copies of the weight that together exceed four times the L2 cache (each call
-    reads its weight from memory, as a model's step does). Tiles with more than max_acc fp32
+    weight_copies, ms}: each launch checked against the fp64 reference first (bf16 output within
+    1e-2 relative), then timed from a CUDA graph over copies of the weight that together exceed
+    four times the L2 cache (each call reads its weight from memory, as a model's step does). Tiles with more than max_acc fp32
     partial sums per thread at a row class are skipped (they spill)."""
     rows = []
     dev = torch.device("cuda")
