@@ -24,6 +24,7 @@ eager ones in the last bit and a greedy token can flip where two logits tie that
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -329,7 +330,58 @@ def _compiled_call(device_type: str):
 
 def _forward(model, s: _StaticStep) -> torch.Tensor:
     call = _compiled_call(s.input_ids.device.type) if s.compiled else _call
-    return call(model, s.input_ids, s.position_ids, _masks(model, s), s.cache, cache_argument(model))
+    with grouped_attention(model):
+        return call(model, s.input_ids, s.position_ids, _masks(model, s), s.cache, cache_argument(model))
+
+
+# The attention implementation a decode step's sdpa attention runs under (`grouped_attention`).
+GROUPED_SDPA = "fp4kit_grouped_sdpa"
+
+
+def grouped_decode_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention for one query position on grouped-query attention, without
+    copying the keys and values once per query head.
+
+    With a mask, transformers' sdpa repeats each key/value head for its query heads
+    (`repeat_kv`: on Nemotron-3-Nano 16 copies of the whole static cache, per layer and step)
+    before one `scaled_dot_product_attention`. Here the G query heads of a key/value head are
+    laid out as G query rows of that head instead ([B, H, 1, D] -> [B, H / G, G, D]); every query
+    row attends to the same keys under the same mask as before, so the scores, the softmax and the
+    weighted sums are those of the repeated form. Other calls (prompts, masks that differ per
+    query head) go to transformers' sdpa as they are."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    b, heads, q_len, d = query.shape
+    per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1
+    if groups == 1 or q_len != 1 or per_head_mask or kwargs.get("output_attentions", False) \
+            or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    rows = query.reshape(b, heads // groups, groups, d)
+    out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                           scale=scaling)
+    return out.reshape(b, heads, 1, d).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def grouped_attention(model: nn.Module):
+    """Within the block, a model on transformers' sdpa attention runs `grouped_decode_sdpa`
+    (registered with transformers' AttentionInterface); other implementations run as they are."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GROUPED_SDPA, grouped_decode_sdpa)
+    config._attn_implementation = GROUPED_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
 
 
 def _state_tensors(cache) -> list[torch.Tensor]:

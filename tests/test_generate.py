@@ -115,6 +115,120 @@ def test_the_step_reads_and_writes_buffers_at_fixed_addresses(monkeypatch):
     assert all(ptrs == seen[0] for ptrs in seen)
 
 
+def _attention_inputs(b: int, kv: int, groups: int, length: int, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    d = 32
+    # The query as the attention modules make it: [B, 1, H * D] viewed as [B, H, 1, D].
+    q = torch.randn(b, 1, kv * groups * d, generator=g).to(dtype).view(b, 1, kv * groups, d).transpose(1, 2)
+    k = torch.randn(b, kv, length, d, generator=g).to(dtype)
+    v = torch.randn(b, kv, length, d, generator=g).to(dtype)
+    mask = torch.rand(b, 1, 1, length, generator=g) < 0.6
+    mask[:, ..., 0] = True  # every row attends somewhere
+    return q, k, v, mask
+
+
+class _Grouped:
+    is_causal = True
+
+    def __init__(self, groups):
+        self.num_key_value_groups = groups
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,kv,groups,length", [(1, 2, 16, 256), (3, 2, 2, 77), (2, 4, 4, 130)])
+def test_grouped_decode_attention_is_sdpa_over_repeated_heads(dtype, b, kv, groups, length):
+    """Against the repeated form (keys and values copied per query head, then one sdpa, as
+    transformers 5.18 does it) and that form in float64 on the same inputs: the grouped result is
+    at most twice as far from float64 as the repeated one (the kernels may sum in another order)."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    q, k, v, mask = _attention_inputs(b, kv, groups, length, dtype, seed=length)
+    module = _Grouped(groups)
+    for m in (mask, torch.where(mask, 0.0, torch.finfo(dtype).min).to(dtype)):  # sdpa's bool mask, eager's additive one
+        exact = torch.nn.functional.scaled_dot_product_attention(
+            q.double(), repeat_kv(k.double(), groups), repeat_kv(v.double(), groups), attn_mask=m.double() if
+            m.is_floating_point() else m, scale=0.125).transpose(1, 2)
+        repeated = torch.nn.functional.scaled_dot_product_attention(
+            q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=m, scale=0.125).transpose(1, 2)
+        out, weights = generate_module.grouped_decode_sdpa(module, q, k, v, m, scaling=0.125)
+        assert weights is None and out.dtype == dtype and out.shape == (b, 1, kv * groups, q.shape[-1])
+        assert out.is_contiguous()
+        error = (out.double() - exact).abs().max().item()
+        assert error <= 2 * (repeated.double() - exact).abs().max().item()
+    # A key/value head's query heads see only their own keys: each query row of the result moves
+    # with its own key/value head's values and no other's.
+    moved = v.clone()
+    moved[:, 0] += 1.0
+    out, _ = generate_module.grouped_decode_sdpa(module, q, k, moved, mask, scaling=0.125)
+    base, _ = generate_module.grouped_decode_sdpa(module, q, k, v, mask, scaling=0.125)
+    changed = (out != base)[0, 0].any(-1)  # [H]
+    assert changed.tolist() == [h // groups == 0 for h in range(kv * groups)]
+
+
+def test_grouped_decode_attention_leaves_other_calls_to_sdpa(monkeypatch):
+    from transformers.integrations import sdpa_attention
+
+    calls = []
+    original = sdpa_attention.sdpa_attention_forward
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward",
+                        lambda *a, **kw: calls.append(a[1].shape) or original(*a, **kw))
+    q, k, v, mask = _attention_inputs(2, 2, 2, 40, torch.float32, seed=3)
+    generate_module.grouped_decode_sdpa(_Grouped(2), q, k, v, mask)
+    assert calls == []
+    prompt = torch.randn(2, 4, 5, 32)  # five query positions
+    generate_module.grouped_decode_sdpa(_Grouped(2), prompt, k, v, mask.expand(2, 1, 5, 40))
+    generate_module.grouped_decode_sdpa(_Grouped(1), q[:, :2], k, v, mask)  # no grouping
+    generate_module.grouped_decode_sdpa(_Grouped(2), q, k, v, mask.expand(2, 4, 1, 40))  # a mask per query head
+    assert calls == [prompt.shape, q[:, :2].shape, q.shape]
+
+
+@pytest.mark.parametrize("build", ["build_nemotron_h", "build_llama"])
+def test_decode_steps_attend_without_repeating_the_cache(monkeypatch, build):
+    """The steps do not repeat keys and values per query head, give model.generate's tokens, and
+    leave the model on sdpa. transformers' sdpa repeats them under the step's mask: always in
+    5.18, and in later versions while torch.compile traces (as a compiled step is), which the
+    test stands in for by saying so to that module; with the block made a no-op the steps do."""
+    import contextlib
+
+    from transformers.integrations import sdpa_attention
+
+    monkeypatch.setattr(sdpa_attention, "is_torchdynamo_compiling", lambda: True, raising=False)
+    model = getattr(models, build)()
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(4))
+    expected = reference(model, ids, torch.ones_like(ids), 8)
+    in_step, repeats = [False], []
+    original_repeat, original_call = sdpa_attention.repeat_kv, generate_module._call
+
+    def call(*args):
+        in_step[0] = True
+        try:
+            return original_call(*args)
+        finally:
+            in_step[0] = False
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: repeats.append(in_step[0]) or original_repeat(x, n))
+    monkeypatch.setattr(generate_module, "_call", call)
+    result = generate(model, None, ids.tolist(), 8)
+    assert result.steps == 7 and True not in repeats
+    assert result.tokens == expected
+    assert model.config._attn_implementation == "sdpa"
+
+    monkeypatch.setattr(generate_module, "grouped_attention", lambda model: contextlib.nullcontext())
+    assert generate(model, None, ids.tolist(), 8).tokens == expected
+    assert repeats.count(True) >= 7 * 2  # keys and values at every step, at least one layer
+
+
+def test_models_on_other_attention_keep_it_in_the_steps(monkeypatch):
+    model = models.build_llama()
+    model.config._attn_implementation = "eager"
+    seen = []
+    forward = generate_module._call
+    monkeypatch.setattr(generate_module, "_call", lambda m, *a: seen.append(m.config._attn_implementation) or forward(m, *a))
+    generate(model, None, [[5, 6, 7]], 4, stop_at_eos=False)
+    assert seen == ["eager"] * 3
+
+
 def test_refusals():
     model = models.build_llama()
     with pytest.raises(ValueError, match="CUDA graph"):

@@ -122,3 +122,32 @@ def test_the_ssm_state_eval_replays_as_it_runs_eagerly(tiny):
             assert gb["kl_mean"] == pytest.approx(eb["kl_mean"], rel=1e-5, abs=1e-9)
     assert graphed["rows"][0]["buckets"]["0-512"]["kl_mean"] == 0.0  # row 0 against itself
     assert graphed["rows"][2]["buckets"]["0-512"]["state_rel_error"] > 0
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_grouped_decode_attention_on_nano_shapes(batch):
+    """The decode step's attention on Nemotron-3-Nano's shapes (32 query heads over 2 key/value
+    heads of 128, a 1024-slot static cache, part of it closed): at most twice as far from float64
+    as the repeated form (transformers 5.18's) is."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from fp4kit.decode import grouped_decode_sdpa
+
+    class Attention:
+        num_key_value_groups = 16
+        is_causal = True
+
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    q = torch.randn(batch, 1, 32 * 128, device="cuda", generator=g).bfloat16().view(batch, 1, 32, 128).transpose(1, 2)
+    k = torch.randn(batch, 2, 1024, 128, device="cuda", generator=g).bfloat16()
+    v = torch.randn(batch, 2, 1024, 128, device="cuda", generator=g).bfloat16()
+    mask = torch.zeros(batch, 1, 1, 1024, dtype=torch.bool, device="cuda")
+    mask[..., : 600] = True
+    mask[0, ..., :37] = False  # a left-padded row
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), repeat_kv(k.double(), 16), repeat_kv(v.double(), 16), attn_mask=mask, scale=128 ** -0.5)
+    repeated = torch.nn.functional.scaled_dot_product_attention(
+        q, repeat_kv(k, 16), repeat_kv(v, 16), attn_mask=mask, scale=128 ** -0.5)
+    out, _ = grouped_decode_sdpa(Attention(), q, k, v, mask, scaling=128 ** -0.5)
+    error = (out.double() - exact.transpose(1, 2)).abs().max().item()
+    assert error <= 2 * (repeated.double() - exact).abs().max().item()
