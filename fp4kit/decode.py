@@ -12,7 +12,10 @@ stopping and padding of finished rows as it does them), for BF16 models and for 
 with `load_quantized`. A Nemotron-H MoE router whose experts form one group (every Nemotron-3
 model's) routes without the group step, which keeps every expert there
 while `generate` runs (`models.nemotron_h.single_group_routing`): the same experts and weights,
-two top-k launches fewer per MoE layer and step.
+two top-k launches fewer per MoE layer and step. A step's sdpa attention runs the query heads of
+each key/value head as that head's query rows (`grouped_decode_sdpa`) instead of copying the cache
+per query head, and the Mamba mixers' decode functions run written element-wise
+(`models.mamba_step`); `step_ops="transformers"` keeps the model's own.
 
 With compile=True the step's forward is first compiled by `torch.compile` (TorchInductor), which
 fuses the hundreds of small element-wise, copy and reduction kernels of a decode step (norms,
@@ -34,6 +37,7 @@ import torch
 from torch import nn
 
 from .models import cache_argument
+from .models.mamba_step import elementwise_mamba_step
 from .models.nemotron_h import single_group_routing
 from .models.roles import input_device
 
@@ -42,6 +46,10 @@ SSM_STATE_FORMATS = ("fp32", "fp16", "fp16-sr")
 WARMUP_STEPS = 2  # eager runs on a side stream before capture: lazy kernel compiles and allocations
 # Attention implementations whose decode step takes the 4-D mask built here.
 MASKED_ATTENTION = ("sdpa", "eager")
+# What a decode step's attention and Mamba mixers run: "fp4kit", the attention over grouped query
+# heads (`grouped_decode_sdpa`) and the mixers' element-wise decode functions
+# (`models.mamba_step`); "transformers", the model's own.
+STEP_OPS = ("fp4kit", "transformers")
 
 
 @dataclass
@@ -77,6 +85,7 @@ class _StaticStep:
     pad: torch.Tensor  # 0-d: the token finished rows are given
     greedy: bool  # the pick (argmax) runs inside the step, and so inside its graph
     compiled: bool = False  # the forward runs through torch.compile
+    ops: str = "fp4kit"  # STEP_OPS: the step's attention and Mamba functions
     ssm: _StateFormat | None = None  # the SSM state held in fp16 (None: fp32, the model's own)
     after: Callable[[_StaticStep], None] | None = None  # runs after the forward in place of the greedy pick
     graph: torch.cuda.CUDAGraph | None = None
@@ -226,7 +235,7 @@ def _eos_ids(model) -> list[int]:
 
 
 def _new_step(model, batch: int, max_len: int, device: torch.device, eos: list[int], pad: int,
-              greedy: bool, compiled: bool = False) -> _StaticStep:
+              greedy: bool, compiled: bool = False, ops: str = "fp4kit") -> _StaticStep:
     from transformers import StaticCache
 
     impl = model.config._attn_implementation
@@ -250,6 +259,7 @@ def _new_step(model, batch: int, max_len: int, device: torch.device, eos: list[i
         pad=torch.tensor(pad, dtype=torch.long, device=device),
         greedy=greedy,
         compiled=compiled,
+        ops=ops,
     )
 
 
@@ -330,7 +340,7 @@ def _compiled_call(device_type: str):
 
 def _forward(model, s: _StaticStep) -> torch.Tensor:
     call = _compiled_call(s.input_ids.device.type) if s.compiled else _call
-    with grouped_attention(model):
+    with grouped_attention(model) if s.ops == "fp4kit" else contextlib.nullcontext():
         return call(model, s.input_ids, s.position_ids, _masks(model, s), s.cache, cache_argument(model))
 
 
@@ -451,6 +461,17 @@ def with_single_group_routing(fn):
     return run
 
 
+def with_elementwise_mamba_step(fn):
+    """Runs `fn(model, ...)` with the model's Mamba mixers on their element-wise decode functions."""
+
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        with elementwise_mamba_step(model):
+            return fn(model, *args, **kwargs)
+
+    return run
+
+
 @torch.inference_mode()
 @on_the_model_gpu
 @with_single_group_routing
@@ -459,7 +480,7 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
              stream: Callable[[list[int | None]], None] | None = None,
              generator: torch.Generator | None = None, ssm_state: str | Sequence[str] = "fp32",
              philox_rounds: int | Sequence[int] = 5, ssm_seed: int = 0, stop_at_eos: bool = True,
-             compile: bool = False) -> Generation:
+             compile: bool = False, step_ops: str = "fp4kit") -> Generation:
     """Continue each prompt by up to `max_new_tokens` tokens; a row stops at the model's EOS.
 
     prompts: text (with a tokenizer) or lists of token ids; rows of different lengths are
@@ -478,73 +499,80 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
     compile: run the decode step's forward through `torch.compile` (see the module docstring); the
     first call for a model and batch bucket compiles it (minutes for a large model), later calls
     reuse it. The prefill runs eagerly.
+    step_ops: "fp4kit" (default): the step's sdpa attention runs over grouped query heads without
+    copying the key/value cache per query head (`grouped_decode_sdpa`), and the Mamba mixers'
+    decode functions run element-wise (`models.mamba_step`), for BF16 and quantized models alike;
+    "transformers": the model's own functions, to compare with.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if isinstance(ssm_seed, bool) or not isinstance(ssm_seed, int) or not 0 <= ssm_seed < 2**30:
-        raise ValueError(f"ssm_seed must be an integer in [0, 2^30), got {ssm_seed!r}")
-    device = input_device(model)
-    if graph is None:
-        graph = device.type == "cuda"
-    if graph and device.type != "cuda":
-        raise ValueError(f"graph=True captures a CUDA graph, but the model is on {device}")
-    ids, attn = _tokenize(tokenizer, prompts, device, model.generation_config.pad_token_id)
-    n, width = ids.shape
-    held = state_rows(ssm_state, philox_rounds, n)
-    rows = bucket_for(n, batch_buckets) if graph else n
-    if rows > n:  # the bucket's extra rows repeat the last prompt; their tokens are dropped
-        ids = torch.cat([ids, ids[-1:].expand(rows - n, -1)])
-        attn = torch.cat([attn, attn[-1:].expand(rows - n, -1)])
+    if step_ops not in STEP_OPS:
+        raise ValueError(f"step_ops must be one of {', '.join(STEP_OPS)}, got {step_ops!r}")
+    with elementwise_mamba_step(model) if step_ops == "fp4kit" else contextlib.nullcontext():
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if isinstance(ssm_seed, bool) or not isinstance(ssm_seed, int) or not 0 <= ssm_seed < 2**30:
+            raise ValueError(f"ssm_seed must be an integer in [0, 2^30), got {ssm_seed!r}")
+        device = input_device(model)
+        if graph is None:
+            graph = device.type == "cuda"
+        if graph and device.type != "cuda":
+            raise ValueError(f"graph=True captures a CUDA graph, but the model is on {device}")
+        ids, attn = _tokenize(tokenizer, prompts, device, model.generation_config.pad_token_id)
+        n, width = ids.shape
+        held = state_rows(ssm_state, philox_rounds, n)
+        rows = bucket_for(n, batch_buckets) if graph else n
+        if rows > n:  # the bucket's extra rows repeat the last prompt; their tokens are dropped
+            ids = torch.cat([ids, ids[-1:].expand(rows - n, -1)])
+            attn = torch.cat([attn, attn[-1:].expand(rows - n, -1)])
+            if held is not None:
+                held = (held[0] + held[0][-1:] * (rows - n), held[1] + held[1][-1:] * (rows - n))
+        max_len = width + max_new_tokens
+        if compile:
+            max_len = -(-max_len // CACHE_GRANULE) * CACHE_GRANULE
+        eos = _eos_ids(model) if stop_at_eos else []
+        pad = model.generation_config.pad_token_id
+        pad = pad if pad is not None else (eos[0] if eos else 0)
+
+        start = time.perf_counter()
+        s = _new_step(model, rows, max_len, device, eos, pad, greedy, compile, step_ops)
+        # Prefill: the model's forward over the prompts, positions counted over the real tokens.
+        positions = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, **{cache_argument(model): s.cache},
+                       use_cache=True, logits_to_keep=1).logits
+        _open(s, attn.bool())
+        s.position_ids.copy_(positions[:, -1:])
+        s.column.fill_(width)
         if held is not None:
-            held = (held[0] + held[0][-1:] * (rows - n), held[1] + held[1][-1:] * (rows - n))
-    max_len = width + max_new_tokens
-    if compile:
-        max_len = -(-max_len // CACHE_GRANULE) * CACHE_GRANULE
-    eos = _eos_ids(model) if stop_at_eos else []
-    pad = model.generation_config.pad_token_id
-    pad = pad if pad is not None else (eos[0] if eos else 0)
+            s.ssm = hold_states(s.cache, *held, ssm_seed, device)
+        _advance(s, _pick(logits[:, -1], greedy, generator))
 
-    start = time.perf_counter()
-    s = _new_step(model, rows, max_len, device, eos, pad, greedy, compile)
-    # Prefill: the model's forward over the prompts, positions counted over the real tokens.
-    positions = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, **{cache_argument(model): s.cache},
-                   use_cache=True, logits_to_keep=1).logits
-    _open(s, attn.bool())
-    s.position_ids.copy_(positions[:, -1:])
-    s.column.fill_(width)
-    if held is not None:
-        s.ssm = hold_states(s.cache, *held, ssm_seed, device)
-    _advance(s, _pick(logits[:, -1], greedy, generator))
+        if graph:
+            _capture(model, s)
 
-    if graph:
-        _capture(model, s)
+        eos_set = set(eos)
+        finished = [False] * n
+        out: list[list[int]] = [[] for _ in range(n)]
+        steps = 0
+        for t in range(max_new_tokens):
+            if t > 0:
+                if graph:
+                    s.graph.replay()
+                    s.counts["replays"] += 1
+                else:
+                    _step(model, s)
+                if not greedy:
+                    _advance(s, _pick(s.logits[:, -1], greedy, generator))
+                steps += 1
+            host = s.token[:n].tolist()  # the step's one wait for the device
+            for i in range(n):
+                if not finished[i]:
+                    out[i].append(host[i])
+            if stream is not None:
+                stream([None if finished[i] else host[i] for i in range(n)])
+            finished = [f or host[i] in eos_set for i, f in enumerate(finished)]
+            if all(finished):
+                break
+        seconds = time.perf_counter() - start
 
-    eos_set = set(eos)
-    finished = [False] * n
-    out: list[list[int]] = [[] for _ in range(n)]
-    steps = 0
-    for t in range(max_new_tokens):
-        if t > 0:
-            if graph:
-                s.graph.replay()
-                s.counts["replays"] += 1
-            else:
-                _step(model, s)
-            if not greedy:
-                _advance(s, _pick(s.logits[:, -1], greedy, generator))
-            steps += 1
-        host = s.token[:n].tolist()  # the step's one wait for the device
-        for i in range(n):
-            if not finished[i]:
-                out[i].append(host[i])
-        if stream is not None:
-            stream([None if finished[i] else host[i] for i in range(n)])
-        finished = [f or host[i] in eos_set for i, f in enumerate(finished)]
-        if all(finished):
-            break
-    seconds = time.perf_counter() - start
-
-    text = [tokenizer.decode(t, skip_special_tokens=True) for t in out] if tokenizer is not None else None
-    return Generation(tokens=out, text=text, steps=steps, seconds=seconds, graph=graph, captures=s.counts["captures"],
-                      replays=s.counts["replays"], batch=rows)
+        text = [tokenizer.decode(t, skip_special_tokens=True) for t in out] if tokenizer is not None else None
+        return Generation(tokens=out, text=text, steps=steps, seconds=seconds, graph=graph,
+                          captures=s.counts["captures"], replays=s.counts["replays"], batch=rows)

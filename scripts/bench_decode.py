@@ -20,10 +20,14 @@ the peak a generate adds over them (static caches, activations, the graph's pool
 that the checkpoint generates: row 0's tokens against BF16's, the agreeing prefix, and the
 teacher-forced agreement; and records the host time of one eager W4A16 call (M = 1).
 
+`--step-ops fp4kit,transformers` times every model under each of `fp4kit.generate`'s step ops
+(the step's attention and Mamba decode functions: fp4kit's, or the model's own), side by side.
+
 Writes benchmarks/results/decode-graph[-compiled][-mamba-kernels]-<gpu>.json (with its date,
 command and versions) and prints a table.
 
     python scripts/bench_decode.py [--layers 26] [--batches 1,16,64] [--prompt-len 512] [--new-tokens 256] [--compile]
+                                   [--step-ops fp4kit,transformers]
 
 Smoke run of the same flow on the embedded tiny model (trained, 4096-token vocabulary), on the CPU
 with fp4kit's exact emulation and no graph; writes to a temporary file unless --out is given:
@@ -43,7 +47,7 @@ from pathlib import Path
 import torch
 from benchlib.record import run_record, write_results
 
-from fp4kit.decode import generate as fp4kit_generate
+from fp4kit.decode import STEP_OPS, generate as fp4kit_generate
 from fp4kit.export.load import load_quantized
 from fp4kit.export.modelopt import export_checkpoint
 from fp4kit.models.nemotron_h import NANO_WIDTHS, mamba_kernels
@@ -96,7 +100,7 @@ def build_nano_layers(layers: int, device: torch.device, seed: int):
 
 
 def timed_generate(model, prompts: torch.Tensor, new_tokens: int, how: str,
-                   compile: bool = False) -> tuple[float, list[list[int]]]:
+                   compile: bool = False, ops: str = "fp4kit") -> tuple[float, list[list[int]]]:
     """Seconds for one greedy generate of exactly `new_tokens` tokens per row, and the tokens."""
     sync(prompts.device)
     t0 = time.perf_counter()
@@ -107,7 +111,7 @@ def timed_generate(model, prompts: torch.Tensor, new_tokens: int, how: str,
         )[:, prompts.shape[1]:].tolist()
     else:
         out = fp4kit_generate(model, None, prompts.tolist(), new_tokens, graph=how == "graph",
-                              compile=compile).tokens
+                              compile=compile, step_ops=ops).tokens
     sync(prompts.device)
     seconds = time.perf_counter() - t0
     if [len(r) for r in out] != [new_tokens] * prompts.shape[0]:
@@ -132,24 +136,26 @@ def agreement(ref: list[list[int]], test: list[list[int]]) -> dict:
 
 
 def bench_batch(runs: dict, prompts: torch.Tensor, new_tokens: int, reps: int, compile: bool = False) -> dict:
-    """runs: {label: (model, "graph" | "eager" | "step")}. Timings, memory and tokens per label;
-    compile: fp4kit.generate compiles its step (the first generate per label includes the compile)."""
+    """runs: {label: (model, "graph" | "eager" | "step"[, step_ops])}. Timings, memory and tokens per
+    label; compile: fp4kit.generate compiles its step (the first generate per label includes the
+    compile)."""
+    runs = {label: (run + ("fp4kit",))[:3] for label, run in runs.items()}
     device = prompts.device
     out: dict = {}
     tokens = {}
-    for label, (model, how) in runs.items():  # warm-up: compiles kernels, and measures the memory a generate adds
+    for label, (model, how, ops) in runs.items():  # warm-up: compiles kernels, and measures the memory a generate adds
         base = allocated(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        first_s, tokens[label] = timed_generate(model, prompts, new_tokens, how, compile)
+        first_s, tokens[label] = timed_generate(model, prompts, new_tokens, how, compile, ops)
         out[f"first_generate_s_{label}"] = first_s
         if device.type == "cuda":
             out[f"generate_peak_extra_bytes_{label}"] = torch.cuda.max_memory_allocated(device) - base
     times = {label: {"one": [], "all": []} for label in runs}
     for _ in range(reps):  # interleaved, so drift hits all alike
-        for label, (model, how) in runs.items():
-            times[label]["one"].append(timed_generate(model, prompts, 1, how, compile)[0])
-            times[label]["all"].append(timed_generate(model, prompts, new_tokens, how, compile)[0])
+        for label, (model, how, ops) in runs.items():
+            times[label]["one"].append(timed_generate(model, prompts, 1, how, compile, ops)[0])
+            times[label]["all"].append(timed_generate(model, prompts, new_tokens, how, compile, ops)[0])
     decoded = prompts.shape[0] * (new_tokens - 1)
     for label, t in times.items():
         one, full = statistics.median(t["one"]), statistics.median(t["all"])
@@ -161,7 +167,7 @@ def bench_batch(runs: dict, prompts: torch.Tensor, new_tokens: int, reps: int, c
     ref = tokens["bf16_graph" if "bf16_graph" in tokens else "bf16_step"]
     sequence = torch.cat([prompts, torch.tensor(ref, device=device)], dim=1)
     forced_ref = teacher_forced_argmax(runs["bf16_graph" if "bf16_graph" in runs else "bf16_step"][0], sequence, new_tokens)
-    for label, (model, how) in runs.items():
+    for label, (model, how, _) in runs.items():
         if label.startswith("bf16"):
             out[f"agree_{label}"] = agreement(ref, tokens[label])
             continue
@@ -191,6 +197,10 @@ def main() -> None:
     ap.add_argument("--out", help="JSON file (default: benchmarks/results/decode-graph-<gpu>.json; --tiny: a temporary file)")
     ap.add_argument("--compile", action="store_true",
                     help="fp4kit.generate compiles its decode step (torch.compile) for every model alike")
+    ap.add_argument("--step-ops", default="fp4kit",
+                    help=f"comma-separated, of {', '.join(STEP_OPS)}: what the decode step's attention and Mamba "
+                         "mixers run (fp4kit.generate's step_ops), every model under each; labels of the others "
+                         "than the first end in _<ops>-ops (default fp4kit)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args()
     for key, value in DEFAULTS["tiny" if args.tiny else "slice"].items():
@@ -199,6 +209,9 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     eager_batches = {int(b) for b in args.eager_batches.split(",") if b}
     recipes = [r for r in args.recipes.split(",") if r]
+    step_ops = [o for o in args.step_ops.split(",") if o]
+    if not step_ops or any(o not in STEP_OPS for o in step_ops) or len(set(step_ops)) != len(step_ops):
+        ap.error(f"--step-ops takes distinct values of {', '.join(STEP_OPS)}, got {args.step_ops!r}")
     if args.new_tokens < 2:
         ap.error("--new-tokens must be at least 2 (one from the prefill, the rest timed)")
     device = torch.device(args.device)
@@ -277,14 +290,19 @@ def main() -> None:
 
     per_batch = {}
     for b in batches:
-        runs = {f"bf16_{how}": (model, how)}
-        if b in eager_batches:
-            runs["bf16_eager"] = (model, "eager")
-        runs.update({f"{recipe}_{how}": (m, how) for recipe, m in loaded.items()})
+        runs, refs = {}, {}
+        for i, ops in enumerate(step_ops):
+            tail = "" if i == 0 else f"_{ops}-ops"
+            runs[f"bf16_{how}{tail}"] = (model, how, ops)
+            if i == 0 and b in eager_batches:
+                runs["bf16_eager"] = (model, "eager")
+            runs.update({f"{recipe}_{how}{tail}": (m, how, ops) for recipe, m in loaded.items()})
+            refs.update({label: f"bf16_{how}{tail}" for label in runs if label not in refs})
         print(f"batch {b}: timing {', '.join(runs)} ...", flush=True)
         r = bench_batch(runs, prompts[:b], args.new_tokens, args.reps, args.compile)
-        ref = r[f"tokens_per_s_bf16_{how}"]
-        r["speedup_over_bf16_" + how] = {label: r[f"tokens_per_s_{label}"] / ref for label in runs}
+        # Each label over BF16 under the same step ops (BF16's eager generate: over the first's).
+        r["speedup_over_bf16_" + how] = {label: r[f"tokens_per_s_{label}"] / r[f"tokens_per_s_{refs[label]}"]
+                                         for label in runs}
         if "bf16_eager" in runs:
             r["speedup_over_bf16_eager"] = {label: r[f"tokens_per_s_{label}"] / r["tokens_per_s_bf16_eager"] for label in runs}
         per_batch[str(b)] = r
@@ -294,7 +312,7 @@ def main() -> None:
     kernels = mamba_kernels()
     results = {
         **run_record(), "device": str(device), "quantize_backend": quantizer, "load_backend": backend, "decode": how,
-        "compile": args.compile, "mamba_kernels": kernels,
+        "compile": args.compile, "mamba_kernels": kernels, "step_ops": step_ops,
         "model": {
             "source": source, "pattern": cfg.hybrid_override_pattern, "params": params, "hidden_size": cfg.hidden_size,
             "n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
@@ -314,6 +332,7 @@ def main() -> None:
     }
 
     labels = [f"bf16_{how}", "bf16_eager", *(f"{r}_{how}" for r in recipes)]
+    labels += [f"{name}_{how}_{ops}-ops" for ops in step_ops[1:] for name in ["bf16", *recipes]]
     print(f"\n{'batch':>5}" + "".join(f"{lab + ' tok/s':>34}" for lab in labels))
     for b, r in per_batch.items():
         cells = []

@@ -9,7 +9,7 @@ kernels are grouped by name: fp4kit's own Triton kernels, BF16 matrix products, 
 elementwise, reductions, top-k and sorting, and the rest; the kernels that take the most time
 per step are listed by name as well (`top_kernels_per_step`).
 
-    python scripts/profile_decode.py [--layers 26] [--batch 1] [--steps 32] [--compile]
+    python scripts/profile_decode.py [--layers 26] [--batch 1] [--steps 32] [--compile] [--step-ops transformers]
 
 Writes benchmarks/results/decode-profile-<gpu>.json (with its date, command and versions) and
 prints a table. `--device cpu --tiny` profiles the embedded model's aten operators on the CPU
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from benchlib.record import run_record, write_results
 
-from fp4kit.decode import generate
+from fp4kit.decode import STEP_OPS, generate
 from fp4kit.export.load import load_quantized
 from fp4kit.export.modelopt import export_checkpoint
 from fp4kit.quantize import DEFAULT_RECIPE, quantize
@@ -54,14 +54,14 @@ def kind_of(name: str) -> str:
 
 
 def profiled(model, prompt: list[list[int]], new: int, device: torch.device,
-             compile: bool = False) -> dict[str, dict[str, float]]:
+             compile: bool = False, step_ops: str = "fp4kit") -> dict[str, dict[str, float]]:
     """{kernel name: {"us": time, "count": launches}} over one generate of `new` tokens."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
-    generate(model, None, prompt, new, compile=compile)  # warm-up: compiles kernels
+    generate(model, None, prompt, new, compile=compile, step_ops=step_ops)  # warm-up: compiles kernels
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        generate(model, None, prompt, new, compile=compile)
+        generate(model, None, prompt, new, compile=compile, step_ops=step_ops)
         if cuda:
             torch.cuda.synchronize(device)
     out: dict[str, dict[str, float]] = {}
@@ -113,6 +113,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (for a CPU smoke run)")
     ap.add_argument("--compile", action="store_true", help="generate compiles its decode step (torch.compile)")
+    ap.add_argument("--step-ops", choices=STEP_OPS, default="fp4kit",
+                    help="what the step's attention and Mamba mixers run (generate's step_ops; default fp4kit)")
     ap.add_argument("--out", help="JSON file (default benchmarks/results/decode-profile-<gpu>.json)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -143,13 +145,13 @@ def main() -> None:
     qmodel.generation_config.eos_token_id = None
 
     models = {"bf16": model, args.recipe: qmodel}
-    named = {name: per_step(profiled(m, prompt, args.steps + 1, device, args.compile),
-                            profiled(m, prompt, 1, device, args.compile), args.steps)
+    named = {name: per_step(profiled(m, prompt, args.steps + 1, device, args.compile, args.step_ops),
+                            profiled(m, prompt, 1, device, args.compile, args.step_ops), args.steps)
              for name, m in models.items()}
     steps = {name: by_kind(v) for name, v in named.items()}
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {**run_record(), "source": source, "pattern": model.config.hybrid_override_pattern, "recipe": args.recipe,
-              "compile": args.compile, "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps,
+              "compile": args.compile, "step_ops": args.step_ops, "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps,
               "measure": "CUDA kernel time" if device.type == "cuda" else "CPU time of aten operators",
               "per_step": steps,
               "per_step_total_us": {name: sum(v["us"] for v in s.values()) for name, s in steps.items()},

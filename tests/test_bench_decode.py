@@ -19,7 +19,8 @@ def test_the_tiny_run_writes_every_comparison(tmp_path):
     out = tmp_path / "decode.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "scripts/bench_decode.py", "--device", "cpu", "--tiny", "--no-progress",
-                    "--new-tokens", "3", "--batches", "1,2", "--reps", "1", "--out", str(out)],
+                    "--new-tokens", "3", "--batches", "1,2", "--reps", "1", "--step-ops", "fp4kit,transformers",
+                    "--out", str(out)],
                    cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=600)
     doc = json.loads(out.read_text())
     assert doc["decode"] == "step" and doc["recipes"] == ["nemotron-h-w4a16-4o6"]
@@ -27,7 +28,9 @@ def test_the_tiny_run_writes_every_comparison(tmp_path):
     assert {"date", "command", "versions"} <= doc.keys()
     one, two = doc["batches"]["1"], doc["batches"]["2"]
     labels = ["bf16_step", "bf16_eager", "nemotron-h-w4a16-4o6_step"]
-    assert sorted(one["speedup_over_bf16_step"]) == sorted(labels)
+    other = ["bf16_step_transformers-ops", "nemotron-h-w4a16-4o6_step_transformers-ops"]
+    assert doc["step_ops"] == ["fp4kit", "transformers"]
+    assert sorted(one["speedup_over_bf16_step"]) == sorted(labels + other)
     assert "bf16_eager" not in two["speedup_over_bf16_step"]  # eager only at --eager-batches (1)
     for label in labels:
         # tokens/s and ms per step come from one decode time (timings themselves vary with load).
@@ -35,6 +38,11 @@ def test_the_tiny_run_writes_every_comparison(tmp_path):
         assert len(one[f"generate_1_s_{label}"]) == len(one[f"generate_3_s_{label}"]) == 1
         assert one["speedup_over_bf16_step"][label] == one[f"tokens_per_s_{label}"] / one["tokens_per_s_bf16_step"]
         assert len(one["row0_tokens"][label]) == 3
-    # Over the same trained model the static step and transformers' generate give the same tokens.
+    for label in other:  # over BF16 under the same step ops
+        assert one["speedup_over_bf16_step"][label] == (one[f"tokens_per_s_{label}"]
+                                                        / one["tokens_per_s_bf16_step_transformers-ops"])
+    # Over the same trained model the static step, under either step ops, and transformers'
+    # generate give the same tokens.
     assert one["agree_bf16_eager"]["row0_agree_prefix"] == 3
+    assert one["agree_bf16_step_transformers-ops"]["row0_agree_prefix"] == 3
     assert 0 <= one["agree_nemotron-h-w4a16-4o6_step"]["teacher_forced_agree"] <= 1

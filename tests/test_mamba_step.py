@@ -1,0 +1,163 @@
+"""fp4kit/models/mamba_step.py: the Mamba-2 mixer's one-token decode functions written element-wise
+give transformers' conv and SSM states bit for bit and its outputs within one bf16 unit in the last
+place (the contraction with C and the convolution sum the same exact products in another order),
+and `generate` runs them in its steps."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4kit import decode
+from fp4kit.models import mamba_step
+
+_spec = importlib.util.spec_from_file_location("pipeline_models", Path(__file__).parent / "pipeline" / "tiny_models.py")
+models = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(models)
+
+
+def _reference():
+    from transformers.models.nemotron_h import modeling_nemotron_h as m
+
+    return m
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of bf16 values (at the smallest normal for zeros)."""
+    e = torch.floor(torch.log2(x.float().abs().clamp_min(2.0 ** -126)))
+    return torch.exp2(e - 7)
+
+
+def _state_inputs(batch, heads, head_dim, size, groups, seed, param_dtype=torch.bfloat16):
+    """Arguments as the mixer passes them: dt, D and dt_bias expanded over head_dim, A over
+    (head_dim, state)."""
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    state = torch.randn(batch, heads, head_dim, size, generator=g)
+    x = torch.randn(batch, heads, head_dim, generator=g).to(bf)
+    dt = torch.randn(batch, heads, 1, generator=g).to(bf).expand(-1, -1, head_dim)
+    A = -torch.exp(torch.randn(heads, generator=g)).to(param_dtype).float()[:, None, None].expand(-1, head_dim, size)
+    B = torch.randn(batch, groups, size, generator=g).to(bf)
+    C = torch.randn(batch, groups, size, generator=g).to(bf)
+    D = torch.randn(heads, generator=g).to(param_dtype)[:, None].expand(-1, head_dim)
+    dt_bias = torch.randn(heads, generator=g).to(param_dtype)[:, None].expand(-1, head_dim)
+    return state, x, dt, A, B, C, D, dt_bias
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 16, 32, 2), (1, 64, 64, 128, 8), (3, 4, 8, 16, 1)])
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_state_update_gives_transformers_state_and_output(shape, param_dtype):
+    state, x, dt, A, B, C, D, dt_bias = _state_inputs(*shape, seed=sum(shape), param_dtype=param_dtype)
+    ref_state, state_ = state.clone(), state.clone()
+    ref = _reference().mamba2_selective_state_update(ref_state, x, dt, A, B, C, D, z=None, dt_bias=dt_bias,
+                                                     dt_softplus=True)
+    out = mamba_step.state_update(state_, x, dt, A, B, C, D, z=None, dt_bias=dt_bias, dt_softplus=True)
+    assert torch.equal(state_, ref_state) and not torch.equal(state_, state)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert ((out.float() - ref.float()).abs() <= _ulp(ref)).all()
+
+
+def test_state_update_takes_each_heads_own_group():
+    """Heads h = g * H / G + r read group g's B and C: moving group 1's B moves exactly the state
+    of heads 4..7 (of 8 in 2 groups)."""
+    state, x, dt, A, B, C, D, dt_bias = _state_inputs(1, 8, 4, 16, 2, seed=5)
+    a, b = state.clone(), state.clone()
+    moved = B.clone()
+    moved[:, 1] += 1
+    mamba_step.state_update(a, x, dt, A, B, C, D, dt_bias=dt_bias, dt_softplus=True)
+    mamba_step.state_update(b, x, dt, A, moved, C, D, dt_bias=dt_bias, dt_softplus=True)
+    assert (a != b).flatten(2).any(-1)[0].tolist() == [h >= 4 for h in range(8)]
+
+
+def test_state_update_gate_and_no_skip_as_transformers():
+    state, x, dt, A, B, C, _, _ = _state_inputs(2, 4, 8, 16, 2, seed=9)
+    z = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ref_state, state_ = state.clone(), state.clone()
+    ref = _reference().mamba2_selective_state_update(ref_state, x, dt, A, B, C, None, z=z)
+    out = mamba_step.state_update(state_, x, dt, A, B, C, None, z=z)
+    assert torch.equal(state_, ref_state)
+    assert ((out.float() - ref.float()).abs() <= _ulp(ref)).all()
+
+
+@pytest.mark.parametrize("channels,taps,state_len,bias", [(64, 4, 4, True), (48, 4, 4, False), (32, 3, 5, True)])
+def test_conv_update_gives_transformers_state_and_output(channels, taps, state_len, bias):
+    g = torch.Generator().manual_seed(channels)
+    bf = torch.bfloat16
+    conv_state = torch.randn(3, channels, state_len, generator=g).to(bf)
+    column = torch.randn(3, channels, 1, generator=g).to(bf)
+    weight = torch.randn(channels, taps, generator=g).to(bf)
+    b = torch.randn(channels, generator=g).to(bf) if bias else None
+    ref_state, state = conv_state.clone(), conv_state.clone()
+    ref = _reference().causal_conv1d_update(column, ref_state, weight, b, activation="silu")
+    out = mamba_step.conv_update(column, state, weight, b, activation="silu")
+    assert torch.equal(state, ref_state)
+    assert torch.equal(state[:, :, -1:], column) and torch.equal(state[:, :, :-1], conv_state[:, :, 1:])
+    assert out.shape == ref.shape == (3, channels, 1) and out.dtype == bf
+    assert ((out.float() - ref.float()).abs() <= _ulp(ref)).all()
+    # Without the activation: the fp32 sum of the bias and the taps' exact products, rounded once.
+    exact = (conv_state[:, :, state_len - taps + 1:].double() * weight[:, :taps - 1].double()).sum(-1) \
+        + column[:, :, 0].double() * weight[:, -1].double() + (b.double() if bias else 0)
+    plain = mamba_step.conv_update(column, conv_state.clone(), weight, b)
+    assert ((plain[:, :, 0].double() - exact).abs() <= _ulp(exact.float()) / 2 + 1e-6 * exact.abs()).all()
+
+
+def test_conv_update_takes_one_column():
+    with pytest.raises(ValueError, match="one new column"):
+        mamba_step.conv_update(torch.zeros(1, 4, 2), torch.zeros(1, 4, 4), torch.zeros(4, 4))
+
+
+def test_the_block_switches_the_mixers_functions_and_gives_them_back(monkeypatch):
+    module = _reference()
+    model = models.build_nemotron_h()
+    before = (module.causal_conv1d_update, module.mamba2_selective_state_update)
+    with pytest.raises(RuntimeError, match="inside"):
+        with mamba_step.elementwise_mamba_step(model) as switched:
+            assert switched == 1
+            assert module.causal_conv1d_update is mamba_step.conv_update
+            assert module.mamba2_selective_state_update is mamba_step.state_update
+            raise RuntimeError("inside")
+    assert (module.causal_conv1d_update, module.mamba2_selective_state_update) == before
+    # A model without Mamba mixers switches nothing.
+    with mamba_step.elementwise_mamba_step(models.build_llama()) as switched:
+        assert switched == 0 and module.causal_conv1d_update is before[0]
+    # Where a kernel package imports, transformers runs its kernels: they stay.
+    monkeypatch.setattr("fp4kit.models.nemotron_h.mamba_kernels", lambda: {"mamba_ssm": "2.3.0", "causal_conv1d": None})
+    with mamba_step.elementwise_mamba_step(model) as switched:
+        assert switched == 0 and module.mamba2_selective_state_update is before[1]
+
+
+@pytest.mark.parametrize("ops", ["fp4kit", "transformers"])
+def test_generate_steps_run_the_functions_asked_for(monkeypatch, ops):
+    model = models.build_nemotron_h()
+    model.generation_config.eos_token_id = None
+    calls = []
+    for name in ("conv_update", "state_update"):
+        original = getattr(mamba_step, name)
+        monkeypatch.setattr(mamba_step, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    ids = torch.randint(3, 512, (2, 7), generator=torch.Generator().manual_seed(3))
+    expected = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                              do_sample=False)[:, 7:].tolist()
+    result = decode.generate(model, None, ids.tolist(), 6, step_ops=ops)
+    assert result.tokens == expected
+    mixers = sum(type(m).__name__.endswith("Mamba2Mixer") for m in model.modules())
+    assert mixers >= 1
+    if ops == "fp4kit":
+        assert calls.count("state_update") == calls.count("conv_update") == 5 * mixers
+    else:
+        assert calls == []
+    with pytest.raises(ValueError, match="step_ops"):
+        decode.generate(model, None, ids.tolist(), 2, step_ops="fast")
+
+
+def test_state_update_writes_a_strided_state_in_place():
+    state, x, dt, A, B, C, D, dt_bias = _state_inputs(2, 4, 8, 16, 2, seed=11)
+    ref_state = state.clone()
+    strided = state.transpose(-1, -2).contiguous().transpose(-1, -2)  # the same values, not contiguous
+    assert not strided.is_contiguous()
+    ref = _reference().mamba2_selective_state_update(ref_state, x, dt, A, B, C, D, dt_bias=dt_bias, dt_softplus=True)
+    out = mamba_step.state_update(strided, x, dt, A, B, C, D, dt_bias=dt_bias, dt_softplus=True)
+    assert torch.equal(strided, ref_state)
+    assert ((out.float() - ref.float()).abs() <= _ulp(ref)).all()
