@@ -450,26 +450,24 @@ def on_the_model_gpu(fn):
     return run
 
 
-def with_single_group_routing(fn):
-    """Runs `fn(model, ...)` with the model's single-group routers on their short forward."""
+def within(block: Callable):
+    """A decorator that runs `fn(model, ...)` inside `block(model)` (a context manager)."""
 
-    @functools.wraps(fn)
-    def run(model, *args, **kwargs):
-        with single_group_routing(model):
-            return fn(model, *args, **kwargs)
+    def decorate(fn):
+        @functools.wraps(fn)
+        def run(model, *args, **kwargs):
+            with block(model):
+                return fn(model, *args, **kwargs)
 
-    return run
+        return run
+
+    return decorate
 
 
-def with_elementwise_mamba_step(fn):
-    """Runs `fn(model, ...)` with the model's Mamba mixers on their element-wise decode functions."""
-
-    @functools.wraps(fn)
-    def run(model, *args, **kwargs):
-        with elementwise_mamba_step(model):
-            return fn(model, *args, **kwargs)
-
-    return run
+# `fn(model, ...)` with the model's single-group routers on their short forward, and with its
+# Mamba mixers on their element-wise decode functions.
+with_single_group_routing = within(single_group_routing)
+with_elementwise_mamba_step = within(elementwise_mamba_step)
 
 
 @torch.inference_mode()
