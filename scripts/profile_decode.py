@@ -9,7 +9,7 @@ kernels are grouped by name: fp4kit's own Triton kernels, BF16 matrix products, 
 elementwise, reductions, top-k and sorting, and the rest; the kernels that take the most time
 per step are listed by name as well (`top_kernels_per_step`).
 
-    python scripts/profile_decode.py [--layers 26] [--batch 1] [--steps 32] [--compile] [--step-ops transformers]
+    python scripts/profile_decode.py [--layers 26] [--batch 1] [--steps 32] [--compile] [--step-ops fp4kit,transformers]
 
 Writes benchmarks/results/decode-profile-<gpu>.json (with its date, command and versions) and
 prints a table. `--device cpu --tiny` profiles the embedded model's aten operators on the CPU
@@ -113,10 +113,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (for a CPU smoke run)")
     ap.add_argument("--compile", action="store_true", help="generate compiles its decode step (torch.compile)")
-    ap.add_argument("--step-ops", choices=STEP_OPS, default="fp4kit",
-                    help="what the step's attention and Mamba mixers run (generate's step_ops; default fp4kit)")
+    ap.add_argument("--step-ops", default="fp4kit",
+                    help=f"comma-separated, of {', '.join(STEP_OPS)}: what the step's attention and Mamba mixers run "
+                         "(generate's step_ops), each model profiled under each; the names of the others than the "
+                         "first end in ' (<ops> ops)' (default fp4kit)")
     ap.add_argument("--out", help="JSON file (default benchmarks/results/decode-profile-<gpu>.json)")
     args = ap.parse_args()
+    step_ops = [o for o in args.step_ops.split(",") if o]
+    if not step_ops or any(o not in STEP_OPS for o in step_ops) or len(set(step_ops)) != len(step_ops):
+        ap.error(f"--step-ops takes distinct values of {', '.join(STEP_OPS)}, got {args.step_ops!r}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device is available; use --device cpu --tiny")
@@ -144,14 +149,15 @@ def main() -> None:
         qmodel = load_quantized(path, device=device, backend="triton" if device.type == "cuda" else "torch")
     qmodel.generation_config.eos_token_id = None
 
-    models = {"bf16": model, args.recipe: qmodel}
-    named = {name: per_step(profiled(m, prompt, args.steps + 1, device, args.compile, args.step_ops),
-                            profiled(m, prompt, 1, device, args.compile, args.step_ops), args.steps)
-             for name, m in models.items()}
+    runs = {(name if i == 0 else f"{name} ({ops} ops)"): (m, ops)
+            for i, ops in enumerate(step_ops) for name, m in (("bf16", model), (args.recipe, qmodel))}
+    named = {name: per_step(profiled(m, prompt, args.steps + 1, device, args.compile, ops),
+                            profiled(m, prompt, 1, device, args.compile, ops), args.steps)
+             for name, (m, ops) in runs.items()}
     steps = {name: by_kind(v) for name, v in named.items()}
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {**run_record(), "source": source, "pattern": model.config.hybrid_override_pattern, "recipe": args.recipe,
-              "compile": args.compile, "step_ops": args.step_ops, "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps,
+              "compile": args.compile, "step_ops": step_ops, "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps,
               "measure": "CUDA kernel time" if device.type == "cuda" else "CPU time of aten operators",
               "per_step": steps,
               "per_step_total_us": {name: sum(v["us"] for v in s.values()) for name, s in steps.items()},

@@ -52,3 +52,23 @@ def test_kernels_are_summed_by_kind_and_the_slowest_listed_by_name():
     assert profile_decode.top_kernels(step, 2) == [
         {"kernel": "aten::mul", "kind": "elementwise", "us": 50.0, "count": 4},
         {"kernel": "_gemv_kernel", "kind": "fp4kit kernels", "us": 40.0, "count": 2}]
+
+
+def test_the_tiny_run_profiles_every_model_under_each_step_ops(tmp_path):
+    import json
+    import os
+    import subprocess
+
+    out = tmp_path / "profile.json"
+    subprocess.run([sys.executable, "scripts/profile_decode.py", "--device", "cpu", "--tiny", "--steps", "2",
+                    "--prompt-len", "8", "--step-ops", "fp4kit,transformers", "--out", str(out)],
+                   cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True, text=True,
+                   timeout=600)
+    doc = json.loads(out.read_text())
+    names = ["bf16", "nemotron-h-w4a16-4o6", "bf16 (transformers ops)", "nemotron-h-w4a16-4o6 (transformers ops)"]
+    assert doc["step_ops"] == ["fp4kit", "transformers"]
+    assert sorted(doc["per_step"]) == sorted(doc["per_step_total_us"]) == sorted(names)
+    for name in names:
+        assert doc["per_step_total_us"][name] == pytest.approx(sum(v["us"] for v in doc["per_step"][name].values()))
+    # transformers' Mamba decode contracts the state with C by bmm; fp4kit's element-wise form does not.
+    assert doc["per_step"]["bf16 (transformers ops)"]["bf16 matmul"]["count"] > doc["per_step"]["bf16"]["bf16 matmul"]["count"]
