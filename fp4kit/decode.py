@@ -346,6 +346,11 @@ def _forward(model, s: _StaticStep) -> torch.Tensor:
 
 # The attention implementation a decode step's sdpa attention runs under (`grouped_attention`).
 GROUPED_SDPA = "fp4kit_grouped_sdpa"
+# Attention arguments under which `grouped_decode_sdpa` leaves the call to transformers' sdpa: a
+# request for the weights, and anything that changes the scores or the softmax (a bias, a cap,
+# attention sinks).
+_OTHER_ATTENTION = ("output_attentions",)
+_OTHER_SCORES = ("position_bias", "softcap", "s_aux", "sinks")
 
 
 def grouped_decode_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -366,8 +371,8 @@ def grouped_decode_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     groups = getattr(module, "num_key_value_groups", 1)
     b, heads, q_len, d = query.shape
     per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1
-    if groups == 1 or q_len != 1 or per_head_mask or kwargs.get("output_attentions", False) \
-            or kwargs.get("position_bias") is not None:
+    if groups == 1 or q_len != 1 or per_head_mask or any(kwargs.get(name) for name in _OTHER_ATTENTION) \
+            or any(kwargs.get(name) is not None for name in _OTHER_SCORES):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     rows = query.reshape(b, heads // groups, groups, d)

@@ -180,6 +180,18 @@ def test_grouped_decode_attention_leaves_other_calls_to_sdpa(monkeypatch):
     generate_module.grouped_decode_sdpa(_Grouped(1), q[:, :2], k, v, mask)  # no grouping
     generate_module.grouped_decode_sdpa(_Grouped(2), q, k, v, mask.expand(2, 4, 1, 40))  # a mask per query head
     assert calls == [prompt.shape, q[:, :2].shape, q.shape]
+    # Arguments that change the scores or ask for the weights go to transformers' sdpa (which
+    # applies them or says it cannot).
+    for extra in ({"softcap": 30.0}, {"s_aux": torch.zeros(4)}, {"position_bias": torch.zeros(1, 4, 1, 40)},
+                  {"output_attentions": True}):
+        calls.clear()
+        try:
+            generate_module.grouped_decode_sdpa(_Grouped(2), q, k, v, mask, **extra)
+        except (ValueError, TypeError, RuntimeError):
+            pass
+        assert calls == [q.shape], extra
+    generate_module.grouped_decode_sdpa(_Grouped(2), q, k, v, mask, position_ids=None, softcap=None)
+    assert calls == [q.shape]  # arguments that change nothing keep the grouped form
 
 
 @pytest.mark.parametrize("build", ["build_nemotron_h", "build_llama"])
