@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .models import cache_argument
-from .models.mamba_step import elementwise_mamba_step
+from .models import mamba_step
 from .models.nemotron_h import single_group_routing
 from .models.roles import input_device
 
@@ -86,6 +86,7 @@ class _StaticStep:
     greedy: bool  # the pick (argmax) runs inside the step, and so inside its graph
     compiled: bool = False  # the forward runs through torch.compile
     ops: str = "fp4kit"  # STEP_OPS: the step's attention and Mamba functions
+    mamba_modules: list = field(default_factory=list)  # with ops "fp4kit": `mamba_step.mixer_modules(model)`
     ssm: _StateFormat | None = None  # the SSM state held in fp16 (None: fp32, the model's own)
     after: Callable[[_StaticStep], None] | None = None  # runs after the forward in place of the greedy pick
     graph: torch.cuda.CUDAGraph | None = None
@@ -260,6 +261,7 @@ def _new_step(model, batch: int, max_len: int, device: torch.device, eos: list[i
         greedy=greedy,
         compiled=compiled,
         ops=ops,
+        mamba_modules=mamba_step.mixer_modules(model) if ops == "fp4kit" else [],
     )
 
 
@@ -340,8 +342,18 @@ def _compiled_call(device_type: str):
 
 def _forward(model, s: _StaticStep) -> torch.Tensor:
     call = _compiled_call(s.input_ids.device.type) if s.compiled else _call
-    with grouped_attention(model) if s.ops == "fp4kit" else contextlib.nullcontext():
+    with _step_ops(model, s):
         return call(model, s.input_ids, s.position_ids, _masks(model, s), s.cache, cache_argument(model))
+
+
+@contextlib.contextmanager
+def _step_ops(model, s: _StaticStep):
+    """The step's own attention and Mamba decode functions in place (ops "fp4kit"), or the model's."""
+    if s.ops != "fp4kit":
+        yield
+        return
+    with grouped_attention(model), mamba_step.switched(s.mamba_modules):
+        yield
 
 
 # The attention implementation a decode step's sdpa attention runs under (`grouped_attention`).
@@ -455,24 +467,15 @@ def on_the_model_gpu(fn):
     return run
 
 
-def within(block: Callable):
-    """A decorator that runs `fn(model, ...)` inside `block(model)` (a context manager)."""
+def with_single_group_routing(fn):
+    """Runs `fn(model, ...)` with the model's single-group routers on their short forward."""
 
-    def decorate(fn):
-        @functools.wraps(fn)
-        def run(model, *args, **kwargs):
-            with block(model):
-                return fn(model, *args, **kwargs)
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        with single_group_routing(model):
+            return fn(model, *args, **kwargs)
 
-        return run
-
-    return decorate
-
-
-# `fn(model, ...)` with the model's single-group routers on their short forward, and with its
-# Mamba mixers on their element-wise decode functions.
-with_single_group_routing = within(single_group_routing)
-with_elementwise_mamba_step = within(elementwise_mamba_step)
+    return run
 
 
 @torch.inference_mode()
@@ -509,73 +512,72 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
     """
     if step_ops not in STEP_OPS:
         raise ValueError(f"step_ops must be one of {', '.join(STEP_OPS)}, got {step_ops!r}")
-    with elementwise_mamba_step(model) if step_ops == "fp4kit" else contextlib.nullcontext():
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if isinstance(ssm_seed, bool) or not isinstance(ssm_seed, int) or not 0 <= ssm_seed < 2**30:
-            raise ValueError(f"ssm_seed must be an integer in [0, 2^30), got {ssm_seed!r}")
-        device = input_device(model)
-        if graph is None:
-            graph = device.type == "cuda"
-        if graph and device.type != "cuda":
-            raise ValueError(f"graph=True captures a CUDA graph, but the model is on {device}")
-        ids, attn = _tokenize(tokenizer, prompts, device, model.generation_config.pad_token_id)
-        n, width = ids.shape
-        held = state_rows(ssm_state, philox_rounds, n)
-        rows = bucket_for(n, batch_buckets) if graph else n
-        if rows > n:  # the bucket's extra rows repeat the last prompt; their tokens are dropped
-            ids = torch.cat([ids, ids[-1:].expand(rows - n, -1)])
-            attn = torch.cat([attn, attn[-1:].expand(rows - n, -1)])
-            if held is not None:
-                held = (held[0] + held[0][-1:] * (rows - n), held[1] + held[1][-1:] * (rows - n))
-        max_len = width + max_new_tokens
-        if compile:
-            max_len = -(-max_len // CACHE_GRANULE) * CACHE_GRANULE
-        eos = _eos_ids(model) if stop_at_eos else []
-        pad = model.generation_config.pad_token_id
-        pad = pad if pad is not None else (eos[0] if eos else 0)
-
-        start = time.perf_counter()
-        s = _new_step(model, rows, max_len, device, eos, pad, greedy, compile, step_ops)
-        # Prefill: the model's forward over the prompts, positions counted over the real tokens.
-        positions = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, **{cache_argument(model): s.cache},
-                       use_cache=True, logits_to_keep=1).logits
-        _open(s, attn.bool())
-        s.position_ids.copy_(positions[:, -1:])
-        s.column.fill_(width)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if isinstance(ssm_seed, bool) or not isinstance(ssm_seed, int) or not 0 <= ssm_seed < 2**30:
+        raise ValueError(f"ssm_seed must be an integer in [0, 2^30), got {ssm_seed!r}")
+    device = input_device(model)
+    if graph is None:
+        graph = device.type == "cuda"
+    if graph and device.type != "cuda":
+        raise ValueError(f"graph=True captures a CUDA graph, but the model is on {device}")
+    ids, attn = _tokenize(tokenizer, prompts, device, model.generation_config.pad_token_id)
+    n, width = ids.shape
+    held = state_rows(ssm_state, philox_rounds, n)
+    rows = bucket_for(n, batch_buckets) if graph else n
+    if rows > n:  # the bucket's extra rows repeat the last prompt; their tokens are dropped
+        ids = torch.cat([ids, ids[-1:].expand(rows - n, -1)])
+        attn = torch.cat([attn, attn[-1:].expand(rows - n, -1)])
         if held is not None:
-            s.ssm = hold_states(s.cache, *held, ssm_seed, device)
-        _advance(s, _pick(logits[:, -1], greedy, generator))
+            held = (held[0] + held[0][-1:] * (rows - n), held[1] + held[1][-1:] * (rows - n))
+    max_len = width + max_new_tokens
+    if compile:
+        max_len = -(-max_len // CACHE_GRANULE) * CACHE_GRANULE
+    eos = _eos_ids(model) if stop_at_eos else []
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else (eos[0] if eos else 0)
 
-        if graph:
-            _capture(model, s)
+    start = time.perf_counter()
+    s = _new_step(model, rows, max_len, device, eos, pad, greedy, compile, step_ops)
+    # Prefill: the model's forward over the prompts, positions counted over the real tokens.
+    positions = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, **{cache_argument(model): s.cache},
+                   use_cache=True, logits_to_keep=1).logits
+    _open(s, attn.bool())
+    s.position_ids.copy_(positions[:, -1:])
+    s.column.fill_(width)
+    if held is not None:
+        s.ssm = hold_states(s.cache, *held, ssm_seed, device)
+    _advance(s, _pick(logits[:, -1], greedy, generator))
 
-        eos_set = set(eos)
-        finished = [False] * n
-        out: list[list[int]] = [[] for _ in range(n)]
-        steps = 0
-        for t in range(max_new_tokens):
-            if t > 0:
-                if graph:
-                    s.graph.replay()
-                    s.counts["replays"] += 1
-                else:
-                    _step(model, s)
-                if not greedy:
-                    _advance(s, _pick(s.logits[:, -1], greedy, generator))
-                steps += 1
-            host = s.token[:n].tolist()  # the step's one wait for the device
-            for i in range(n):
-                if not finished[i]:
-                    out[i].append(host[i])
-            if stream is not None:
-                stream([None if finished[i] else host[i] for i in range(n)])
-            finished = [f or host[i] in eos_set for i, f in enumerate(finished)]
-            if all(finished):
-                break
-        seconds = time.perf_counter() - start
+    if graph:
+        _capture(model, s)
 
-        text = [tokenizer.decode(t, skip_special_tokens=True) for t in out] if tokenizer is not None else None
-        return Generation(tokens=out, text=text, steps=steps, seconds=seconds, graph=graph,
-                          captures=s.counts["captures"], replays=s.counts["replays"], batch=rows)
+    eos_set = set(eos)
+    finished = [False] * n
+    out: list[list[int]] = [[] for _ in range(n)]
+    steps = 0
+    for t in range(max_new_tokens):
+        if t > 0:
+            if graph:
+                s.graph.replay()
+                s.counts["replays"] += 1
+            else:
+                _step(model, s)
+            if not greedy:
+                _advance(s, _pick(s.logits[:, -1], greedy, generator))
+            steps += 1
+        host = s.token[:n].tolist()  # the step's one wait for the device
+        for i in range(n):
+            if not finished[i]:
+                out[i].append(host[i])
+        if stream is not None:
+            stream([None if finished[i] else host[i] for i in range(n)])
+        finished = [f or host[i] in eos_set for i, f in enumerate(finished)]
+        if all(finished):
+            break
+    seconds = time.perf_counter() - start
+
+    text = [tokenizer.decode(t, skip_special_tokens=True) for t in out] if tokenizer is not None else None
+    return Generation(tokens=out, text=text, steps=steps, seconds=seconds, graph=graph, captures=s.counts["captures"],
+                      replays=s.counts["replays"], batch=rows)

@@ -111,7 +111,6 @@ class _Record:
 @torch.inference_mode()
 @decode.on_the_model_gpu
 @decode.with_single_group_routing
-@decode.with_elementwise_mamba_step
 def teacher_forced(model: nn.Module, tokens: torch.Tensor, variants: list[Variant], *, seed: int = 0,
                    backend: str | None = None, state_error: bool = False, progress=None, graph: bool | None = None) -> dict:
     """tokens: [L] ids. Every row reads them one per step, each keeping its SSM state in its

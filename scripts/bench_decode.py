@@ -136,10 +136,9 @@ def agreement(ref: list[list[int]], test: list[list[int]]) -> dict:
 
 
 def bench_batch(runs: dict, prompts: torch.Tensor, new_tokens: int, reps: int, compile: bool = False) -> dict:
-    """runs: {label: (model, "graph" | "eager" | "step"[, step_ops])}. Timings, memory and tokens per
+    """runs: {label: (model, "graph" | "eager" | "step", step_ops)}. Timings, memory and tokens per
     label; compile: fp4kit.generate compiles its step (the first generate per label includes the
     compile)."""
-    runs = {label: (run + ("fp4kit",))[:3] for label, run in runs.items()}
     device = prompts.device
     out: dict = {}
     tokens = {}
@@ -295,7 +294,7 @@ def main() -> None:
             tail = "" if i == 0 else f"_{ops}-ops"
             runs[f"bf16_{how}{tail}"] = (model, how, ops)
             if i == 0 and b in eager_batches:
-                runs["bf16_eager"] = (model, "eager")
+                runs["bf16_eager"] = (model, "eager", "transformers")  # model.generate: the model's own
             runs.update({f"{recipe}_{how}{tail}": (m, how, ops) for recipe, m in loaded.items()})
             refs.update({label: f"bf16_{how}{tail}" for label in runs if label not in refs})
         print(f"batch {b}: timing {', '.join(runs)} ...", flush=True)

@@ -22,7 +22,7 @@ heads of their group instead of copied:
   order), then the D skip and the gate as transformers applies them.
 
 `elementwise_mamba_step(model)` puts the two in place of transformers' functions for the
-model's Mamba mixers within the block. Mixers whose modeling module resolves those functions to
+model's Mamba mixers within the block (`switched(mixer_modules(model))`, the modules found once). Mixers whose modeling module resolves those functions to
 mamba-ssm's or causal-conv1d's kernels (installed and importable) keep them.
 """
 
@@ -92,7 +92,7 @@ def state_update(state: torch.Tensor, hidden_states: torch.Tensor, dt: torch.Ten
     return out.to(hidden_states.dtype)
 
 
-def _mixer_modules(model: nn.Module) -> list:
+def mixer_modules(model: nn.Module) -> list:
     """The modeling modules of the model's Mamba mixers that define both decode functions, where
     transformers runs its own torch code for them (neither kernel package imports)."""
     from .nemotron_h import mamba_kernels
@@ -112,7 +112,14 @@ def _mixer_modules(model: nn.Module) -> list:
 def elementwise_mamba_step(model: nn.Module):
     """Within the block, the model's Mamba mixers run `conv_update` and `state_update` in place of
     transformers' plain-torch functions. Yields how many modeling modules were switched."""
-    modules = _mixer_modules(model)
+    with switched(mixer_modules(model)) as count:
+        yield count
+
+
+@contextlib.contextmanager
+def switched(modules: list):
+    """Within the block, `modules` (`mixer_modules`' list) hold `conv_update` and `state_update`
+    under transformers' names. Yields how many there are."""
     saved = [(module, getattr(module, CONV_UPDATE), getattr(module, STATE_UPDATE)) for module in modules]
     for module in modules:
         setattr(module, CONV_UPDATE, conv_update)
