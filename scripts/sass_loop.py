@@ -53,9 +53,11 @@ def loop_ops(sass: str) -> dict:
     return dict(sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def compile_sm90(fn, signature: dict, constants: dict, num_warps: int, divisible: tuple) -> tuple[int, str]:
-    """(registers, SASS listing) of `fn` compiled for sm_90 with these constexprs; `divisible`
-    names the arguments Triton would see as multiples of 16 at launch."""
+def compile_sm90(fn, signature: dict, constants: dict, num_warps: int, divisible: tuple,
+                 maxnreg: int | None = None) -> tuple[int, str, int]:
+    """(registers, SASS listing, stack bytes per thread) of `fn` compiled for sm_90 with these
+    constexprs; `divisible` names the arguments Triton would see as multiples of 16 at launch;
+    maxnreg: a register cap per thread (Triton's launch option), None for the compiler's choice."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -65,8 +67,9 @@ def compile_sm90(fn, signature: dict, constants: dict, num_warps: int, divisible
     if interpreted(fn):
         raise RuntimeError("sass_loop compiles kernels for sm_90: run it without TRITON_INTERPRET=1")
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in divisible}
+    options = {"num_warps": num_warps, **launch_options(), **({"maxnreg": maxnreg} if maxnreg else {})}
     kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, **launch_options()})
+                            options=options)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -75,16 +78,18 @@ def compile_sm90(fn, signature: dict, constants: dict, num_warps: int, divisible
                                text=True, check=True).stdout
         sass = subprocess.run([str(tools / "cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1)), sass
+    return int(re.search(r"REG:(\d+)", usage).group(1)), sass, int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
 def _rows(fn, signature, divisible, launches) -> list:
-    """One row per (tag, constexprs, warps, weights decoded per thread and loop step) in `launches`."""
+    """One row per (tag, constexprs, warps, weights decoded per thread and loop step) in `launches`;
+    a tag's "maxnreg" is compiled as the register cap. "stack": bytes of local memory per thread
+    (spilled registers); the loop's LDL / STL among its ops are spills it reloads / stores."""
     out = []
     for tag, consts, nw, weights in launches:
-        regs, sass = compile_sm90(fn, signature, consts, nw, divisible)
+        regs, sass, stack = compile_sm90(fn, signature, consts, nw, divisible, tag.get("maxnreg"))
         ops = loop_ops(sass)
-        out.append({**tag, "registers": regs, "loop_instructions": sum(ops.values()),
+        out.append({**tag, "registers": regs, "stack": stack, "loop_instructions": sum(ops.values()),
                     "per_weight": round(sum(ops.values()) / weights, 3), "ops": ops})
     return out
 
@@ -115,10 +120,10 @@ def fp8_gemv(rows=(1, 2, 4), tiles=FP8_GEMV_TILES) -> list:
     return out
 
 
-def moe_gemv(tiles=((4, 512, 1), (8, 512, 1), (4, 1024, 2))) -> list:
+def moe_gemv(tiles=((4, 512, 1, None), (4, 512, 1, 72), (4, 512, 1, 64), (8, 512, 1, None), (4, 1024, 2, None))) -> list:
     """`_moe_small_kernel`'s K loop on the CUDA cores (`tiles.gemv_accumulate`) as one token's up
     projection launches it on Nemotron-3-Nano (K = 2688, not a multiple of BLOCK_K: masked loads),
-    per (BLOCK_N, BLOCK_K, warps); one activation row."""
+    per (BLOCK_N, BLOCK_K, warps, register cap); one activation row."""
     import triton.language as tl
 
     from fp4kit.kernels import moe_gemm as mg
@@ -130,10 +135,10 @@ def moe_gemv(tiles=((4, 512, 1), (8, 512, 1), (4, 1024, 2))) -> list:
                                                "BLOCK_N", "BLOCK_K", "IEEE", "LUT", "EVEN_N", "EVEN_K", "GEMV")})
     divisible = ("x_ptr", "x4_ptr", "ids_ptr", "wq_ptr", "ws_ptr", "gs_ptr", "part_ptr", "E", "N", "K", "k_per_split",
                  "part_stride")
-    launches = [({"tile": [bn, bk, nw]},
+    launches = [({"tile": [bn, bk, nw], **({"maxnreg": cap} if cap else {})},
                  dict(A_PAD=8, BY_ASSIGNMENT=True, UP=True, X_PARTS=0, RELU2_OUT=True, ACT=tl.bfloat16, BLOCK_M=1,
                       BLOCK_N=bn, BLOCK_K=bk, IEEE=False, LUT=True, EVEN_N=True, EVEN_K=False, GEMV=True),
-                 nw, bn * bk / (32 * nw)) for bn, bk, nw in tiles]
+                 nw, bn * bk / (32 * nw)) for bn, bk, nw, cap in tiles]
     return _rows(mg._moe_small_kernel, sig, divisible, launches)
 
 
@@ -163,11 +168,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the rows as JSON (date, command, versions) here")
     args = ap.parse_args(argv)
     rows = KERNELS[args.kernel]()
-    print(f"{'launch':>36} {'regs':>5} {'loop':>5} {'per weight':>10}  shared-memory ops and permutes")
+    print(f"{'launch':>36} {'regs':>5} {'stack':>5} {'loop':>5} {'per weight':>10}  shared-memory ops and permutes")
     for r in rows:
-        tag = {k: v for k, v in r.items() if k not in ("registers", "loop_instructions", "per_weight", "ops")}
+        tag = {k: v for k, v in r.items() if k not in ("registers", "stack", "loop_instructions", "per_weight", "ops")}
         smem = {k: v for k, v in r["ops"].items() if k in ("BAR", "STS", "STSM", "LDS", "LDGSTS", "PRMT")}
-        print(f"{json.dumps(tag):>36} {r['registers']:>5} {r['loop_instructions']:>5} {r['per_weight']:>10}  {smem}")
+        print(f"{json.dumps(tag):>36} {r['registers']:>5} {r['stack']:>5} {r['loop_instructions']:>5} {r['per_weight']:>10}  "
+              f"{smem}")
     if args.out:
         from benchlib.record import run_record
 

@@ -76,6 +76,10 @@ def main(argv=None) -> int:
         result.write_text(json.dumps({**record, "sweep": name, "pick": pick, "rows": rows}, indent=1) + "\n")
         write_pick(args.gpu, sweep.kernel, sweep.table, pick,
                    {"command": command, "date": date, "results": str(result.relative_to(ROOT))})
+        # The sweeps after this one time their candidates against the tables as picked so far.
+        from fp4kit.kernels import launch
+
+        launch.tables.cache_clear()
     return 0
 
 

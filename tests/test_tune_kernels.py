@@ -23,7 +23,7 @@ from fp4kit.kernels import launch  # noqa: E402
 def test_every_sweep_names_a_table_of_its_kernel():
     known = tune_kernels.sweeps()
     assert {"w4a16.gemv", "w4a16.mma", "w4a16.mma_wide", "w4a16.row_mma", "w4a16.decode", "w4a16.mid", "moe.decode",
-            "moe.small", "moe.gemv", "moe.mma", "packed.launch", "fp8.gemv"} <= set(known)
+            "moe.small", "moe.gemv", "moe.gemv_launch", "moe.mma", "packed.launch", "fp8.gemv"} <= set(known)
     for name, sweep in known.items():
         assert isinstance(sweep, Sweep) and name.split(".")[0] == sweep.kernel
         assert sweep.table in launch.table(sweep.kernel), name
@@ -43,6 +43,30 @@ def test_write_pick_records_the_table_and_who_chose_it(tmp_path, monkeypatch):
     assert doc["kernels"]["w4a16"]["chosen_by"]["MID"] == chosen_by
     assert doc["kernels"]["moe"] == before["kernels"]["moe"]
     assert doc["kernels"]["w4a16"]["tables"]["DECODE"] == before["kernels"]["w4a16"]["tables"]["DECODE"]
+
+
+def test_later_sweeps_of_one_run_see_the_earlier_picks(tmp_path, monkeypatch):
+    # Two sweeps in one command: the second builds its candidates on the table the first wrote.
+    before = json.loads(launch.tuning_path("h200").read_text())
+    path = tmp_path / "h200.json"
+    path.write_text(json.dumps(before))
+    monkeypatch.setattr(launch, "tuning_path", lambda gpu: path)
+    monkeypatch.setattr(tune_kernels, "ROOT", tmp_path)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    launch.tables.cache_clear()
+    seen = []
+    first = Sweep("moe", "MOE_GEMV", lambda: [], lambda rows: dict(launch.thaw(launch.table("moe")["MOE_GEMV"]),
+                                                                   BLOCK_N=16), "first")
+    second = Sweep("moe", "MOE_GEMV_LAUNCH", lambda: seen.append(launch.table("moe")["MOE_GEMV"]["BLOCK_N"]) or [],
+                   lambda rows: {"programs_per_sm": 2, "max_parts": 4}, "second")
+    monkeypatch.setattr(tune_kernels, "sweeps", lambda: {"moe.first": first, "moe.second": second})
+    try:
+        assert tune_kernels.main(["moe.first", "moe.second"]) == 0
+    finally:
+        monkeypatch.undo()
+        launch.tables.cache_clear()
+    assert seen == [16]
+    assert launch.table("moe")["MOE_GEMV"]["BLOCK_N"] == before["kernels"]["moe"]["tables"]["MOE_GEMV"]["BLOCK_N"]
 
 
 def test_every_table_says_who_chose_it():
@@ -244,6 +268,54 @@ def test_pick_moe_gemv_tile_and_threshold():
     got = sm.pick_gemv(rows, top_k=6, decode_tokens=8)
     # summed up to 8 tokens: 120 against 115 -> the second tile; it loses at 16 tokens
     assert got == {"max_assignments": 48, "BLOCK_M": 2, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1}
+
+
+def test_pick_moe_gemv_launch_whole_entry():
+    rows = []
+    for t, a, b, c in ((1, 20.0, 15.0, 18.0), (4, 60.0, 64.0, 58.0)):
+        rows.append({"tokens": t, "programs_per_sm": 2, "max_parts": 4, "maxnreg": None, "ms": a})
+        rows.append({"tokens": t, "programs_per_sm": 2, "max_parts": 4, "maxnreg": 64, "ms": b})
+        rows.append({"tokens": t, "programs_per_sm": 96, "max_parts": 4, "maxnreg": None, "ms": c})
+    # summed: 80, 79, 76 -> the split without a cap, and no maxnreg key left in the entry
+    assert sm.pick_gemv_launch(rows) == {"programs_per_sm": 96, "max_parts": 4}
+    rows = [dict(r, ms=None) if r["programs_per_sm"] == 96 and r["tokens"] == 4 else r for r in rows]
+    assert sm.pick_gemv_launch(rows) == {"programs_per_sm": 2, "max_parts": 4, "maxnreg": 64}
+    with pytest.raises(RuntimeError, match="no candidate"):
+        sm.pick_gemv_launch([dict(r, ms=None) for r in rows])
+
+
+def test_moe_gemv_launch_sweep_runs_each_candidate_right(monkeypatch):
+    # The sweep's own code on small CPU stacks (the interpreter): every candidate entry reaches the
+    # launcher and gives the reference's output; timing stands in as the error check alone.
+    import torch
+
+    from fp4kit.formats import nvfp4
+    from fp4kit.kernels import backend
+
+    if not backend.interpreted(sm.mg._moe_small_kernel):
+        pytest.skip("runs the kernels under TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(3)
+    monkeypatch.setattr(sm, "_nano_experts", lambda n, h, i: (nvfp4.quantize(torch.randn(n, i, h, generator=g)),
+                                                               nvfp4.quantize(torch.randn(n, h, i, generator=g))))
+
+    def routed(t, n, k, h, up, down):
+        x, ids, w = torch.randn(t, h, generator=g), torch.randperm(n, generator=g)[:k].expand(t, k), torch.rand(t, k)
+        return x, ids, w, sm.mg.moe_experts(x, ids, w, up, down, backend="torch").float()
+
+    used = []
+    split_k = sm.mg._split_k
+    monkeypatch.setattr(sm.mg, "_split_k", lambda *a: used.append((a[-1]["programs_per_sm"], split_k(*a)[0])) or split_k(*a))
+    monkeypatch.setattr(sm, "_routed_tokens", routed)
+    monkeypatch.setattr(sm, "_cold_copies", lambda *a: [])
+    monkeypatch.setattr(sm, "time_if_right", lambda fn, ref, others: {"ms": float((fn().float() - ref).norm() / ref.norm())})
+    tables = launch.override(launch.table("moe"), MOE_GEMV={"BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 64})
+    rows = sm.sweep_gemv_launch(tokens=(1, 2), n_exp=4, top_k=2, hid=128, inter=128, programs_per_sm=(2, 1000),
+                                maxnreg=(None, 64), tables=tables)
+    assert [(r["tokens"], r["programs_per_sm"], r["maxnreg"]) for r in rows] == [
+        (t, p, c) for t in (1, 2) for p in (2, 1000) for c in (None, 64)]
+    assert all(r["ms"] < 1e-5 for r in rows)
+    # each candidate's split target reached both projections: no split at 2, split at 1000
+    assert {p for p, _ in used} == {2, 1000} and all((n > 1) == (p == 1000) for p, n in used)
 
 
 def test_pick_moe_mma_launch_and_reach():

@@ -12,7 +12,8 @@ relu^2); the k slots of a token are summed in fp32 in a fixed order.
   compacts its assignments in order, for up_proj then down_proj (split-K partials in fp32, the
   down kernel finishing relu^2 as it reads them); `_moe_combine_kernel` applies the routing
   weights. Up to MOE_GEMV["max_assignments"] the projections run on the CUDA cores
-  (`tiles.gemv_accumulate`), else on the matrix units (`tiles.accumulate`).
+  (`tiles.gemv_accumulate`; split-K and register cap from MOE_GEMV_LAUNCH), else on the matrix
+  units (`tiles.accumulate`; split-K from SMALL).
 - beyond, `_moe_sorted`: the assignments sorted by expert (`torch.sort`, stable; `offsets[e]`
   marks expert e's run), one launch per projection whose programs each walk one expert's run.
   With up to MOE_MMA["max_per_expert"] assignments per expert and 16-bit activations on a GPU
@@ -334,8 +335,11 @@ def experts_reference(hidden, top_k_index, top_k_weights, up_w, down_w):
 #   DEQUANT     {"lut"}: the dequantization's inline PTX on a GPU (as in the "w4a16" table);
 #   MOE_GEMV    the CUDA-core tiles up to max_assignments assignments: BLOCK_M of an expert's rows
 #               per program, BLOCK_N output features, BLOCK_K of K per step, warps;
+#   MOE_GEMV_LAUNCH  the CUDA-core tiles' split-K (as SMALL's) and optional register cap
+#               (maxnreg: more of the one-warp programs resident per multiprocessor);
 #   SMALL       the in-kernel-routing path up to max_assignments; K split until about
-#               programs_per_sm programs per multiprocessor, at most max_parts ways;
+#               programs_per_sm programs per multiprocessor, at most max_parts ways (on the
+#               matrix units; the CUDA-core tiles split by MOE_GEMV_LAUNCH);
 #   MOE_MMA     the register-fed matrix units up to max_per_expert assignments per expert on
 #               average: weight-row tiles of 16 per warp (rows), warps, L2 prefetch distance;
 #   MOE_DECODE  the wgmma tiles' launch shape up to 24 rows per expert (maxnreg: a register cap).
@@ -437,7 +441,8 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
 
 def _split_k(programs: int, k: int, block_k: int, device: torch.device, small: Mapping) -> tuple[int, int]:
     """(splits, K per split): split K while there are fewer than small["programs_per_sm"]
-    programs per multiprocessor, at most small["max_parts"] ways, never below one K tile."""
+    programs per multiprocessor, at most small["max_parts"] ways, never below one K tile
+    (small: the SMALL or the MOE_GEMV_LAUNCH entry)."""
     k_blocks = cdiv(k, block_k)
     want = small["programs_per_sm"] * backend.sm_count(device)
     split = 1 if programs >= want else max(1, min(k_blocks, want // max(programs, 1), small["max_parts"]))
@@ -448,7 +453,8 @@ def _split_k(programs: int, k: int, block_k: int, device: torch.device, small: M
 def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
     """Three launches, no host-side routing: up (fp32 split-K partials per assignment), down
     (reading relu^2 of the up partials; fp32 partials), combine (routing weights, top-k sum).
-    cfg["gemv"]: the projections on the CUDA cores (`_gemv_accumulate`), else the matrix units."""
+    cfg["gemv"]: the projections on the CUDA cores (`gemv_accumulate`; split-K and register cap
+    from MOE_GEMV_LAUNCH), else the matrix units (split-K from SMALL)."""
     t, top_k = top_k_index.shape
     n_exp, inter, hid = up.shape
     a = t * top_k
@@ -459,18 +465,22 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
     gemv = cfg.pop("gemv", False)
     if gemv:
         lut = tables["DEQUANT"]["lut"] and not interpreted(_moe_small_kernel)  # the block-dot PTX takes any dtype
+        split = tables["MOE_GEMV_LAUNCH"]
+        if split.get("maxnreg"):
+            cfg = dict(cfg, maxnreg=split["maxnreg"])
         if device.type == "cuda":
             cfg_up, cfg_dn = gemv_k_tile(hid, cfg), gemv_k_tile(inter, cfg)
         else:
             cfg_up = cfg_dn = dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], 64))
         view = torch.int64
     else:
+        split = tables["SMALL"]
         cfg_up = cfg_dn = cfg
         view = torch.int32
     common = dict(A_PAD=max(next_power_of_2(a), 2), BY_ASSIGNMENT=by_assignment, ACT=_TL_DTYPES[dtype],
                   IEEE=dtype == torch.float32, LUT=lut, GEMV=gemv, **launch_options())
     bn = cfg["BLOCK_N"]
-    s_up, kps_up = _split_k(slots * cdiv(inter, bn), hid, cfg_up["BLOCK_K"], device, tables["SMALL"])
+    s_up, kps_up = _split_k(slots * cdiv(inter, bn), hid, cfg_up["BLOCK_K"], device, split)
     # One split: the up kernel finishes the activation itself; more: fp32 partials, finished by
     # the down kernel as it reads them.
     if s_up == 1:
@@ -482,7 +492,7 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
         x, x4, ids, up.packed.view(view), up.block_scale.view(torch.uint8),
         up.global_scale, part_up, a, n_exp, inter, hid, top_k, kps_up, 0, UP=True, X_PARTS=0, RELU2_OUT=s_up == 1,
         EVEN_N=inter % bn == 0, EVEN_K=hid % cfg_up["BLOCK_K"] == 0, **cfg_up, **common)
-    s_dn, kps_dn = _split_k(slots * cdiv(hid, bn), inter, cfg_dn["BLOCK_K"], device, tables["SMALL"])
+    s_dn, kps_dn = _split_k(slots * cdiv(hid, bn), inter, cfg_dn["BLOCK_K"], device, split)
     part_dn = torch.empty((s_dn, a, hid), dtype=torch.float32, device=device)
     part_up, part_up4 = int64_activations(part_up) if gemv else (part_up, part_up)
     launch_cached(_moe_small_kernel, (slots, cdiv(hid, bn), s_dn),

@@ -117,6 +117,55 @@ def sweep_gemv(tokens=(1, 2, 4, 8, 16), n_exp=128, top_k=6, hid=2688, inter=1856
     return out
 
 
+def sweep_gemv_launch(tokens=(1, 2, 4, 8), n_exp=128, top_k=6, hid=2688, inter=1856,
+                      programs_per_sm=(2, 48, 96, 192), maxnreg=(None, 72, 64), max_parts=4, tables=None):
+    """Times of the CUDA-core tiles (the table's MOE_GEMV tile) per split-K target (programs per
+    multiprocessor; at one token Nano's up projection has 2784 one-warp programs of 4 rows, its
+    down projection 4032, so only targets past about 21 and 30 split them) and register cap (the
+    uncapped tile keeps fewer one-warp programs resident than the 32 a multiprocessor takes:
+    `scripts/sass_loop.py moe-gemv`), on Nano's experts, each checked first, timed cold."""
+    up, down = _nano_experts(n_exp, hid, inter)
+    tables = tables or launch.table("moe")
+    gemv = {k: v for k, v in tables["MOE_GEMV"].items() if k != "max_assignments"}
+    out = []
+    for t in tokens:
+        h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
+        copies = _cold_copies(t, top_k, n_exp, up, down)
+        for pps, cap in itertools.product(programs_per_sm, maxnreg):
+            entry = gemv_launch_entry(pps, max_parts, cap)
+            candidate = launch.freeze({**launch.thaw(tables), "MOE_GEMV_LAUNCH": entry})
+
+            def run(u, d, candidate=candidate):
+                return mg.moe_experts(h, ids, w, u, d, cfg=dict(gemv, gemv=True), tables=candidate)
+
+            row = {"tokens": t, "path": "gemv", "tile": [gemv["BLOCK_M"], gemv["BLOCK_N"], gemv["BLOCK_K"],
+                                                         gemv["num_warps"]],
+                   "programs_per_sm": pps, "max_parts": max_parts, "maxnreg": cap, "weight_copies": 1 + len(copies)}
+            row.update(time_if_right(lambda run=run: run(up, down),
+                                     ref, [lambda u=u, d=d, run=run: run(u, d) for u, d in copies]))
+            out.append(row)
+    return out
+
+
+def gemv_launch_entry(programs_per_sm: int, max_parts: int, maxnreg: int | None) -> dict:
+    """A MOE_GEMV_LAUNCH entry: split-K target and cap, and the register cap where there is one."""
+    return {"programs_per_sm": programs_per_sm, "max_parts": max_parts, **({"maxnreg": maxnreg} if maxnreg else {})}
+
+
+def pick_gemv_launch(rows) -> dict:
+    """MOE_GEMV_LAUNCH: the split-K target and register cap with the smallest summed time over
+    the swept token counts (a candidate that failed anywhere is out); the whole entry, so that a
+    cap not picked is not left behind."""
+    totals = {}
+    for r in rows:
+        key = (r["programs_per_sm"], r["max_parts"], r["maxnreg"])
+        totals[key] = totals.get(key, 0.0) + (r["ms"] if r["ms"] is not None else float("inf"))
+    best = min(totals, key=lambda key: (totals[key], key[0], key[2] or 0))
+    if totals[best] == float("inf"):
+        raise RuntimeError("moe.gemv_launch: no candidate ran right at every token count")
+    return gemv_launch_entry(*best)
+
+
 def sweep_mma(tokens=(32, 64, 128, 256), n_exp=128, top_k=6, hid=2688, inter=1856,
               launches=((1, 2, 2), (2, 1, 2), (2, 2, 2), (2, 4, 2), (2, 2, 0), (2, 2, 4)), tables=None):
     """CUDA-graph times of the sorted path on the register-fed matrix units for launch shapes
@@ -233,6 +282,8 @@ SWEEPS = {
                    "the in-kernel-routing path's split-K and the assignments up to which it beats the sorted path"),
     "gemv": Sweep("moe", "MOE_GEMV", sweep_gemv, merged("moe", "MOE_GEMV", pick_gemv),
                   "the CUDA-core tiles and the assignments up to which they beat the matrix units"),
+    "gemv_launch": Sweep("moe", "MOE_GEMV_LAUNCH", sweep_gemv_launch, pick_gemv_launch,
+                         "the CUDA-core tiles' split-K target and register cap"),
     "mma": Sweep("moe", "MOE_MMA", sweep_mma, merged("moe", "MOE_MMA", pick_mma),
                  "the register-fed matrix units' launch shape and their reach in rows per expert"),
 }

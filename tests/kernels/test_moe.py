@@ -38,15 +38,17 @@ def _transformers_experts(n_exp, hid, inter, top_k, up_w, down_w):
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("tokens", [1, 13])
 @pytest.mark.parametrize("path", ["small", "sorted", "small-split", "gemv", "gemv-split"])
-def test_moe_matches_transformers_experts(dtype, rtol, tokens, path):
+def test_moe_matches_transformers_experts(dtype, rtol, tokens, path, monkeypatch):
     # small: routing in the kernels (1 token: a program per routed assignment; 13 tokens: a
     # program per expert); small-split: the same with K split 2 ways (partials summed in the
     # next kernel); gemv(-split): the same on the CUDA-core tiles (two rows of an expert per
     # program; fp32 weights); sorted: the sort-based path.
     n_exp, hid, inter, top_k = 8, 128, 96, 3
+    split = path.endswith("-split")
     tables = launch.override(MOE, SMALL={"max_assignments": 0 if path == "sorted" else 512,
-                                         "programs_per_sm": 1000 if path.endswith("-split") else 0},
-                             MOE_GEMV={"max_assignments": 512 if path.startswith("gemv") else 0})
+                                         "programs_per_sm": 1000 if path == "small-split" else 0},
+                             MOE_GEMV={"max_assignments": 512 if path.startswith("gemv") else 0},
+                             MOE_GEMV_LAUNCH={"programs_per_sm": 1000 if path == "gemv-split" else 0})
     up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=12, scale=0.1), scale_rule="4o6")
     down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=13, scale=0.1))
     g = torch.Generator().manual_seed(14)
@@ -55,9 +57,14 @@ def test_moe_matches_transformers_experts(dtype, rtol, tokens, path):
     weights = torch.rand((tokens, top_k), generator=g)
     with torch.no_grad():
         ref = _transformers_experts(n_exp, hid, inter, top_k, up.dequantize(dtype), down.dequantize(dtype))(x, ids, weights)
+    splits = []
+    split_k = moe_gemm._split_k
+    monkeypatch.setattr(moe_gemm, "_split_k", lambda *a: splits.append(split_k(*a)[0]) or split_k(*a))
     got = moe_gemm.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE),
                                tables=tables).cpu()
     assert got.dtype == dtype
+    if path != "sorted":  # each projection split by its own path's entry (SMALL or MOE_GEMV_LAUNCH)
+        assert (min(splits) > 1) if split else splits == [1, 1]
     # Relative Frobenius error: fp32 -> accumulation order only; fp16 -> the reference rounds its
     # intermediates to fp16 as the kernel does, but sums in another order.
     assert float((got.double() - ref.double()).norm() / ref.double().norm()) < rtol
@@ -77,6 +84,32 @@ def test_moe_unused_experts_and_errors():
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(FormatError, match=re.escape("down_proj shape")):
         moe_gemm.moe_experts(x, ids, weights, up, up)
+
+
+@pytest.mark.parametrize("cap", [None, 64])
+def test_moe_gemv_register_cap_from_its_launch_entry(cap, monkeypatch):
+    # MOE_GEMV_LAUNCH's maxnreg goes with both projections' CUDA-core launches, and only there.
+    n_exp, hid, inter, top_k = 4, 64, 32, 2
+    up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=20))
+    down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=21))
+    x = _rand(1, hid, seed=22)
+    ids, weights = torch.tensor([[3, 1]]), torch.tensor([[0.25, 0.75]])
+    entry = {"programs_per_sm": 0, "max_parts": 4, **({"maxnreg": cap} if cap else {})}
+    tables = launch.freeze({**launch.thaw(MOE), "MOE_GEMV_LAUNCH": entry,
+                            "MOE_GEMV": dict(launch.thaw(MOE["MOE_GEMV"]), max_assignments=512)})
+    seen = {}
+    real = moe_gemm.launch_cached
+
+    def spy(kernel, grid, *args, **consts):
+        seen.setdefault(kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), []).append(consts.get("maxnreg"))
+        return real(kernel, grid, *args, **consts)
+
+    monkeypatch.setattr(moe_gemm, "launch_cached", spy)
+    got = moe_gemm.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE),
+                               tables=tables).cpu()
+    assert seen["_moe_small_kernel"] == [cap, cap] and seen["_moe_combine_kernel"] == [None]
+    ref = moe_gemm.experts_reference(x.double(), ids, weights.double(), up.dequantize().double(), down.dequantize().double())
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_moe_mma_launch_defaults_to_the_sorted_path_when_small():
