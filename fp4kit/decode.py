@@ -58,7 +58,7 @@ class Generation:
 
     tokens: list[list[int]]
     text: list[str] | None
-    steps: int  # decode steps run (the first token comes from the prefill)
+    steps: int  # decode steps run (the first token comes from the prefill; on a GPU one past the last EOS)
     seconds: float  # prefill + decode, host clock after the last token was read back
     graph: bool  # whether the decode step was replayed from a CUDA graph
     captures: int = 0
@@ -446,6 +446,35 @@ def _capture(model, s: _StaticStep) -> None:
     s.counts["captures"] += 1
 
 
+class _TokenReader:
+    """Brings each step's tokens to the host. On a GPU: a copy into pinned memory and an event
+    per step, two slots in turn, so that reading step t waits for step t alone and not for the
+    step queued after it (lag 1: `generate` reads a step's tokens one step later). Elsewhere the
+    tokens are read at once (lag 0)."""
+
+    def __init__(self, n: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.lag = 1 if self.cuda else 0
+        if self.cuda:
+            self.host = torch.empty((2, n), dtype=dtype, pin_memory=True)
+            self.events = [torch.cuda.Event(), torch.cuda.Event()]
+
+    def send(self, t: int, token: torch.Tensor):
+        """Step t's tokens on their way: a handle for `receive`."""
+        if not self.cuda:
+            return token.tolist()
+        slot = t % 2
+        self.host[slot].copy_(token, non_blocking=True)
+        self.events[slot].record()
+        return slot
+
+    def receive(self, sent) -> list[int]:
+        if not self.cuda:
+            return sent
+        self.events[sent].synchronize()
+        return self.host[sent].tolist()
+
+
 def _pick(logits: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> torch.Tensor:
     if greedy:
         return logits.argmax(-1)
@@ -556,6 +585,22 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
     eos_set = set(eos)
     finished = [False] * n
     out: list[list[int]] = [[] for _ in range(n)]
+
+    def take(host: list[int]) -> bool:
+        """One step's tokens to the rows still running; True once every row has stopped."""
+        nonlocal finished
+        for i in range(n):
+            if not finished[i]:
+                out[i].append(host[i])
+        if stream is not None:
+            stream([None if finished[i] else host[i] for i in range(n)])
+        finished = [f or host[i] in eos_set for i, f in enumerate(finished)]
+        return all(finished)
+
+    # On a GPU the next step is queued before this step's tokens are read, so that the device
+    # never waits for the host between steps; a run that stops at EOS runs one step past it.
+    reader = _TokenReader(n, s.token.dtype, device)
+    queued: list = []
     steps = 0
     for t in range(max_new_tokens):
         if t > 0:
@@ -567,15 +612,13 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
             if not greedy:
                 _advance(s, _pick(s.logits[:, -1], greedy, generator))
             steps += 1
-        host = s.token[:n].tolist()  # the step's one wait for the device
-        for i in range(n):
-            if not finished[i]:
-                out[i].append(host[i])
-        if stream is not None:
-            stream([None if finished[i] else host[i] for i in range(n)])
-        finished = [f or host[i] in eos_set for i, f in enumerate(finished)]
-        if all(finished):
+        queued.append(reader.send(t, s.token[:n]))
+        if len(queued) > reader.lag and take(reader.receive(queued.pop(0))):
             break
+    else:
+        for sent in queued:
+            if take(reader.receive(sent)):
+                break
     seconds = time.perf_counter() - start
 
     text = [tokenizer.decode(t, skip_special_tokens=True) for t in out] if tokenizer is not None else None

@@ -616,3 +616,35 @@ def test_a_router_with_a_forward_of_its_own_keeps_it():
     hooked.forward = hooked.forward  # the class's forward, bound and set on the instance
     with single_group_routing(model) as n:
         assert n == len(rest) and type(hooked) is NemotronHTopkRouter
+
+
+class _LaggedReader(generate_module._TokenReader):
+    """The GPU's reading order on the CPU: a step's tokens are read after the next step ran."""
+
+    def __init__(self, n, dtype, device):
+        super().__init__(n, dtype, torch.device("cpu"))
+        self.lag = 1
+
+
+@pytest.mark.parametrize("stop_at_eos", [True, False])
+def test_tokens_read_a_step_late_are_the_same_tokens(monkeypatch, stop_at_eos):
+    # As on a GPU, where step t + 1 is queued before step t's tokens are read: the same tokens and
+    # streamed entries; stopping at EOS then runs one step past the last row's EOS.
+    model = models.build_nemotron_h()
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    first = generate(model, None, prompts, 12, stop_at_eos=False).tokens
+    # row 0 stops at its 4th token, row 1 at its 7th (their first EOS), when rows stop at EOS
+    model.generation_config.eos_token_id = [first[0][3], first[1][6]]
+    try:
+        at_once_seen, late_seen = [], []
+        at_once = generate(model, None, prompts, 12, stream=at_once_seen.append, stop_at_eos=stop_at_eos)
+        monkeypatch.setattr(generate_module, "_TokenReader", _LaggedReader)
+        late = generate(model, None, prompts, 12, stream=late_seen.append, stop_at_eos=stop_at_eos)
+    finally:
+        model.generation_config.eos_token_id = None
+    assert late.tokens == at_once.tokens and late_seen == at_once_seen
+    if stop_at_eos:
+        assert [len(t) for t in at_once.tokens] == [first[0].index(first[0][3]) + 1, first[1].index(first[1][6]) + 1]
+        assert at_once_seen[-1][0] is None and late.steps == at_once.steps + 1 == len(at_once_seen)
+    else:
+        assert at_once.tokens == first and late.steps == at_once.steps == 11
