@@ -120,7 +120,7 @@ def fp8_gemv(rows=(1, 2, 4), tiles=FP8_GEMV_TILES) -> list:
     return out
 
 
-def moe_gemv(tiles=((4, 512, 1, None), (4, 512, 1, 72), (4, 512, 1, 64), (8, 512, 1, None), (4, 1024, 2, None))) -> list:
+def moe_gemv(tiles=((4, 512, 1, None), (8, 512, 1, None), (8, 512, 1, 96), (4, 1024, 2, None))) -> list:
     """`_moe_small_kernel`'s K loop on the CUDA cores (`tiles.gemv_accumulate`) as one token's up
     projection launches it on Nemotron-3-Nano (K = 2688, not a multiple of BLOCK_K: masked loads),
     per (BLOCK_N, BLOCK_K, warps, register cap); one activation row."""
@@ -132,12 +132,12 @@ def moe_gemv(tiles=((4, 512, 1, None), (4, 512, 1, 72), (4, 512, 1, 64), (8, 512
            "part_ptr": "*bf16", "A": "i32", "E": "i32", "N": "i32", "K": "i32", "TOPK": "i32", "k_per_split": "i32",
            "part_stride": "i32"}
     sig.update({name: "constexpr" for name in ("A_PAD", "BY_ASSIGNMENT", "UP", "X_PARTS", "RELU2_OUT", "ACT", "BLOCK_M",
-                                               "BLOCK_N", "BLOCK_K", "IEEE", "LUT", "EVEN_N", "EVEN_K", "GEMV")})
+                                               "BLOCK_N", "BLOCK_K", "IEEE", "LUT", "EVEN_N", "EVEN_K", "GEMV", "KB")})
     divisible = ("x_ptr", "x4_ptr", "ids_ptr", "wq_ptr", "ws_ptr", "gs_ptr", "part_ptr", "E", "N", "K", "k_per_split",
                  "part_stride")
     launches = [({"tile": [bn, bk, nw], **({"maxnreg": cap} if cap else {})},
                  dict(A_PAD=8, BY_ASSIGNMENT=True, UP=True, X_PARTS=0, RELU2_OUT=True, ACT=tl.bfloat16, BLOCK_M=1,
-                      BLOCK_N=bn, BLOCK_K=bk, IEEE=False, LUT=True, EVEN_N=True, EVEN_K=False, GEMV=True),
+                      BLOCK_N=bn, BLOCK_K=bk, IEEE=False, LUT=True, EVEN_N=True, EVEN_K=False, GEMV=True, KB=2688 // 16),
                  nw, bn * bk / (32 * nw)) for bn, bk, nw, cap in tiles]
     return _rows(mg._moe_small_kernel, sig, divisible, launches)
 

@@ -23,7 +23,7 @@ from fp4kit.kernels import launch  # noqa: E402
 def test_every_sweep_names_a_table_of_its_kernel():
     known = tune_kernels.sweeps()
     assert {"w4a16.gemv", "w4a16.mma", "w4a16.mma_wide", "w4a16.row_mma", "w4a16.decode", "w4a16.mid", "moe.decode",
-            "moe.small", "moe.gemv", "moe.gemv_launch", "moe.mma", "packed.launch", "fp8.gemv"} <= set(known)
+            "moe.small", "moe.gemv", "moe.gemv_split", "moe.mma", "packed.launch", "fp8.gemv"} <= set(known)
     for name, sweep in known.items():
         assert isinstance(sweep, Sweep) and name.split(".")[0] == sweep.kernel
         assert sweep.table in launch.table(sweep.kernel), name
@@ -57,7 +57,7 @@ def test_later_sweeps_of_one_run_see_the_earlier_picks(tmp_path, monkeypatch):
     seen = []
     first = Sweep("moe", "MOE_GEMV", lambda: [], lambda rows: dict(launch.thaw(launch.table("moe")["MOE_GEMV"]),
                                                                    BLOCK_N=16), "first")
-    second = Sweep("moe", "MOE_GEMV_LAUNCH", lambda: seen.append(launch.table("moe")["MOE_GEMV"]["BLOCK_N"]) or [],
+    second = Sweep("moe", "MOE_GEMV_SPLIT", lambda: seen.append(launch.table("moe")["MOE_GEMV"]["BLOCK_N"]) or [],
                    lambda rows: {"programs_per_sm": 2, "max_parts": 4}, "second")
     monkeypatch.setattr(tune_kernels, "sweeps", lambda: {"moe.first": first, "moe.second": second})
     try:
@@ -263,28 +263,50 @@ def test_pick_moe_gemv_tile_and_threshold():
     rows = []
     for t, base, a, b in ((1, 40.0, 20.0, 25.0), (8, 190.0, 100.0, 90.0), (16, 300.0, 280.0, 320.0), (64, 500.0, 600.0, 400.0)):
         rows.append({"tokens": t, "path": "matrix-unit", "ms": base})
-        rows.append({"tokens": t, "path": "gemv", "tile": [1, 8, 2048, 4], "ms": a})
-        rows.append({"tokens": t, "path": "gemv", "tile": [2, 8, 2048, 4], "ms": b})
+        rows.append({"tokens": t, "path": "gemv", "tile": [1, 8, 2048, 4], "maxnreg": None, "ms": a})
+        rows.append({"tokens": t, "path": "gemv", "tile": [2, 8, 2048, 4], "maxnreg": None, "ms": b})
     got = sm.pick_gemv(rows, top_k=6, decode_tokens=8)
     # summed up to 8 tokens: 120 against 115 -> the second tile; it loses at 16 tokens
     assert got == {"max_assignments": 48, "BLOCK_M": 2, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1}
+    # the same tile under a register cap is a launch of its own, and the cap goes with the pick
+    rows += [{"tokens": t, "path": "gemv", "tile": [1, 8, 2048, 4], "maxnreg": 96, "ms": ms}
+             for t, ms in ((1, 18.0), (8, 80.0), (16, 250.0), (64, 300.0))]
+    assert sm.pick_gemv(rows, top_k=6, decode_tokens=8) == {
+        "max_assignments": 6 * 64, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1,
+        "maxnreg": 96}
 
 
-def test_pick_moe_gemv_launch_whole_entry():
+def test_pick_moe_gemv_split():
     rows = []
     for t, a, b, c in ((1, 20.0, 15.0, 18.0), (4, 60.0, 64.0, 58.0)):
-        rows.append({"tokens": t, "programs_per_sm": 2, "max_parts": 4, "maxnreg": None, "ms": a})
-        rows.append({"tokens": t, "programs_per_sm": 2, "max_parts": 4, "maxnreg": 64, "ms": b})
-        rows.append({"tokens": t, "programs_per_sm": 96, "max_parts": 4, "maxnreg": None, "ms": c})
-    # summed: 80, 79, 76 -> the split without a cap, and no maxnreg key left in the entry
-    assert sm.pick_gemv_launch(rows) == {"programs_per_sm": 96, "max_parts": 4}
-    rows = [dict(r, ms=None) if r["programs_per_sm"] == 96 and r["tokens"] == 4 else r for r in rows]
-    assert sm.pick_gemv_launch(rows) == {"programs_per_sm": 2, "max_parts": 4, "maxnreg": 64}
+        rows.append({"tokens": t, "programs_per_sm": 2, "max_parts": 4, "ms": a})
+        rows.append({"tokens": t, "programs_per_sm": 96, "max_parts": 2, "ms": b})
+        rows.append({"tokens": t, "programs_per_sm": 96, "max_parts": 4, "ms": c})
+    # summed: 80, 79, 76
+    assert sm.pick_gemv_split(rows) == {"programs_per_sm": 96, "max_parts": 4}
+    rows = [dict(r, ms=None) if r["max_parts"] == 4 and r["programs_per_sm"] == 96 and r["tokens"] == 4 else r
+            for r in rows]
+    assert sm.pick_gemv_split(rows) == {"programs_per_sm": 96, "max_parts": 2}
     with pytest.raises(RuntimeError, match="no candidate"):
-        sm.pick_gemv_launch([dict(r, ms=None) for r in rows])
+        sm.pick_gemv_split([dict(r, ms=None) for r in rows])
 
 
-def test_moe_gemv_launch_sweep_runs_each_candidate_right(monkeypatch):
+def test_a_pick_drops_a_register_cap_it_does_not_carry(monkeypatch):
+    from sweeps.common import merged
+
+    live = launch.override(launch.table("moe"), MOE_GEMV={"maxnreg": 96})
+    monkeypatch.setattr(launch, "table", lambda kernel, device=None: live)
+    plain = {"BLOCK_N": 4}
+    assert "maxnreg" not in merged("moe", "MOE_GEMV", lambda rows: plain, owned=("maxnreg",))([])
+    assert merged("moe", "MOE_GEMV", lambda rows: plain)([])["maxnreg"] == 96  # not owned: kept
+    assert merged("moe", "MOE_GEMV", lambda rows: dict(plain, maxnreg=64), owned=("maxnreg",))([])["maxnreg"] == 64
+    # the sweeps that pick a register cap own it: an uncapped MOE_GEMV pick drops the live cap
+    rows = [{"tokens": 1, "path": "matrix-unit", "ms": 9.0},
+            {"tokens": 1, "path": "gemv", "tile": [1, 8, 512, 1], "maxnreg": None, "ms": 2.0}]
+    assert "maxnreg" not in tune_kernels.sweeps()["moe.gemv"].pick(rows)
+
+
+def test_moe_gemv_split_sweep_runs_each_candidate_right(monkeypatch):
     # The sweep's own code on small CPU stacks (the interpreter): every candidate entry reaches the
     # launcher and gives the reference's output; timing stands in as the error check alone.
     import torch
@@ -309,10 +331,10 @@ def test_moe_gemv_launch_sweep_runs_each_candidate_right(monkeypatch):
     monkeypatch.setattr(sm, "_cold_copies", lambda *a: [])
     monkeypatch.setattr(sm, "time_if_right", lambda fn, ref, others: {"ms": float((fn().float() - ref).norm() / ref.norm())})
     tables = launch.override(launch.table("moe"), MOE_GEMV={"BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 64})
-    rows = sm.sweep_gemv_launch(tokens=(1, 2), n_exp=4, top_k=2, hid=128, inter=128, programs_per_sm=(2, 1000),
-                                maxnreg=(None, 64), tables=tables)
-    assert [(r["tokens"], r["programs_per_sm"], r["maxnreg"]) for r in rows] == [
-        (t, p, c) for t in (1, 2) for p in (2, 1000) for c in (None, 64)]
+    rows = sm.sweep_gemv_split(tokens=(1, 2), n_exp=4, top_k=2, hid=128, inter=128, programs_per_sm=(2, 1000),
+                               max_parts=(2, 4), tables=tables)
+    assert [(r["tokens"], r["programs_per_sm"], r["max_parts"]) for r in rows] == [
+        (t, p, c) for t in (1, 2) for p in (2, 1000) for c in (2, 4)]
     assert all(r["ms"] < 1e-5 for r in rows)
     # each candidate's split target reached both projections: no split at 2, split at 1000
     assert {p for p, _ in used} == {2, 1000} and all((n > 1) == (p == 1000) for p, n in used)

@@ -12,8 +12,8 @@ relu^2); the k slots of a token are summed in fp32 in a fixed order.
   compacts its assignments in order, for up_proj then down_proj (split-K partials in fp32, the
   down kernel finishing relu^2 as it reads them); `_moe_combine_kernel` applies the routing
   weights. Up to MOE_GEMV["max_assignments"] the projections run on the CUDA cores
-  (`tiles.gemv_accumulate`; split-K and register cap from MOE_GEMV_LAUNCH), else on the matrix
-  units (`tiles.accumulate`; split-K from SMALL).
+  (`tiles.gemv_accumulate`; split-K from MOE_GEMV_SPLIT), else on the matrix units
+  (`tiles.accumulate`; split-K from SMALL).
 - beyond, `_moe_sorted`: the assignments sorted by expert (`torch.sort`, stable; `offsets[e]`
   marks expert e's run), one launch per projection whose programs each walk one expert's run.
   With up to MOE_MMA["max_per_expert"] assignments per expert and 16-bit activations on a GPU
@@ -233,7 +233,7 @@ def _moe_small_kernel(
     A_PAD: tl.constexpr, BY_ASSIGNMENT: tl.constexpr, UP: tl.constexpr, X_PARTS: tl.constexpr,
     RELU2_OUT: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, LUT: tl.constexpr, EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr, GEMV: tl.constexpr,
+    EVEN_K: tl.constexpr, GEMV: tl.constexpr, KB: tl.constexpr,
 ):
     """One projection for one expert, one N slice and one K split (grid: slots, N / BLOCK_N,
     splits); rows are stored by assignment index (no sort): fp32 partial sums
@@ -242,8 +242,9 @@ def _moe_small_kernel(
     Not UP: rows are the up projection's output at the same assignment: its ACT activation
     (X_PARTS = 0) or relu^2 of its X_PARTS partials (as `tiles.accumulate` reads them).
     GEMV: the expert's rows BLOCK_M at a time on the CUDA cores (`tiles.gemv_accumulate`;
-    wq_ptr is then the packed bytes' int64 view, x4_ptr the 16-bit activations' one); else on the
-    matrix units (`tiles.accumulate`; wq_ptr the int32 view)."""
+    wq_ptr is then the packed bytes' int64 view, x4_ptr the 16-bit activations' one; KB = K / 16
+    at compile time, the slice's blocks addressed from its first row); else on the matrix units
+    (`tiles.accumulate`; wq_ptr the int32 view; KB unused)."""
     slot = tl.program_id(0)
     pid_s = tl.program_id(2)
     e, ids, serves = _slot_expert(ids_ptr, A, E, slot, A_PAD, BY_ASSIGNMENT)
@@ -260,10 +261,11 @@ def _moe_small_kernel(
             else:
                 x_row = a64 * K
             if GEMV:
-                wb = wq_ptr + e.to(tl.int64) * N * (K // 16)
+                first = e.to(tl.int64) * N * KB + (tl.program_id(1) * BLOCK_N).to(tl.int64) * KB
                 acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
-                acc3 = gemv_accumulate(acc3, x_ptr, x4_ptr, x_row[:, None], m_ok, wb, ws, gs, n64, n_ok, K, k_start,
-                                        k_end, BLOCK_N, BLOCK_K, LUT, EVEN_N, EVEN_K, X_PARTS, part_stride, ACT)
+                acc3 = gemv_accumulate(acc3, x_ptr, x4_ptr, x_row[:, None], m_ok, wq_ptr + first, ws_ptr + first, gs,
+                                        tl.arange(0, BLOCK_N).to(tl.int64), n_ok, K, k_start, k_end, BLOCK_N, BLOCK_K,
+                                        LUT, EVEN_N, EVEN_K, X_PARTS, part_stride, ACT, KB=KB)
                 acc = tl.trans(tl.sum(acc3, axis=2) * 64.0)  # [BLOCK_N, BLOCK_M]; 64: E2M1 * 2^-6 values
             else:
                 acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -334,12 +336,12 @@ def experts_reference(hidden, top_k_index, top_k_weights, up_w, down_w):
 # The launch table ("moe"), by entry:
 #   DEQUANT     {"lut"}: the dequantization's inline PTX on a GPU (as in the "w4a16" table);
 #   MOE_GEMV    the CUDA-core tiles up to max_assignments assignments: BLOCK_M of an expert's rows
-#               per program, BLOCK_N output features, BLOCK_K of K per step, warps;
-#   MOE_GEMV_LAUNCH  the CUDA-core tiles' split-K (as SMALL's) and optional register cap
-#               (maxnreg: more of the one-warp programs resident per multiprocessor);
+#               per program, BLOCK_N output features, BLOCK_K of K per step, warps, and an
+#               optional register cap (maxnreg);
+#   MOE_GEMV_SPLIT  the CUDA-core tiles' split-K, as SMALL's;
 #   SMALL       the in-kernel-routing path up to max_assignments; K split until about
 #               programs_per_sm programs per multiprocessor, at most max_parts ways (on the
-#               matrix units; the CUDA-core tiles split by MOE_GEMV_LAUNCH);
+#               matrix units; the CUDA-core tiles split by MOE_GEMV_SPLIT);
 #   MOE_MMA     the register-fed matrix units up to max_per_expert assignments per expert on
 #               average: weight-row tiles of 16 per warp (rows), warps, L2 prefetch distance;
 #   MOE_DECODE  the wgmma tiles' launch shape up to 24 rows per expert (maxnreg: a register cap).
@@ -442,7 +444,7 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
 def _split_k(programs: int, k: int, block_k: int, device: torch.device, small: Mapping) -> tuple[int, int]:
     """(splits, K per split): split K while there are fewer than small["programs_per_sm"]
     programs per multiprocessor, at most small["max_parts"] ways, never below one K tile
-    (small: the SMALL or the MOE_GEMV_LAUNCH entry)."""
+    (small: the SMALL or the MOE_GEMV_SPLIT entry)."""
     k_blocks = cdiv(k, block_k)
     want = small["programs_per_sm"] * backend.sm_count(device)
     split = 1 if programs >= want else max(1, min(k_blocks, want // max(programs, 1), small["max_parts"]))
@@ -453,8 +455,8 @@ def _split_k(programs: int, k: int, block_k: int, device: torch.device, small: M
 def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
     """Three launches, no host-side routing: up (fp32 split-K partials per assignment), down
     (reading relu^2 of the up partials; fp32 partials), combine (routing weights, top-k sum).
-    cfg["gemv"]: the projections on the CUDA cores (`gemv_accumulate`; split-K and register cap
-    from MOE_GEMV_LAUNCH), else the matrix units (split-K from SMALL)."""
+    cfg["gemv"]: the projections on the CUDA cores (`gemv_accumulate`; split-K from
+    MOE_GEMV_SPLIT), else the matrix units (split-K from SMALL)."""
     t, top_k = top_k_index.shape
     n_exp, inter, hid = up.shape
     a = t * top_k
@@ -465,9 +467,7 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
     gemv = cfg.pop("gemv", False)
     if gemv:
         lut = tables["DEQUANT"]["lut"] and not interpreted(_moe_small_kernel)  # the block-dot PTX takes any dtype
-        split = tables["MOE_GEMV_LAUNCH"]
-        if split.get("maxnreg"):
-            cfg = dict(cfg, maxnreg=split["maxnreg"])
+        split = tables["MOE_GEMV_SPLIT"]
         if device.type == "cuda":
             cfg_up, cfg_dn = gemv_k_tile(hid, cfg), gemv_k_tile(inter, cfg)
         else:
@@ -491,7 +491,7 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
     launch_cached(_moe_small_kernel, (slots, cdiv(inter, bn), s_up),
         x, x4, ids, up.packed.view(view), up.block_scale.view(torch.uint8),
         up.global_scale, part_up, a, n_exp, inter, hid, top_k, kps_up, 0, UP=True, X_PARTS=0, RELU2_OUT=s_up == 1,
-        EVEN_N=inter % bn == 0, EVEN_K=hid % cfg_up["BLOCK_K"] == 0, **cfg_up, **common)
+        EVEN_N=inter % bn == 0, EVEN_K=hid % cfg_up["BLOCK_K"] == 0, KB=hid // 16 if gemv else 0, **cfg_up, **common)
     s_dn, kps_dn = _split_k(slots * cdiv(hid, bn), inter, cfg_dn["BLOCK_K"], device, split)
     part_dn = torch.empty((s_dn, a, hid), dtype=torch.float32, device=device)
     part_up, part_up4 = int64_activations(part_up) if gemv else (part_up, part_up)
@@ -499,7 +499,7 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
         part_up, part_up4, ids, down.packed.view(view),
         down.block_scale.view(torch.uint8), down.global_scale, part_dn, a, n_exp, hid, inter, top_k, kps_dn,
         a * inter, UP=False, X_PARTS=0 if s_up == 1 else s_up, RELU2_OUT=False, EVEN_N=hid % bn == 0,
-        EVEN_K=inter % cfg_dn["BLOCK_K"] == 0, **cfg_dn, **common)
+        EVEN_K=inter % cfg_dn["BLOCK_K"] == 0, KB=inter // 16 if gemv else 0, **cfg_dn, **common)
     out = torch.empty((t, hid), dtype=dtype, device=device)
     block = min(1024, next_power_of_2(hid))
     launch_cached(_moe_combine_kernel, (t, cdiv(hid, block)),

@@ -61,6 +61,12 @@ def updated(table: Mapping, picked: Mapping) -> dict:
     return {**launch.thaw(table), **launch.thaw(picked)}
 
 
-def merged(kernel: str, table: str, pick):
-    """A Sweep's pick: `pick(rows)` merged into the live table entry `kernel`.`table` (`updated`)."""
-    return lambda rows: updated(launch.table(kernel)[table], pick(rows))
+def merged(kernel: str, table: str, pick, owned: tuple = ()):
+    """A Sweep's pick: `pick(rows)` merged into the live table entry `kernel`.`table` (`updated`).
+    owned: optional keys the pick decides, left out of the entry where the pick leaves them out
+    (a register cap the new pick does not carry is not kept from the old entry)."""
+    def run(rows):
+        picked = pick(rows)
+        out = updated(launch.table(kernel)[table], picked)
+        return {k: v for k, v in out.items() if k not in owned or k in picked}
+    return run

@@ -87,13 +87,16 @@ def sweep_small(tokens=(1, 2, 4, 8, 64), n_exp=128, top_k=6, hid=2688, inter=185
 
 
 def sweep_gemv(tokens=(1, 2, 4, 8, 16), n_exp=128, top_k=6, hid=2688, inter=1856,
-               tiles=((1, 4, 512, 1), (1, 8, 512, 1), (1, 4, 1024, 2), (1, 8, 1024, 2), (1, 16, 1024, 2),
-                      (1, 4, 2048, 4), (1, 8, 2048, 4), (1, 16, 2048, 4), (2, 8, 512, 1), (2, 8, 1024, 2)),
+               tiles=((1, 4, 512, 1), (1, 8, 512, 1), (1, 8, 512, 1, 96), (1, 4, 1024, 2), (1, 8, 1024, 2),
+                      (1, 16, 1024, 2), (1, 4, 2048, 4), (1, 8, 2048, 4), (1, 16, 2048, 4), (2, 8, 512, 1),
+                      (2, 8, 1024, 2)),
                tables=None):
-    """Times of the CUDA-core tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps) on the in-kernel-routing
-    path, and of the default beyond them (`beyond_gemv_config`: the register-fed or the wgmma
-    matrix units) at the same token count, side by side, on Nano's experts; each checked first,
-    timed cold (`time_if_right` over copies of the stacks)."""
+    """Times of the CUDA-core tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps[, register cap]) on the
+    in-kernel-routing path, and of the default beyond them (`beyond_gemv_config`: the
+    register-fed or the wgmma matrix units) at the same token count, side by side, on Nano's
+    experts; each checked first, timed cold (`time_if_right` over copies of the stacks). The cap:
+    one-warp 8 x 512 tiles take 130 registers uncapped and 96 capped with nothing spilled
+    (`scripts/sass_loop.py moe-gemv`), 21 programs per multiprocessor where 15 fit uncapped."""
     up, down = _nano_experts(n_exp, hid, inter)
     out = []
     for t in tokens:
@@ -109,21 +112,22 @@ def sweep_gemv(tokens=(1, 2, 4, 8, 16), n_exp=128, top_k=6, hid=2688, inter=1856
         row = {"tokens": t, "path": "matrix-unit", "weight_copies": 1 + len(copies)}
         row.update(timed(base))
         out.append(row)
-        for bm, bn, bk, nw in tiles:
-            cfg = dict(gemv=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1)
-            row = {"tokens": t, "path": "gemv", "tile": [bm, bn, bk, nw], "weight_copies": 1 + len(copies)}
+        for bm, bn, bk, nw, *cap in tiles:
+            mr = cap[0] if cap else None
+            cfg = with_maxnreg(dict(gemv=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1), mr)
+            row = {"tokens": t, "path": "gemv", "tile": [bm, bn, bk, nw], "maxnreg": mr,
+                   "weight_copies": 1 + len(copies)}
             row.update(timed(cfg))
             out.append(row)
     return out
 
 
-def sweep_gemv_launch(tokens=(1, 2, 4, 8), n_exp=128, top_k=6, hid=2688, inter=1856,
-                      programs_per_sm=(2, 48, 96, 192), maxnreg=(None, 72, 64), max_parts=4, tables=None):
+def sweep_gemv_split(tokens=(1, 2, 4, 8), n_exp=128, top_k=6, hid=2688, inter=1856,
+                     programs_per_sm=(2, 48, 96, 192), max_parts=(2, 4), tables=None):
     """Times of the CUDA-core tiles (the table's MOE_GEMV tile) per split-K target (programs per
-    multiprocessor; at one token Nano's up projection has 2784 one-warp programs of 4 rows, its
-    down projection 4032, so only targets past about 21 and 30 split them) and register cap (the
-    uncapped tile keeps fewer one-warp programs resident than the 32 a multiprocessor takes:
-    `scripts/sass_loop.py moe-gemv`), on Nano's experts, each checked first, timed cold."""
+    multiprocessor: at one token Nano's up projection has 2784 programs of 4 rows and its down
+    projection 4032, so only targets past about 21 and 30 split them) and cap, on Nano's
+    experts, each checked first, timed cold."""
     up, down = _nano_experts(n_exp, hid, inter)
     tables = tables or launch.table("moe")
     gemv = {k: v for k, v in tables["MOE_GEMV"].items() if k != "max_assignments"}
@@ -131,39 +135,34 @@ def sweep_gemv_launch(tokens=(1, 2, 4, 8), n_exp=128, top_k=6, hid=2688, inter=1
     for t in tokens:
         h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
         copies = _cold_copies(t, top_k, n_exp, up, down)
-        for pps, cap in itertools.product(programs_per_sm, maxnreg):
-            entry = gemv_launch_entry(pps, max_parts, cap)
-            candidate = launch.freeze({**launch.thaw(tables), "MOE_GEMV_LAUNCH": entry})
+        for pps, parts in itertools.product(programs_per_sm, max_parts):
+            split = {"programs_per_sm": pps, "max_parts": parts}
+            candidate = launch.override(tables, MOE_GEMV_SPLIT=split)
 
             def run(u, d, candidate=candidate):
                 return mg.moe_experts(h, ids, w, u, d, cfg=dict(gemv, gemv=True), tables=candidate)
 
             row = {"tokens": t, "path": "gemv", "tile": [gemv["BLOCK_M"], gemv["BLOCK_N"], gemv["BLOCK_K"],
-                                                         gemv["num_warps"]],
-                   "programs_per_sm": pps, "max_parts": max_parts, "maxnreg": cap, "weight_copies": 1 + len(copies)}
+                                                         gemv["num_warps"]], "maxnreg": gemv.get("maxnreg"),
+                   **split, "weight_copies": 1 + len(copies)}
             row.update(time_if_right(lambda run=run: run(up, down),
                                      ref, [lambda u=u, d=d, run=run: run(u, d) for u, d in copies]))
             out.append(row)
     return out
 
 
-def gemv_launch_entry(programs_per_sm: int, max_parts: int, maxnreg: int | None) -> dict:
-    """A MOE_GEMV_LAUNCH entry: split-K target and cap, and the register cap where there is one."""
-    return {"programs_per_sm": programs_per_sm, "max_parts": max_parts, **({"maxnreg": maxnreg} if maxnreg else {})}
-
-
-def pick_gemv_launch(rows) -> dict:
-    """MOE_GEMV_LAUNCH: the split-K target and register cap with the smallest summed time over
-    the swept token counts (a candidate that failed anywhere is out); the whole entry, so that a
-    cap not picked is not left behind."""
+def pick_gemv_split(rows) -> dict:
+    """MOE_GEMV_SPLIT: the split-K target and cap with the smallest summed time over the swept
+    token counts (a candidate that failed anywhere is out; the fewer programs per multiprocessor
+    among equals)."""
     totals = {}
     for r in rows:
-        key = (r["programs_per_sm"], r["max_parts"], r["maxnreg"])
+        key = (r["programs_per_sm"], r["max_parts"])
         totals[key] = totals.get(key, 0.0) + (r["ms"] if r["ms"] is not None else float("inf"))
-    best = min(totals, key=lambda key: (totals[key], key[0], key[2] or 0))
+    best = min(totals, key=lambda key: (totals[key], key))
     if totals[best] == float("inf"):
-        raise RuntimeError("moe.gemv_launch: no candidate ran right at every token count")
-    return gemv_launch_entry(*best)
+        raise RuntimeError("moe.gemv_split: no candidate ran right at every token count")
+    return {"programs_per_sm": best[0], "max_parts": best[1]}
 
 
 def sweep_mma(tokens=(32, 64, 128, 256), n_exp=128, top_k=6, hid=2688, inter=1856,
@@ -218,27 +217,31 @@ def pick_mma(rows, n_exp=128, top_k=6) -> dict:
 
 
 def pick_gemv(rows, top_k=6, decode_tokens=8) -> dict:
-    """MOE_GEMV: the tile with the smallest summed time up to `decode_tokens` tokens, and
-    max_assignments: top_k times the largest token count up to which it beats the matrix-unit
-    default beyond the tiles at every swept count (0 if not at the first)."""
+    """MOE_GEMV: the tile (with its register cap, if any) with the smallest summed time up to
+    `decode_tokens` tokens, and max_assignments: top_k times the largest token count up to which
+    it beats the matrix-unit default beyond the tiles at every swept count (0 if not at the
+    first)."""
     def ms(r):
         return r["ms"] if r["ms"] is not None else float("inf")
+
+    def launch_of(r):
+        return (*r["tile"], r.get("maxnreg"))
 
     totals = {}
     for r in rows:
         if r["path"] == "gemv" and r["tokens"] <= decode_tokens:
-            totals[tuple(r["tile"])] = totals.get(tuple(r["tile"]), 0.0) + ms(r)
+            totals[launch_of(r)] = totals.get(launch_of(r), 0.0) + ms(r)
     tile = min(totals, key=totals.get)
-    gemv = {r["tokens"]: ms(r) for r in rows if r["path"] == "gemv" and tuple(r["tile"]) == tile}
+    gemv = {r["tokens"]: ms(r) for r in rows if r["path"] == "gemv" and launch_of(r) == tile}
     base = {r["tokens"]: ms(r) for r in rows if r["path"] == "matrix-unit"}
     up_to = 0
     for t in sorted(base):
         if not gemv.get(t, float("inf")) < base[t]:
             break
         up_to = t
-    bm, bn, bk, nw = tile
-    return {"max_assignments": top_k * up_to, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw,
-            "num_stages": 1}
+    bm, bn, bk, nw, mr = tile
+    return with_maxnreg({"max_assignments": top_k * up_to, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                         "num_warps": nw, "num_stages": 1}, mr)
 
 
 def pick_small(rows, top_k=6) -> dict:
@@ -276,14 +279,14 @@ def pick(rows) -> dict:
 SWEEPS = {
     "decode": Sweep("moe", "MOE_DECODE",
                     lambda: sweep(shapes=((64, 128, 4), (32, 128, 4)), maxnreg=(None, 128, 96, 80)),
-                    merged("moe", "MOE_DECODE", pick),
+                    merged("moe", "MOE_DECODE", pick, owned=("maxnreg",)),
                     "the wgmma tiles' launch shape at decode sizes"),
     "small": Sweep("moe", "SMALL", sweep_small, merged("moe", "SMALL", pick_small),
                    "the in-kernel-routing path's split-K and the assignments up to which it beats the sorted path"),
-    "gemv": Sweep("moe", "MOE_GEMV", sweep_gemv, merged("moe", "MOE_GEMV", pick_gemv),
+    "gemv": Sweep("moe", "MOE_GEMV", sweep_gemv, merged("moe", "MOE_GEMV", pick_gemv, owned=("maxnreg",)),
                   "the CUDA-core tiles and the assignments up to which they beat the matrix units"),
-    "gemv_launch": Sweep("moe", "MOE_GEMV_LAUNCH", sweep_gemv_launch, pick_gemv_launch,
-                         "the CUDA-core tiles' split-K target and register cap"),
+    "gemv_split": Sweep("moe", "MOE_GEMV_SPLIT", sweep_gemv_split, pick_gemv_split,
+                        "the CUDA-core tiles' split-K target and cap"),
     "mma": Sweep("moe", "MOE_MMA", sweep_mma, merged("moe", "MOE_MMA", pick_mma),
                  "the register-fed matrix units' launch shape and their reach in rows per expert"),
 }

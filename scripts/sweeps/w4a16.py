@@ -311,9 +311,9 @@ def pick_mma(rows) -> dict:
 SWEEPS = {
     "decode": Sweep("w4a16", "DECODE",
                     lambda: sweep(tiles=((64, 128),), warps=(4,), programs_per_sm=(4, 8), maxnreg=(None, 128, 96, 80)),
-                    merged("w4a16", "DECODE", pick_decode),
+                    merged("w4a16", "DECODE", pick_decode, owned=("maxnreg",)),
                     "the wgmma kernel's launch shape up to 16 rows"),
-    "mid": Sweep("w4a16", "MID", sweep_mid, merged("w4a16", "MID", pick_decode),
+    "mid": Sweep("w4a16", "MID", sweep_mid, merged("w4a16", "MID", pick_decode, owned=("maxnreg",)),
                  "the wgmma kernel's launch shape for 17-64 rows"),
     "gemv": Sweep("w4a16", "GEMV", sweep_gemv, merged("w4a16", "GEMV", pick_gemv),
                   "the CUDA-core GEMV's tiles and the rows up to which it beats the matrix units"),

@@ -48,7 +48,7 @@ def test_moe_matches_transformers_experts(dtype, rtol, tokens, path, monkeypatch
     tables = launch.override(MOE, SMALL={"max_assignments": 0 if path == "sorted" else 512,
                                          "programs_per_sm": 1000 if path == "small-split" else 0},
                              MOE_GEMV={"max_assignments": 512 if path.startswith("gemv") else 0},
-                             MOE_GEMV_LAUNCH={"programs_per_sm": 1000 if path == "gemv-split" else 0})
+                             MOE_GEMV_SPLIT={"programs_per_sm": 1000 if path == "gemv-split" else 0})
     up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=12, scale=0.1), scale_rule="4o6")
     down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=13, scale=0.1))
     g = torch.Generator().manual_seed(14)
@@ -63,7 +63,7 @@ def test_moe_matches_transformers_experts(dtype, rtol, tokens, path, monkeypatch
     got = moe_gemm.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE),
                                tables=tables).cpu()
     assert got.dtype == dtype
-    if path != "sorted":  # each projection split by its own path's entry (SMALL or MOE_GEMV_LAUNCH)
+    if path != "sorted":  # each projection split by its own path's entry (SMALL or MOE_GEMV_SPLIT)
         assert (min(splits) > 1) if split else splits == [1, 1]
     # Relative Frobenius error: fp32 -> accumulation order only; fp16 -> the reference rounds its
     # intermediates to fp16 as the kernel does, but sums in another order.
@@ -88,15 +88,15 @@ def test_moe_unused_experts_and_errors():
 
 @pytest.mark.parametrize("cap", [None, 64])
 def test_moe_gemv_register_cap_from_its_launch_entry(cap, monkeypatch):
-    # MOE_GEMV_LAUNCH's maxnreg goes with both projections' CUDA-core launches, and only there.
+    # MOE_GEMV's register cap goes with both projections' CUDA-core launches, and only there.
     n_exp, hid, inter, top_k = 4, 64, 32, 2
     up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=20))
     down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=21))
     x = _rand(1, hid, seed=22)
     ids, weights = torch.tensor([[3, 1]]), torch.tensor([[0.25, 0.75]])
-    entry = {"programs_per_sm": 0, "max_parts": 4, **({"maxnreg": cap} if cap else {})}
-    tables = launch.freeze({**launch.thaw(MOE), "MOE_GEMV_LAUNCH": entry,
-                            "MOE_GEMV": dict(launch.thaw(MOE["MOE_GEMV"]), max_assignments=512)})
+    gemv = {k: v for k, v in launch.thaw(MOE["MOE_GEMV"]).items() if k != "maxnreg"}
+    tables = launch.freeze({**launch.thaw(MOE), "MOE_GEMV": dict(gemv, max_assignments=512,
+                                                                **({"maxnreg": cap} if cap else {}))})
     seen = {}
     real = moe_gemm.launch_cached
 
