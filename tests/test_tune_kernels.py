@@ -23,7 +23,7 @@ from fp4kit.kernels import launch  # noqa: E402
 def test_every_sweep_names_a_table_of_its_kernel():
     known = tune_kernels.sweeps()
     assert {"w4a16.gemv", "w4a16.mma", "w4a16.mma_wide", "w4a16.row_mma", "w4a16.decode", "w4a16.mid", "moe.decode",
-            "moe.small", "moe.gemv", "moe.gemv_split", "moe.mma", "packed.launch", "fp8.gemv"} <= set(known)
+            "moe.small", "moe.gemv", "moe.mma", "packed.launch", "fp8.gemv"} <= set(known)
     for name, sweep in known.items():
         assert isinstance(sweep, Sweep) and name.split(".")[0] == sweep.kernel
         assert sweep.table in launch.table(sweep.kernel), name
@@ -57,8 +57,8 @@ def test_later_sweeps_of_one_run_see_the_earlier_picks(tmp_path, monkeypatch):
     seen = []
     first = Sweep("moe", "MOE_GEMV", lambda: [], lambda rows: dict(launch.thaw(launch.table("moe")["MOE_GEMV"]),
                                                                    BLOCK_N=16), "first")
-    second = Sweep("moe", "MOE_GEMV_SPLIT", lambda: seen.append(launch.table("moe")["MOE_GEMV"]["BLOCK_N"]) or [],
-                   lambda rows: {"programs_per_sm": 2, "max_parts": 4}, "second")
+    second = Sweep("moe", "SMALL", lambda: seen.append(launch.table("moe")["MOE_GEMV"]["BLOCK_N"]) or [],
+                   lambda rows: launch.thaw(launch.table("moe")["SMALL"]), "second")
     monkeypatch.setattr(tune_kernels, "sweeps", lambda: {"moe.first": first, "moe.second": second})
     try:
         assert tune_kernels.main(["moe.first", "moe.second"]) == 0
@@ -267,28 +267,16 @@ def test_pick_moe_gemv_tile_and_threshold():
         rows.append({"tokens": t, "path": "gemv", "tile": [2, 8, 2048, 4], "maxnreg": None, "ms": b})
     got = sm.pick_gemv(rows, top_k=6, decode_tokens=8)
     # summed up to 8 tokens: 120 against 115 -> the second tile; it loses at 16 tokens
-    assert got == {"max_assignments": 48, "BLOCK_M": 2, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1}
-    # the same tile under a register cap is a launch of its own, and the cap goes with the pick
-    rows += [{"tokens": t, "path": "gemv", "tile": [1, 8, 2048, 4], "maxnreg": 96, "ms": ms}
-             for t, ms in ((1, 18.0), (8, 80.0), (16, 250.0), (64, 300.0))]
+    assert got == {"max_assignments": 48, "BLOCK_M": 2, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1,
+                   "programs_per_sm": 2, "max_parts": 4}
+    # the same tile under a register cap or another split target is a launch of its own, and its
+    # cap and split go with the pick (rows without a split ran SMALL's: 2 programs per SM, 4 parts)
+    assert got["programs_per_sm"] == 2 and got["max_parts"] == 4
+    rows += [{"tokens": t, "path": "gemv", "tile": [1, 8, 2048, 4], "maxnreg": 96, "programs_per_sm": 64,
+              "max_parts": 4, "ms": ms} for t, ms in ((1, 18.0), (8, 80.0), (16, 250.0), (64, 300.0))]
     assert sm.pick_gemv(rows, top_k=6, decode_tokens=8) == {
         "max_assignments": 6 * 64, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1,
-        "maxnreg": 96}
-
-
-def test_pick_moe_gemv_split():
-    rows = []
-    for t, a, b, c in ((1, 20.0, 15.0, 18.0), (4, 60.0, 64.0, 58.0)):
-        rows.append({"tokens": t, "programs_per_sm": 2, "max_parts": 4, "ms": a})
-        rows.append({"tokens": t, "programs_per_sm": 96, "max_parts": 2, "ms": b})
-        rows.append({"tokens": t, "programs_per_sm": 96, "max_parts": 4, "ms": c})
-    # summed: 80, 79, 76
-    assert sm.pick_gemv_split(rows) == {"programs_per_sm": 96, "max_parts": 4}
-    rows = [dict(r, ms=None) if r["max_parts"] == 4 and r["programs_per_sm"] == 96 and r["tokens"] == 4 else r
-            for r in rows]
-    assert sm.pick_gemv_split(rows) == {"programs_per_sm": 96, "max_parts": 2}
-    with pytest.raises(RuntimeError, match="no candidate"):
-        sm.pick_gemv_split([dict(r, ms=None) for r in rows])
+        "programs_per_sm": 64, "max_parts": 4, "maxnreg": 96}
 
 
 def test_a_pick_drops_a_register_cap_it_does_not_carry(monkeypatch):
@@ -306,9 +294,10 @@ def test_a_pick_drops_a_register_cap_it_does_not_carry(monkeypatch):
     assert "maxnreg" not in tune_kernels.sweeps()["moe.gemv"].pick(rows)
 
 
-def test_moe_gemv_split_sweep_runs_each_candidate_right(monkeypatch):
-    # The sweep's own code on small CPU stacks (the interpreter): every candidate entry reaches the
-    # launcher and gives the reference's output; timing stands in as the error check alone.
+def test_moe_gemv_sweep_runs_each_candidate_right(monkeypatch):
+    # The sweep's own code on small CPU stacks (the interpreter): every candidate launch reaches the
+    # launcher with its split target and gives the reference's output; timing stands in as the
+    # error check alone.
     import torch
 
     from fp4kit.formats import nvfp4
@@ -330,14 +319,15 @@ def test_moe_gemv_split_sweep_runs_each_candidate_right(monkeypatch):
     monkeypatch.setattr(sm, "_routed_tokens", routed)
     monkeypatch.setattr(sm, "_cold_copies", lambda *a: [])
     monkeypatch.setattr(sm, "time_if_right", lambda fn, ref, others: {"ms": float((fn().float() - ref).norm() / ref.norm())})
-    tables = launch.override(launch.table("moe"), MOE_GEMV={"BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 64})
-    rows = sm.sweep_gemv_split(tokens=(1, 2), n_exp=4, top_k=2, hid=128, inter=128, programs_per_sm=(2, 1000),
-                               max_parts=(2, 4), tables=tables)
-    assert [(r["tokens"], r["programs_per_sm"], r["max_parts"]) for r in rows] == [
-        (t, p, c) for t in (1, 2) for p in (2, 1000) for c in (2, 4)]
+    tables = launch.override(launch.table("moe"), MOE_MMA={"max_per_expert": 0})  # the matrix units: wgmma tiles
+    rows = sm.sweep_gemv(tokens=(1,), n_exp=4, top_k=2, hid=128, inter=128, tiles=((2, 32, 64, 1), (2, 32, 64, 1, 96)),
+                         programs_per_sm=(2, 1000), tables=tables)
+    assert [(r["path"], r.get("maxnreg"), r.get("programs_per_sm")) for r in rows] == [
+        ("matrix-unit", None, None), ("gemv", None, 2), ("gemv", None, 1000), ("gemv", 96, 2), ("gemv", 96, 1000)]
     assert all(r["ms"] < 1e-5 for r in rows)
-    # each candidate's split target reached both projections: no split at 2, split at 1000
+    # each candidate's split target reached both projections: no split at 2, a split at 1000
     assert {p for p, _ in used} == {2, 1000} and all((n > 1) == (p == 1000) for p, n in used)
+    assert sm.pick_gemv(rows, top_k=2)["programs_per_sm"] in (2, 1000)
 
 
 def test_pick_moe_mma_launch_and_reach():

@@ -12,8 +12,8 @@ relu^2); the k slots of a token are summed in fp32 in a fixed order.
   compacts its assignments in order, for up_proj then down_proj (split-K partials in fp32, the
   down kernel finishing relu^2 as it reads them); `_moe_combine_kernel` applies the routing
   weights. Up to MOE_GEMV["max_assignments"] the projections run on the CUDA cores
-  (`tiles.gemv_accumulate`; split-K from MOE_GEMV_SPLIT), else on the matrix units
-  (`tiles.accumulate`; split-K from SMALL).
+  (`tiles.gemv_accumulate`; split-K by MOE_GEMV's own target), else on the matrix units
+  (`tiles.accumulate`; split-K by SMALL's).
 - beyond, `_moe_sorted`: the assignments sorted by expert (`torch.sort`, stable; `offsets[e]`
   marks expert e's run), one launch per projection whose programs each walk one expert's run.
   With up to MOE_MMA["max_per_expert"] assignments per expert and 16-bit activations on a GPU
@@ -336,12 +336,11 @@ def experts_reference(hidden, top_k_index, top_k_weights, up_w, down_w):
 # The launch table ("moe"), by entry:
 #   DEQUANT     {"lut"}: the dequantization's inline PTX on a GPU (as in the "w4a16" table);
 #   MOE_GEMV    the CUDA-core tiles up to max_assignments assignments: BLOCK_M of an expert's rows
-#               per program, BLOCK_N output features, BLOCK_K of K per step, warps, and an
-#               optional register cap (maxnreg);
-#   MOE_GEMV_SPLIT  the CUDA-core tiles' split-K, as SMALL's;
+#               per program, BLOCK_N output features, BLOCK_K of K per step, warps, an
+#               optional register cap (maxnreg), and their split-K (as SMALL's);
 #   SMALL       the in-kernel-routing path up to max_assignments; K split until about
 #               programs_per_sm programs per multiprocessor, at most max_parts ways (on the
-#               matrix units; the CUDA-core tiles split by MOE_GEMV_SPLIT);
+#               matrix units; the CUDA-core tiles split by MOE_GEMV's own entries);
 #   MOE_MMA     the register-fed matrix units up to max_per_expert assignments per expert on
 #               average: weight-row tiles of 16 per warp (rows), warps, L2 prefetch distance;
 #   MOE_DECODE  the wgmma tiles' launch shape up to 24 rows per expert (maxnreg: a register cap).
@@ -444,7 +443,7 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
 def _split_k(programs: int, k: int, block_k: int, device: torch.device, small: Mapping) -> tuple[int, int]:
     """(splits, K per split): split K while there are fewer than small["programs_per_sm"]
     programs per multiprocessor, at most small["max_parts"] ways, never below one K tile
-    (small: the SMALL or the MOE_GEMV_SPLIT entry)."""
+    (small: the SMALL entry, or the CUDA-core tiles' own split in MOE_GEMV)."""
     k_blocks = cdiv(k, block_k)
     want = small["programs_per_sm"] * backend.sm_count(device)
     split = 1 if programs >= want else max(1, min(k_blocks, want // max(programs, 1), small["max_parts"]))
@@ -455,8 +454,9 @@ def _split_k(programs: int, k: int, block_k: int, device: torch.device, small: M
 def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
     """Three launches, no host-side routing: up (fp32 split-K partials per assignment), down
     (reading relu^2 of the up partials; fp32 partials), combine (routing weights, top-k sum).
-    cfg["gemv"]: the projections on the CUDA cores (`gemv_accumulate`; split-K from
-    MOE_GEMV_SPLIT), else the matrix units (split-K from SMALL)."""
+    cfg["gemv"]: the projections on the CUDA cores (`gemv_accumulate`; split-K by cfg's
+    programs_per_sm and max_parts, as MOE_GEMV gives them), else the matrix units (split-K by
+    SMALL's)."""
     t, top_k = top_k_index.shape
     n_exp, inter, hid = up.shape
     a = t * top_k
@@ -467,7 +467,8 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
     gemv = cfg.pop("gemv", False)
     if gemv:
         lut = tables["DEQUANT"]["lut"] and not interpreted(_moe_small_kernel)  # the block-dot PTX takes any dtype
-        split = tables["MOE_GEMV_SPLIT"]
+        # the tiles' own split-K (MOE_GEMV), SMALL's for a cfg given without one
+        split = {k: cfg.pop(k, tables["SMALL"][k]) for k in ("programs_per_sm", "max_parts")}
         if device.type == "cuda":
             cfg_up, cfg_dn = gemv_k_tile(hid, cfg), gemv_k_tile(inter, cfg)
         else:

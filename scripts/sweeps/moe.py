@@ -87,16 +87,18 @@ def sweep_small(tokens=(1, 2, 4, 8, 64), n_exp=128, top_k=6, hid=2688, inter=185
 
 
 def sweep_gemv(tokens=(1, 2, 4, 8, 16), n_exp=128, top_k=6, hid=2688, inter=1856,
-               tiles=((1, 4, 512, 1), (1, 8, 512, 1), (1, 8, 512, 1, 96), (1, 4, 1024, 2), (1, 8, 1024, 2),
-                      (1, 16, 1024, 2), (1, 4, 2048, 4), (1, 8, 2048, 4), (1, 16, 2048, 4), (2, 8, 512, 1),
-                      (2, 8, 1024, 2)),
-               tables=None):
-    """Times of the CUDA-core tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps[, register cap]) on the
-    in-kernel-routing path, and of the default beyond them (`beyond_gemv_config`: the
-    register-fed or the wgmma matrix units) at the same token count, side by side, on Nano's
-    experts; each checked first, timed cold (`time_if_right` over copies of the stacks). The cap:
-    one-warp 8 x 512 tiles take 130 registers uncapped and 96 capped with nothing spilled
-    (`scripts/sass_loop.py moe-gemv`), 21 programs per multiprocessor where 15 fit uncapped."""
+               tiles=((1, 4, 512, 1), (1, 8, 512, 1), (1, 8, 512, 1, 96), (1, 8, 256, 1), (1, 16, 128, 1),
+                      (1, 4, 2048, 4), (1, 8, 2048, 4), (2, 8, 512, 1)),
+               programs_per_sm=(2, 64), max_parts=4, tables=None):
+    """Times of the CUDA-core tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps[, register cap]) per split-K
+    target (programs per multiprocessor) on the in-kernel-routing path, and of the default beyond
+    them (`beyond_gemv_config`: the register-fed or the wgmma matrix units) at the same token
+    count, side by side, on Nano's experts; each checked first, timed cold (`time_if_right` over
+    copies of the stacks). The cap: one-warp 8 x 512 tiles take 130 registers uncapped and 96
+    capped with nothing spilled (`scripts/sass_loop.py moe-gemv`). The split: at one token the
+    up projection's 2784 programs of 4 rows (1392 of 8, 696 of 16) fill a multiprocessor's 32
+    one-warp slots only in part unless K is split; 8 x 256 and 16 x 128 pad K = 2688 less than
+    512 does (11 and 21 steps against 6 of 512)."""
     up, down = _nano_experts(n_exp, hid, inter)
     out = []
     for t in tokens:
@@ -112,57 +114,15 @@ def sweep_gemv(tokens=(1, 2, 4, 8, 16), n_exp=128, top_k=6, hid=2688, inter=1856
         row = {"tokens": t, "path": "matrix-unit", "weight_copies": 1 + len(copies)}
         row.update(timed(base))
         out.append(row)
-        for bm, bn, bk, nw, *cap in tiles:
+        for (bm, bn, bk, nw, *cap), pps in itertools.product(tiles, programs_per_sm):
             mr = cap[0] if cap else None
-            cfg = with_maxnreg(dict(gemv=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1), mr)
-            row = {"tokens": t, "path": "gemv", "tile": [bm, bn, bk, nw], "maxnreg": mr,
-                   "weight_copies": 1 + len(copies)}
+            cfg = with_maxnreg(dict(gemv=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1,
+                                    programs_per_sm=pps, max_parts=max_parts), mr)
+            row = {"tokens": t, "path": "gemv", "tile": [bm, bn, bk, nw], "maxnreg": mr, "programs_per_sm": pps,
+                   "max_parts": max_parts, "weight_copies": 1 + len(copies)}
             row.update(timed(cfg))
             out.append(row)
     return out
-
-
-def sweep_gemv_split(tokens=(1, 2, 4, 8), n_exp=128, top_k=6, hid=2688, inter=1856,
-                     programs_per_sm=(2, 48, 96, 192), max_parts=(2, 4), tables=None):
-    """Times of the CUDA-core tiles (the table's MOE_GEMV tile) per split-K target (programs per
-    multiprocessor: at one token Nano's up projection has 2784 programs of 4 rows and its down
-    projection 4032, so only targets past about 21 and 30 split them) and cap, on Nano's
-    experts, each checked first, timed cold."""
-    up, down = _nano_experts(n_exp, hid, inter)
-    tables = tables or launch.table("moe")
-    gemv = {k: v for k, v in tables["MOE_GEMV"].items() if k != "max_assignments"}
-    out = []
-    for t in tokens:
-        h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
-        copies = _cold_copies(t, top_k, n_exp, up, down)
-        for pps, parts in itertools.product(programs_per_sm, max_parts):
-            split = {"programs_per_sm": pps, "max_parts": parts}
-            candidate = launch.override(tables, MOE_GEMV_SPLIT=split)
-
-            def run(u, d, candidate=candidate):
-                return mg.moe_experts(h, ids, w, u, d, cfg=dict(gemv, gemv=True), tables=candidate)
-
-            row = {"tokens": t, "path": "gemv", "tile": [gemv["BLOCK_M"], gemv["BLOCK_N"], gemv["BLOCK_K"],
-                                                         gemv["num_warps"]], "maxnreg": gemv.get("maxnreg"),
-                   **split, "weight_copies": 1 + len(copies)}
-            row.update(time_if_right(lambda run=run: run(up, down),
-                                     ref, [lambda u=u, d=d, run=run: run(u, d) for u, d in copies]))
-            out.append(row)
-    return out
-
-
-def pick_gemv_split(rows) -> dict:
-    """MOE_GEMV_SPLIT: the split-K target and cap with the smallest summed time over the swept
-    token counts (a candidate that failed anywhere is out; the fewer programs per multiprocessor
-    among equals)."""
-    totals = {}
-    for r in rows:
-        key = (r["programs_per_sm"], r["max_parts"])
-        totals[key] = totals.get(key, 0.0) + (r["ms"] if r["ms"] is not None else float("inf"))
-    best = min(totals, key=lambda key: (totals[key], key))
-    if totals[best] == float("inf"):
-        raise RuntimeError("moe.gemv_split: no candidate ran right at every token count")
-    return {"programs_per_sm": best[0], "max_parts": best[1]}
 
 
 def sweep_mma(tokens=(32, 64, 128, 256), n_exp=128, top_k=6, hid=2688, inter=1856,
@@ -217,31 +177,31 @@ def pick_mma(rows, n_exp=128, top_k=6) -> dict:
 
 
 def pick_gemv(rows, top_k=6, decode_tokens=8) -> dict:
-    """MOE_GEMV: the tile (with its register cap, if any) with the smallest summed time up to
-    `decode_tokens` tokens, and max_assignments: top_k times the largest token count up to which
-    it beats the matrix-unit default beyond the tiles at every swept count (0 if not at the
-    first)."""
+    """MOE_GEMV: the launch (tile, register cap if any, split-K target and cap) with the smallest
+    summed time up to `decode_tokens` tokens, and max_assignments: top_k times the largest token
+    count up to which it beats the matrix-unit default beyond the tiles at every swept count (0
+    if not at the first)."""
     def ms(r):
         return r["ms"] if r["ms"] is not None else float("inf")
 
-    def launch_of(r):
-        return (*r["tile"], r.get("maxnreg"))
+    def launch_of(r):  # rows from before the split was swept ran SMALL's: 2 programs per SM, 4 parts
+        return (*r["tile"], r.get("maxnreg"), r.get("programs_per_sm", 2), r.get("max_parts", 4))
 
     totals = {}
     for r in rows:
         if r["path"] == "gemv" and r["tokens"] <= decode_tokens:
             totals[launch_of(r)] = totals.get(launch_of(r), 0.0) + ms(r)
-    tile = min(totals, key=totals.get)
-    gemv = {r["tokens"]: ms(r) for r in rows if r["path"] == "gemv" and launch_of(r) == tile}
+    best = min(totals, key=totals.get)
+    gemv = {r["tokens"]: ms(r) for r in rows if r["path"] == "gemv" and launch_of(r) == best}
     base = {r["tokens"]: ms(r) for r in rows if r["path"] == "matrix-unit"}
     up_to = 0
     for t in sorted(base):
         if not gemv.get(t, float("inf")) < base[t]:
             break
         up_to = t
-    bm, bn, bk, nw, mr = tile
+    bm, bn, bk, nw, mr, pps, parts = best
     return with_maxnreg({"max_assignments": top_k * up_to, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                         "num_warps": nw, "num_stages": 1}, mr)
+                         "num_warps": nw, "num_stages": 1, "programs_per_sm": pps, "max_parts": parts}, mr)
 
 
 def pick_small(rows, top_k=6) -> dict:
@@ -285,8 +245,6 @@ SWEEPS = {
                    "the in-kernel-routing path's split-K and the assignments up to which it beats the sorted path"),
     "gemv": Sweep("moe", "MOE_GEMV", sweep_gemv, merged("moe", "MOE_GEMV", pick_gemv, owned=("maxnreg",)),
                   "the CUDA-core tiles and the assignments up to which they beat the matrix units"),
-    "gemv_split": Sweep("moe", "MOE_GEMV_SPLIT", sweep_gemv_split, pick_gemv_split,
-                        "the CUDA-core tiles' split-K target and cap"),
     "mma": Sweep("moe", "MOE_MMA", sweep_mma, merged("moe", "MOE_MMA", pick_mma),
                  "the register-fed matrix units' launch shape and their reach in rows per expert"),
 }

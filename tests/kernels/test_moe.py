@@ -47,8 +47,8 @@ def test_moe_matches_transformers_experts(dtype, rtol, tokens, path, monkeypatch
     split = path.endswith("-split")
     tables = launch.override(MOE, SMALL={"max_assignments": 0 if path == "sorted" else 512,
                                          "programs_per_sm": 1000 if path == "small-split" else 0},
-                             MOE_GEMV={"max_assignments": 512 if path.startswith("gemv") else 0},
-                             MOE_GEMV_SPLIT={"programs_per_sm": 1000 if path == "gemv-split" else 0})
+                             MOE_GEMV={"max_assignments": 512 if path.startswith("gemv") else 0,
+                                       "programs_per_sm": 1000 if path == "gemv-split" else 0})
     up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=12, scale=0.1), scale_rule="4o6")
     down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=13, scale=0.1))
     g = torch.Generator().manual_seed(14)
@@ -63,7 +63,7 @@ def test_moe_matches_transformers_experts(dtype, rtol, tokens, path, monkeypatch
     got = moe_gemm.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE),
                                tables=tables).cpu()
     assert got.dtype == dtype
-    if path != "sorted":  # each projection split by its own path's entry (SMALL or MOE_GEMV_SPLIT)
+    if path != "sorted":  # each projection split by its own path's entry (SMALL, or MOE_GEMV for the CUDA-core tiles)
         assert (min(splits) > 1) if split else splits == [1, 1]
     # Relative Frobenius error: fp32 -> accumulation order only; fp16 -> the reference rounds its
     # intermediates to fp16 as the kernel does, but sums in another order.
