@@ -40,35 +40,29 @@ def test_the_loop_is_the_last_backward_branch():
     assert sass_loop.loop_ops("        /*0000*/  EXIT ;\n") == {}
 
 
-def test_fp8_gemv_one_tile_compiles_for_sm90():
-    # In a process of its own: this one may run Triton's interpreter, which compiles nothing.
+def _compiled_rows(call: str) -> list:
+    """The rows of `sass_loop.<call>` run in a process of its own: this one may run Triton's
+    interpreter, which compiles nothing."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json, sass_loop; "
-            "print(json.dumps(sass_loop.fp8_gemv(rows=(1,), tiles=((8, 512, 4),))))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=SCRIPTS, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", f"import json, sass_loop; print(json.dumps(sass_loop.{call}))"],
+                          cwd=SCRIPTS, env=env, capture_output=True, text=True, timeout=300)
     if done.returncode and "FileNotFoundError" in done.stderr:  # a triton without its bundled CUDA tools
         pytest.skip("no sm_90 toolchain")
     assert done.returncode == 0, done.stderr[-2000:]
-    (row,) = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_fp8_gemv_one_tile_compiles_for_sm90():
+    (row,) = _compiled_rows("fp8_gemv(rows=(1,), tiles=((8, 512, 4),))")
     assert row["tile"] == [8, 512, 4] and row["registers"] > 0
     # 32 weights per thread and step: one fma each, plus their decoding
     assert row["ops"]["FFMA"] == 32 and row["per_weight"] == round(row["loop_instructions"] / 32, 3)
 
 
 def test_a_register_cap_is_compiled_in():
-    # The MoE GEMV tile as sass_loop compiles it, uncapped and under a cap of 64 registers.
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json, sass_loop; "
-            "print(json.dumps(sass_loop.moe_gemv(tiles=((8, 512, 1, None), (8, 512, 1, 96)))))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=SCRIPTS, env=env, capture_output=True, text=True,
-                          timeout=300)
-    if done.returncode and "FileNotFoundError" in done.stderr:
-        pytest.skip("no sm_90 toolchain")
-    assert done.returncode == 0, done.stderr[-2000:]
-    free, capped = json.loads(done.stdout.strip().splitlines()[-1])
+    # The MoE GEMV's one-warp 8 x 512 tile, uncapped and under a cap of 96 registers.
+    free, capped = _compiled_rows("moe_gemv(tiles=((8, 512, 1, None), (8, 512, 1, 96)))")
     assert "maxnreg" not in free and capped["maxnreg"] == 96
     assert capped["registers"] <= 96 < free["registers"]
     assert free["stack"] >= 0 and capped["ops"]["FFMA"] == free["ops"]["FFMA"] == 128
