@@ -7,7 +7,11 @@ Triton kernels, and profiles `generate` of `--steps` + 1 new tokens and of 1 tok
 (torch.profiler, CUDA activity); the difference, divided by the steps, is one decode step. Its
 kernels are grouped by name: fp4kit's own Triton kernels, BF16 matrix products, copies,
 elementwise, reductions, top-k and sorting, and the rest; the kernels that take the most time
-per step are listed by name as well (`top_kernels_per_step`).
+per step are listed by name as well (`top_kernels_per_step`). Each model's step is also timed by
+the host clock without the profiler (`per_step_wall_us`: the median over `--reps` pairs of the
+same two generates); less the step's kernel time, that leaves the time per step the device ran no
+kernel of the step (`per_step_idle_us`: launch gaps within the graph, the host's turn between
+steps).
 
     python scripts/profile_decode.py [--layers 26] [--batch 1] [--steps 32] [--compile] [--step-ops fp4kit,transformers]
 
@@ -80,6 +84,25 @@ def profiled(model, prompt: list[list[int]], new: int, device: torch.device,
     return out
 
 
+def wall_per_step(model, prompt: list[list[int]], steps: int, device: torch.device, compile: bool = False,
+                  step_ops: str = "fp4kit", reps: int = 3) -> float:
+    """Microseconds of host clock per decode step: generate of `steps` + 1 tokens less generate of
+    1, the median of `reps` such pairs (after the profiled runs: kernels compiled, graphs warm)."""
+    import statistics
+    import time
+
+    def run(new: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        generate(model, None, prompt, new, compile=compile, step_ops=step_ops)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    return statistics.median((run(steps + 1) - run(1)) / steps * 1e6 for _ in range(reps))
+
+
 def by_kind(per_name: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     """Kernel figures summed by kind (`kind_of`)."""
     out: dict[str, dict[str, float]] = {}
@@ -117,6 +140,7 @@ def main() -> None:
                     help=f"comma-separated, of {', '.join(STEP_OPS)}: what the step's attention and Mamba mixers run "
                          "(generate's step_ops), each model profiled under each; the names of the others than the "
                          "first end in ' (<ops> ops)' (default fp4kit)")
+    ap.add_argument("--reps", type=int, default=3, help="timed pairs of generates per model for the wall time per step")
     ap.add_argument("--out", help="JSON file (default benchmarks/results/decode-profile-<gpu>.json)")
     args = ap.parse_args()
     step_ops = [o for o in args.step_ops.split(",") if o]
@@ -155,18 +179,26 @@ def main() -> None:
                             profiled(m, prompt, 1, device, args.compile, ops), args.steps)
              for name, (m, ops) in runs.items()}
     steps = {name: by_kind(v) for name, v in named.items()}
+    wall = {name: wall_per_step(m, prompt, args.steps, device, args.compile, ops, args.reps)
+            for name, (m, ops) in runs.items()}
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {**run_record(), "source": source, "pattern": model.config.hybrid_override_pattern, "recipe": args.recipe,
               "compile": args.compile, "step_ops": step_ops, "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps,
               "measure": "CUDA kernel time" if device.type == "cuda" else "CPU time of aten operators",
               "per_step": steps,
               "per_step_total_us": {name: sum(v["us"] for v in s.values()) for name, s in steps.items()},
+              "per_step_kernels": {name: sum(v["count"] for v in s.values()) for name, s in steps.items()},
+              "reps": args.reps, "per_step_wall_us": wall,
+              "per_step_idle_us": {name: wall[name] - sum(v["us"] for v in s.values()) for name, s in steps.items()},
               "top_kernels_per_step": {name: top_kernels(v) for name, v in named.items()}}
     kinds = sorted({k for s in steps.values() for k in s}, key=lambda k: -max(s.get(k, {"us": 0})["us"] for s in steps.values()))
     print(f"{'per decode step':<18}" + "".join(f"{name + ' us':>26}{'kernels':>9}" for name in steps))
     for k in kinds:
         print(f"{k:<18}" + "".join(f"{s.get(k, {'us': 0})['us']:>26.1f}{s.get(k, {'count': 0})['count']:>9.0f}" for s in steps.values()))
-    print(f"{'total':<18}" + "".join(f"{result['per_step_total_us'][name]:>26.1f}{'':>9}" for name in steps))
+    print(f"{'total':<18}" + "".join(f"{result['per_step_total_us'][name]:>26.1f}"
+                                     f"{result['per_step_kernels'][name]:>9.0f}" for name in steps))
+    print(f"{'wall (host clock)':<18}" + "".join(f"{wall[name]:>26.1f}{'':>9}" for name in steps))
+    print(f"{'no kernel running':<18}" + "".join(f"{result['per_step_idle_us'][name]:>26.1f}{'':>9}" for name in steps))
     for name, rows in result["top_kernels_per_step"].items():
         print(f"\n{name}: the {len(rows)} kernels that take the most time per step")
         for r in rows:

@@ -61,7 +61,7 @@ def test_the_tiny_run_profiles_every_model_under_each_step_ops(tmp_path):
 
     out = tmp_path / "profile.json"
     subprocess.run([sys.executable, "scripts/profile_decode.py", "--device", "cpu", "--tiny", "--steps", "2",
-                    "--prompt-len", "8", "--step-ops", "fp4kit,transformers", "--out", str(out)],
+                    "--prompt-len", "8", "--step-ops", "fp4kit,transformers", "--reps", "1", "--out", str(out)],
                    cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True, text=True,
                    timeout=600)
     doc = json.loads(out.read_text())
@@ -70,5 +70,8 @@ def test_the_tiny_run_profiles_every_model_under_each_step_ops(tmp_path):
     assert sorted(doc["per_step"]) == sorted(doc["per_step_total_us"]) == sorted(names)
     for name in names:
         assert doc["per_step_total_us"][name] == pytest.approx(sum(v["us"] for v in doc["per_step"][name].values()))
+        assert doc["per_step_kernels"][name] == pytest.approx(sum(v["count"] for v in doc["per_step"][name].values()))
+        assert doc["per_step_wall_us"][name] > 0
+        assert doc["per_step_idle_us"][name] == pytest.approx(doc["per_step_wall_us"][name] - doc["per_step_total_us"][name])
     # transformers' Mamba decode contracts the state with C by bmm; fp4kit's element-wise form does not.
     assert doc["per_step"]["bf16 (transformers ops)"]["bf16 matmul"]["count"] > doc["per_step"]["bf16"]["bf16 matmul"]["count"]
