@@ -260,6 +260,14 @@ def hf_experts_accumulate_in_routing_dtype() -> bool:
     return "zeros_like(hidden_states, dtype=top_k_weights.dtype)" in source
 
 
+def _expert_weights(stack: nvfp4.NVFP4Tensor, dtype: torch.dtype):
+    """expert index -> stack[expert].dequantize(dtype): only the experts a call routes to are
+    dequantized (the values of the whole stack's dequantize at that index, bit for bit)."""
+    def weight(e: int) -> torch.Tensor:
+        return nvfp4.NVFP4Tensor(stack.packed[e], stack.block_scale[e], stack.global_scale[e]).dequantize(dtype)
+    return weight
+
+
 class NVFP4Experts(nn.Module):
     """Nemotron-H routed experts (not gated: up, relu^2, down) with NVFP4 [E, N, K] stacks.
 
@@ -310,14 +318,17 @@ class NVFP4Experts(nn.Module):
 
             return moe_experts(hidden_states, top_k_index, top_k_weights, up, down, backend="triton")
         if self.act_quant:
-            return self._loop(hidden_states, top_k_index, top_k_weights, up.dequantize(torch.float32),
-                              down.dequantize(torch.float32), self.up_proj_input_scale.max(), self.down_proj_input_scale.max())
+            return self._loop(hidden_states, top_k_index, top_k_weights, _expert_weights(up, torch.float32),
+                              _expert_weights(down, torch.float32), self.up_proj_input_scale.max(),
+                              self.down_proj_input_scale.max())
         dtype = hidden_states.dtype
-        return self._loop(hidden_states, top_k_index, top_k_weights, up.dequantize(dtype), down.dequantize(dtype))
+        return self._loop(hidden_states, top_k_index, top_k_weights, _expert_weights(up, dtype),
+                          _expert_weights(down, dtype))
 
     def _loop(self, hidden_states, top_k_index, top_k_weights, up_w, down_w, up_scale=None, down_scale=None):
-        # transformers' eager NemotronHExperts.forward, statement for statement; with input
-        # scales, each linear takes NVFP4 activations and computes in fp32 (see NVFP4Linear).
+        # transformers' eager NemotronHExperts.forward, statement for statement (up_w / down_w:
+        # expert index -> its dequantized weight); with input scales, each linear takes NVFP4
+        # activations and computes in fp32 (see NVFP4Linear).
         def linear(x, w, scale):
             if scale is None:
                 return F.linear(x, w)
@@ -332,9 +343,9 @@ class NVFP4Experts(nn.Module):
             top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
             if token_idx.numel() == 0:
                 continue
-            h = linear(hidden_states[token_idx], up_w[expert_idx], up_scale)
+            h = linear(hidden_states[token_idx], up_w(expert_idx), up_scale)
             h = self.act_fn(h)
-            h = linear(h, down_w[expert_idx], down_scale)
+            h = linear(h, down_w(expert_idx), down_scale)
             h = h * top_k_weights[token_idx, top_k_pos, None]
             final_hidden_states.index_add_(0, token_idx, h.to(final_hidden_states.dtype))
         return final_hidden_states.to(hidden_states.dtype)

@@ -645,6 +645,9 @@ FIGURES = [
       for model in ("nemotron-h-w4a16-4o6", "bf16")],
     (BENCH, "exported the same 19.4 GB in 3.6 s", "dry-run-h200.json", ("library_earlier", "export_s"), _f(1)),
     (BENCH, "each a separate process: fp4kit 33.8 s, ModelOpt 155.0 s", "vs-modelopt-h200.json", ("half@8x32k", "fp4kit", "wall_s"), _f(1)),
+    (README, "On the CPU that checkpoint decodes at 66.1\ntokens/s on 2 threads", "generate-cpu.json", ("tokens_per_s",), _f(1)),
+    (README, "On the CPU that checkpoint decodes at 66.1\ntokens/s on 2 threads", "generate-cpu.json", ("threads",), str),
+    (README, "the same tokens at 31.2 before the emulation", "generate-cpu-before.json", ("tokens_per_s",), _f(1)),
     # benchmarks/README.md: the FP8 GEMV's K loop, compiled ahead of time (scripts/sass_loop.py)
     (BENCH, "program it takes 3.20 instructions per weight", "fp8-gemv-sass.json",
      ("rows", {"rows": 1, "tile": [4, 512, 1]}, "per_weight"), _f(2)),

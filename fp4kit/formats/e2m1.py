@@ -20,6 +20,7 @@ import torch
 from .constants import E2M1_MIDPOINTS, E2M1_NAN_CODE, E2M1_TIES_UP, E2M1_VALUES
 
 _TABLES: dict[torch.device, torch.Tensor] = {}
+_PAIR_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 # Intended mirror of e4m3._value_table: each format keeps its own decode table per device.
@@ -32,6 +33,27 @@ def _value_table(device: torch.device) -> torch.Tensor:
         table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
         _TABLES[device] = table
     return table
+
+
+def _pair_table(device: torch.device) -> torch.Tensor:
+    """[256, 2] fp32: a packed byte's two values, the low nibble's first."""
+    table = _PAIR_TABLES.get(device)
+    if table is None:
+        host = torch.tensor([(E2M1_VALUES[b & 0xF], E2M1_VALUES[b >> 4]) for b in range(256)], dtype=torch.float32)
+        table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+        _PAIR_TABLES[device] = table
+    return table
+
+
+def decode_packed(packed: torch.Tensor) -> torch.Tensor:
+    """Packed codes (uint8 [..., K/2], two per byte, the low nibble first) -> float32 [..., K]:
+    `decode(pack.unpack_nibbles(packed))` by one lookup per byte. Every byte holds two valid
+    codes, so nothing is checked or read back."""
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() == 0:
+        raise TypeError(f"e2m1.decode_packed: expected a uint8 tensor of at least one dimension, got "
+                        f"{getattr(packed, 'dtype', type(packed))}")
+    return _pair_table(packed.device).index_select(0, packed.reshape(-1).int()).reshape(
+        *packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def encode(x: torch.Tensor) -> torch.Tensor:
@@ -56,4 +78,4 @@ def decode(codes: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"e2m1.decode: expected a uint8 tensor, got {getattr(codes, 'dtype', type(codes))}")
     if codes.numel() and int(codes.max()) > 15:
         raise ValueError(f"e2m1.decode: codes must be 0..15, found {int(codes.max())}")
-    return _value_table(codes.device)[codes.long()]
+    return _value_table(codes.device).index_select(0, codes.reshape(-1).int()).reshape(codes.shape)

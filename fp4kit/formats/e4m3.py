@@ -73,7 +73,7 @@ def decode(codes: torch.Tensor) -> torch.Tensor:
         codes = codes.view(torch.uint8)
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         raise TypeError(f"e4m3.decode: expected a uint8 tensor, got {getattr(codes, 'dtype', type(codes))}")
-    return _value_table(codes.device)[codes.long()]
+    return _value_table(codes.device).index_select(0, codes.reshape(-1).int()).reshape(codes.shape)
 
 
 def cast(x: torch.Tensor) -> torch.Tensor:

@@ -102,7 +102,7 @@ class NVFP4Tensor:
         return _block_step(self.block_scale, _expand_global(self.global_scale, self.block_scale))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        values = e2m1.decode(self.codes()).view(*self.shape[:-1], -1, NVFP4_BLOCK_SIZE)
+        values = e2m1.decode_packed(self.packed).view(*self.shape[:-1], -1, NVFP4_BLOCK_SIZE)
         return (values * self.block_multiplier().unsqueeze(-1)).reshape(self.shape).to(dtype)
 
     def to(self, device: torch.device | str) -> "NVFP4Tensor":

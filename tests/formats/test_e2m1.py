@@ -43,6 +43,18 @@ def test_torch_float4_decode_if_supported():
     assert torch.equal(values.flatten(), torch.stack((lo, hi), -1).flatten())
 
 
+def test_packed_decode_is_the_nibbles_decoded_for_every_byte():
+    from fp4kit.formats.pack import unpack_nibbles
+
+    packed = torch.arange(256, dtype=torch.uint8).reshape(2, 4, 32)  # leading dims kept, K/2 -> K
+    got = e2m1.decode_packed(packed)
+    assert got.shape == (2, 4, 64) and got.dtype == torch.float32
+    assert torch.equal(bits32(got), bits32(e2m1.decode(unpack_nibbles(packed))))  # -0.0 from 0x8 included
+    for bad in (packed.to(torch.int32), torch.tensor(7, dtype=torch.uint8)):
+        with pytest.raises(TypeError, match="decode_packed"):
+            e2m1.decode_packed(bad)
+
+
 def test_every_code_round_trips():
     codes = torch.arange(16, dtype=torch.uint8)
     back = e2m1.encode(e2m1.decode(codes))
