@@ -325,6 +325,24 @@ class NVFP4Experts(nn.Module):
         return self._loop(hidden_states, top_k_index, top_k_weights, _expert_weights(up, dtype),
                           _expert_weights(down, dtype))
 
+    def with_shared(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    shared: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(hidden_states, top_k_index, top_k_weights), shared(hidden_states)) for a shared
+        expert of two W4A16 NVFP4Linear (checkpoint layout, no bias) around relu^2, by
+        `kernels.moe_gemm.moe_experts_and_shared` (Triton backend): the same launches, on a GPU
+        the shared expert's on a second stream."""
+        up, down = shared.up_proj, shared.down_proj
+        if torch.compiler.is_compiling():  # one opaque operator to the compiler
+            return kernel_ops.moe_experts_and_shared(
+                hidden_states, top_k_index, top_k_weights, self.up_proj_weight, self.up_proj_weight_scale,
+                self.up_proj_weight_scale_2, self.down_proj_weight, self.down_proj_weight_scale,
+                self.down_proj_weight_scale_2, up.weight, up.weight_scale, up.weight_scale_2, down.weight,
+                down.weight_scale, down.weight_scale_2)
+        from .kernels.moe_gemm import moe_experts_and_shared
+
+        return moe_experts_and_shared(hidden_states, top_k_index, top_k_weights, self.stack("up_proj"),
+                                      self.stack("down_proj"), up.qweight, down.qweight)
+
     def _loop(self, hidden_states, top_k_index, top_k_weights, up_w, down_w, up_scale=None, down_scale=None):
         # transformers' eager NemotronHExperts.forward, statement for statement (up_w / down_w:
         # expert index -> its dequantized weight); with input scales, each linear takes NVFP4

@@ -22,12 +22,15 @@ teacher-forced agreement; and records the host time of one eager W4A16 call (M =
 
 `--step-ops fp4kit,transformers` times every model under each of `fp4kit.generate`'s step ops
 (the step's attention and Mamba decode functions: fp4kit's, or the model's own), side by side.
+`--sequential-shared` times each checkpoint also with its MoE blocks' shared expert run after the
+routed experts on one stream (`models.nemotron_h.shared_experts_after_routed`), as labels ending
+in _sequential-shared: load_quantized runs it on a second stream beside them on a GPU.
 
 Writes benchmarks/results/decode-graph[-compiled][-mamba-kernels]-<gpu>.json (with its date,
 command and versions) and prints a table.
 
     python scripts/bench_decode.py [--layers 26] [--batches 1,16,64] [--prompt-len 512] [--new-tokens 256] [--compile]
-                                   [--step-ops fp4kit,transformers]
+                                   [--step-ops fp4kit,transformers] [--sequential-shared]
 
 Smoke run of the same flow on the embedded tiny model (trained, 4096-token vocabulary), on the CPU
 with fp4kit's exact emulation and no graph; writes to a temporary file unless --out is given:
@@ -48,6 +51,7 @@ import torch
 from benchlib.record import run_record, write_results
 
 from fp4kit.decode import STEP_OPS, generate as fp4kit_generate
+from fp4kit.models.nemotron_h import shared_experts_after_routed
 from fp4kit.export.load import load_quantized
 from fp4kit.export.modelopt import export_checkpoint
 from fp4kit.models.nemotron_h import NANO_WIDTHS, mamba_kernels
@@ -100,8 +104,12 @@ def build_nano_layers(layers: int, device: torch.device, seed: int):
 
 
 def timed_generate(model, prompts: torch.Tensor, new_tokens: int, how: str,
-                   compile: bool = False, ops: str = "fp4kit") -> tuple[float, list[list[int]]]:
-    """Seconds for one greedy generate of exactly `new_tokens` tokens per row, and the tokens."""
+                   compile: bool = False, ops: str = "fp4kit", sequential: bool = False) -> tuple[float, list[list[int]]]:
+    """Seconds for one greedy generate of exactly `new_tokens` tokens per row, and the tokens;
+    sequential: the MoE blocks' shared expert after the routed experts, on one stream."""
+    if sequential:
+        with shared_experts_after_routed(model):
+            return timed_generate(model, prompts, new_tokens, how, compile, ops)
     sync(prompts.device)
     t0 = time.perf_counter()
     if how == "eager":
@@ -136,25 +144,25 @@ def agreement(ref: list[list[int]], test: list[list[int]]) -> dict:
 
 
 def bench_batch(runs: dict, prompts: torch.Tensor, new_tokens: int, reps: int, compile: bool = False) -> dict:
-    """runs: {label: (model, "graph" | "eager" | "step", step_ops)}. Timings, memory and tokens per
-    label; compile: fp4kit.generate compiles its step (the first generate per label includes the
-    compile)."""
+    """runs: {label: (model, "graph" | "eager" | "step", step_ops, sequential shared expert)}.
+    Timings, memory and tokens per label; compile: fp4kit.generate compiles its step (the first
+    generate per label includes the compile)."""
     device = prompts.device
     out: dict = {}
     tokens = {}
-    for label, (model, how, ops) in runs.items():  # warm-up: compiles kernels, and measures the memory a generate adds
+    for label, (model, how, ops, seq) in runs.items():  # warm-up: compiles kernels, and measures the memory a generate adds
         base = allocated(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        first_s, tokens[label] = timed_generate(model, prompts, new_tokens, how, compile, ops)
+        first_s, tokens[label] = timed_generate(model, prompts, new_tokens, how, compile, ops, seq)
         out[f"first_generate_s_{label}"] = first_s
         if device.type == "cuda":
             out[f"generate_peak_extra_bytes_{label}"] = torch.cuda.max_memory_allocated(device) - base
     times = {label: {"one": [], "all": []} for label in runs}
     for _ in range(reps):  # interleaved, so drift hits all alike
-        for label, (model, how, ops) in runs.items():
-            times[label]["one"].append(timed_generate(model, prompts, 1, how, compile, ops)[0])
-            times[label]["all"].append(timed_generate(model, prompts, new_tokens, how, compile, ops)[0])
+        for label, (model, how, ops, seq) in runs.items():
+            times[label]["one"].append(timed_generate(model, prompts, 1, how, compile, ops, seq)[0])
+            times[label]["all"].append(timed_generate(model, prompts, new_tokens, how, compile, ops, seq)[0])
     decoded = prompts.shape[0] * (new_tokens - 1)
     for label, t in times.items():
         one, full = statistics.median(t["one"]), statistics.median(t["all"])
@@ -166,7 +174,7 @@ def bench_batch(runs: dict, prompts: torch.Tensor, new_tokens: int, reps: int, c
     ref = tokens["bf16_graph" if "bf16_graph" in tokens else "bf16_step"]
     sequence = torch.cat([prompts, torch.tensor(ref, device=device)], dim=1)
     forced_ref = teacher_forced_argmax(runs["bf16_graph" if "bf16_graph" in runs else "bf16_step"][0], sequence, new_tokens)
-    for label, (model, how, _) in runs.items():
+    for label, (model, how, _, _) in runs.items():
         if label.startswith("bf16"):
             out[f"agree_{label}"] = agreement(ref, tokens[label])
             continue
@@ -200,6 +208,9 @@ def main() -> None:
                     help=f"comma-separated, of {', '.join(STEP_OPS)}: what the decode step's attention and Mamba "
                          "mixers run (fp4kit.generate's step_ops), every model under each; labels of the others "
                          "than the first end in _<ops>-ops (default fp4kit)")
+    ap.add_argument("--sequential-shared", action="store_true",
+                    help="time each checkpoint also with its MoE blocks' shared expert after the routed experts "
+                         "on one stream (labels ending in _sequential-shared)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args()
     for key, value in DEFAULTS["tiny" if args.tiny else "slice"].items():
@@ -292,10 +303,12 @@ def main() -> None:
         runs, refs = {}, {}
         for i, ops in enumerate(step_ops):
             tail = "" if i == 0 else f"_{ops}-ops"
-            runs[f"bf16_{how}{tail}"] = (model, how, ops)
+            runs[f"bf16_{how}{tail}"] = (model, how, ops, False)
             if i == 0 and b in eager_batches:
-                runs["bf16_eager"] = (model, "eager", "transformers")  # model.generate: the model's own
-            runs.update({f"{recipe}_{how}{tail}": (m, how, ops) for recipe, m in loaded.items()})
+                runs["bf16_eager"] = (model, "eager", "transformers", False)  # model.generate: the model's own
+            runs.update({f"{recipe}_{how}{tail}": (m, how, ops, False) for recipe, m in loaded.items()})
+            if i == 0 and args.sequential_shared:
+                runs.update({f"{recipe}_{how}_sequential-shared": (m, how, ops, True) for recipe, m in loaded.items()})
             refs.update({label: f"bf16_{how}{tail}" for label in runs if label not in refs})
         print(f"batch {b}: timing {', '.join(runs)} ...", flush=True)
         r = bench_batch(runs, prompts[:b], args.new_tokens, args.reps, args.compile)
@@ -312,6 +325,7 @@ def main() -> None:
     results = {
         **run_record(), "device": str(device), "quantize_backend": quantizer, "load_backend": backend, "decode": how,
         "compile": args.compile, "mamba_kernels": kernels, "step_ops": step_ops,
+        "sequential_shared": args.sequential_shared,
         "model": {
             "source": source, "pattern": cfg.hybrid_override_pattern, "params": params, "hidden_size": cfg.hidden_size,
             "n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
@@ -332,6 +346,7 @@ def main() -> None:
 
     labels = [f"bf16_{how}", "bf16_eager", *(f"{r}_{how}" for r in recipes)]
     labels += [f"{name}_{how}_{ops}-ops" for ops in step_ops[1:] for name in ["bf16", *recipes]]
+    labels += [f"{r}_{how}_sequential-shared" for r in recipes if args.sequential_shared]
     print(f"\n{'batch':>5}" + "".join(f"{lab + ' tok/s':>34}" for lab in labels))
     for b, r in per_batch.items():
         cells = []

@@ -20,7 +20,7 @@ def test_the_tiny_run_writes_every_comparison(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "scripts/bench_decode.py", "--device", "cpu", "--tiny", "--no-progress",
                     "--new-tokens", "3", "--batches", "1,2", "--reps", "1", "--step-ops", "fp4kit,transformers",
-                    "--out", str(out)],
+                    "--sequential-shared", "--out", str(out)],
                    cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=600)
     doc = json.loads(out.read_text())
     assert doc["decode"] == "step" and doc["recipes"] == ["nemotron-h-w4a16-4o6"]
@@ -29,7 +29,8 @@ def test_the_tiny_run_writes_every_comparison(tmp_path):
     one, two = doc["batches"]["1"], doc["batches"]["2"]
     labels = ["bf16_step", "bf16_eager", "nemotron-h-w4a16-4o6_step"]
     other = ["bf16_step_transformers-ops", "nemotron-h-w4a16-4o6_step_transformers-ops"]
-    assert doc["step_ops"] == ["fp4kit", "transformers"]
+    labels.append("nemotron-h-w4a16-4o6_step_sequential-shared")  # over BF16 under the first step ops
+    assert doc["step_ops"] == ["fp4kit", "transformers"] and doc["sequential_shared"] is True
     assert sorted(one["speedup_over_bf16_step"]) == sorted(labels + other)
     assert "bf16_eager" not in two["speedup_over_bf16_step"]  # eager only at --eager-batches (1)
     for label in labels:
@@ -45,4 +46,5 @@ def test_the_tiny_run_writes_every_comparison(tmp_path):
     # generate give the same tokens.
     assert one["agree_bf16_eager"]["row0_agree_prefix"] == 3
     assert one["agree_bf16_step_transformers-ops"]["row0_agree_prefix"] == 3
+    assert one["row0_tokens"]["nemotron-h-w4a16-4o6_step_sequential-shared"] == one["row0_tokens"]["nemotron-h-w4a16-4o6_step"]
     assert 0 <= one["agree_nemotron-h-w4a16-4o6_step"]["teacher_forced_agree"] <= 1

@@ -212,6 +212,8 @@ def load_quantized(path: str | Path, device: str | torch.device = "cpu", *, back
         raise CheckpointError(f"{path}: no tensor in the checkpoint for {on_meta[:8]}")
 
     model.to(device).eval()
+    if backend == "triton" and hasattr(adapter, "overlap_shared_experts"):
+        adapter.overlap_shared_experts(model)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model

@@ -440,6 +440,41 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
                cfg, lut, table)
 
 
+_SIDE_STREAMS: dict = {}  # device index -> the stream the shared expert runs on
+
+
+def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                           up_proj: nvfp4.NVFP4Tensor, down_proj: nvfp4.NVFP4Tensor, shared_up: nvfp4.NVFP4Tensor,
+                           shared_down: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`moe_experts(...)` on the Triton backend, the shared expert down(relu^2(up(x))) by
+    `w4a16_gemm.w4a16_matmul`) for Nemotron-H's MoE block: the launches of the two computed one
+    after the other, so each output is theirs bit for bit. On a GPU the shared expert's launches
+    go to a second stream, which waits for the caller's work so far and which the caller's stream
+    waits for before it goes on: its small GEMVs run beside the routed experts' instead of after
+    them (in a CUDA graph, as a branch of the graph)."""
+    from .w4a16_gemm import w4a16_matmul
+
+    def shared() -> torch.Tensor:
+        h = w4a16_matmul(hidden_states, shared_up, backend="triton")
+        return w4a16_matmul(torch.square(torch.relu(h)), shared_down, backend="triton")
+
+    device = hidden_states.device
+    if device.type != "cuda":
+        return moe_experts(hidden_states, top_k_index, top_k_weights, up_proj, down_proj), shared()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    side = _SIDE_STREAMS.get(index)
+    if side is None:
+        side = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    main = torch.cuda.current_stream(index)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out_shared = shared()
+    routed = moe_experts(hidden_states, top_k_index, top_k_weights, up_proj, down_proj)
+    main.wait_stream(side)
+    out_shared.record_stream(main)  # allocated on the side stream, used on the caller's
+    return routed, out_shared
+
+
 def _split_k(programs: int, k: int, block_k: int, device: torch.device, small: Mapping) -> tuple[int, int]:
     """(splits, K per split): split K while there are fewer than small["programs_per_sm"]
     programs per multiprocessor, at most small["max_parts"] ways, never below one K tile

@@ -224,3 +224,80 @@ def single_group_routing(model: nn.Module):
         for m in routers:
             m.__class__ = router_class
             m.__dict__.pop("_weight_fp32", None)
+
+
+# Each MoE block class's subclass whose forward runs the routed and the shared experts in one
+# call (`_overlapped_moe_forward`), one per class.
+_OVERLAPPED_CLASSES: dict[type, type] = {}
+
+
+def _overlapped_moe_forward(self, hidden_states):
+    """`NemotronHMoE.forward` with the routed experts and the shared expert in one call
+    (`NVFP4Experts.with_shared`: on a GPU the shared expert on a second stream beside the routed
+    experts): the same kernels on the same values, so the same output bit for bit; installed only
+    where a probe shows that (`overlap_shared_experts`)."""
+    orig_shape = hidden_states.shape
+    _, topk_weights, topk_indices = self.gate(hidden_states)
+    rows = hidden_states.view(-1, hidden_states.shape[-1])
+    routed, shared = self.experts.with_shared(rows, topk_indices, topk_weights, self.shared_experts)
+    return routed.view(*orig_shape) + shared.view(*orig_shape)
+
+
+def _overlaps(block: nn.Module) -> bool:
+    """Whether `block`'s experts and shared expert are fp4kit's W4A16 Triton modules that
+    `NVFP4Experts.with_shared` runs (and no latent projection sits between them)."""
+    from ..modules import NVFP4Experts, NVFP4Linear
+
+    experts, shared = getattr(block, "experts", None), getattr(block, "shared_experts", None)
+    linears = [getattr(shared, name, None) for name in ("up_proj", "down_proj")]
+    return (isinstance(experts, NVFP4Experts) and experts.backend == "triton" and not experts.act_quant
+            and all(isinstance(m, NVFP4Linear) and m.backend == "triton" and m.layout == "checkpoint"
+                    and not m.act_quant and m.bias is None for m in linears)
+            and type(getattr(shared, "act_fn", None)).__name__ == "ReLUSquaredActivation"
+            and all(isinstance(getattr(block, n, None), nn.Identity) for n in ("fc1_latent_proj", "fc2_latent_proj")))
+
+
+def overlap_shared_experts(model: nn.Module) -> int:
+    """Each Nemotron-H MoE block whose experts and shared expert run on fp4kit's W4A16 Triton
+    modules (`_overlaps`) gets the forward that runs them in one call (`_overlapped_moe_forward`),
+    if on a probe of its own its output equals the block's own forward's bit for bit (else it
+    keeps its forward, with a warning). Returns how many blocks did."""
+    block_class = getattr(_classes(), "NemotronHMoE", None)
+    if block_class is None:
+        return 0
+    done = 0
+    for block in [m for m in model.modules() if type(m) is block_class and _overlaps(m)]:
+        overlapped = _OVERLAPPED_CLASSES.setdefault(block_class, type(
+            f"{block_class.__name__}Overlapped", (block_class,), {"forward": _overlapped_moe_forward, "__module__": __name__}))
+        weight = block.experts.up_proj_weight
+        probe = torch.randn((1, 3, block.experts.hidden_dim), generator=torch.Generator().manual_seed(0)).to(
+            device=weight.device, dtype=torch.bfloat16)
+        try:
+            with torch.no_grad():
+                same = torch.equal(block(probe), _overlapped_moe_forward(block, probe))
+            why = "its output differs from the block's own forward's on a probe"
+        except Exception as e:  # a block this forward does not fit keeps its own
+            same, why = False, f"the forward failed on a probe ({type(e).__name__}: {e})"
+        if not same:
+            warnings.warn(f"{type(block).__name__} keeps its forward, the shared expert after the routed ones: {why}",
+                          RuntimeWarning, stacklevel=2)
+            continue
+        block.__class__ = overlapped
+        done += 1
+    return done
+
+
+@contextlib.contextmanager
+def shared_experts_after_routed(model: nn.Module):
+    """Within the block, the MoE blocks `overlap_shared_experts` switched run their own forward
+    again (the shared expert after the routed ones, on the caller's stream): to compare the two.
+    Yields how many blocks do."""
+    blocks = [m for m in model.modules() if type(m) in _OVERLAPPED_CLASSES.values()]
+    for m in blocks:
+        m.__class__ = type(m).__bases__[0]
+    try:
+        yield len(blocks)
+    finally:
+        for m in blocks:
+            m.__class__ = _OVERLAPPED_CLASSES[type(m)]
+

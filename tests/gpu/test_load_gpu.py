@@ -65,3 +65,36 @@ def test_load_quantized_generates_on_cuda(tiny_checkpoint):
     out = model.generate(ids[:2, :32].cuda(), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert out.shape == (2, 48)
     assert torch.equal(out[:, :32].cpu(), ids[:2, :32])
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_moe_blocks_with_the_shared_expert_on_a_second_stream(tiny_checkpoint, tokens):
+    # load_quantized on CUDA runs each MoE block's shared expert on a second stream beside the
+    # routed experts (models.nemotron_h.overlap_shared_experts): the block's output is its own
+    # forward's bit for bit, eagerly and replayed from a CUDA graph.
+    from fp4kit.models import nemotron_h
+
+    folder, ids = tiny_checkpoint
+    model = load_quantized(folder, device="cuda")
+    block_class = nemotron_h._classes().NemotronHMoE
+    blocks = [m for m in model.modules() if isinstance(m, block_class)]
+    assert blocks and all(type(b).__name__ == "NemotronHMoEOverlapped" for b in blocks)
+    block = blocks[0]
+    x = torch.randn((1, tokens, model.config.hidden_size), device="cuda", generator=torch.Generator("cuda").manual_seed(tokens)).bfloat16()
+    with torch.inference_mode():
+        overlapped = block(x)
+        own = block_class.forward(block, x)
+        assert torch.equal(overlapped, own)
+        static_x = x.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            block(static_x)  # warm-up off the capture: kernels compiled, launches kept
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = block(static_x)
+        static_x.copy_(x * 2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, block_class.forward(block, x * 2))
