@@ -471,7 +471,10 @@ def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tenso
         out_shared = shared()
     routed = moe_experts(hidden_states, top_k_index, top_k_weights, up_proj, down_proj)
     main.wait_stream(side)
-    out_shared.record_stream(main)  # allocated on the side stream, used on the caller's
+    # out_shared's memory returns to the side stream's pool when the caller drops it; the side
+    # stream is this function's alone and waits for the caller's stream before its next use, so
+    # no later write there can overtake the caller's reads (no record_stream, which a CUDA graph
+    # capture would have to track).
     return routed, out_shared
 
 
