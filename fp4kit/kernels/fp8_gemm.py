@@ -117,10 +117,18 @@ def row_class(m: int) -> int:
     return min(4, next_power_of_2(max(1, m)))
 
 
+@torch.compiler.assume_constant_result
+def _table_max_m() -> int:
+    """The launch table's GEMV max_m (one table for every device, `launch.gpu_of`). A constant to
+    code that torch.compile traces: the table is read here, not traced (reading it is a file read
+    dynamo cannot follow, which broke the compiled graph at every FP8 linear)."""
+    return int(launch.table("fp8")["GEMV"]["max_m"])
+
+
 def use_gemv(m: int, device: torch.device, tables: Mapping | None = None) -> bool:
     """Whether `fp8_matmul` is the launch for M activation rows (up to the table's max_m)."""
-    t = launch.table("fp8", device) if tables is None else tables
-    return 1 <= m <= t["GEMV"]["max_m"]
+    max_m = _table_max_m() if tables is None else tables["GEMV"]["max_m"]
+    return 1 <= m <= max_m
 
 
 def config(m: int, k: int, device: torch.device, cfg: dict | None = None, tables: Mapping | None = None) -> dict:

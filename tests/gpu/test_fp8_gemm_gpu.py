@@ -56,8 +56,10 @@ def test_gemv_on_mamba_shapes(n, k, m):
     # bf16 output: the same sums rounded once more
     assert torch.equal(fg.fp8_matmul(xq, w, xs, ws, torch.bfloat16), got.float().to(torch.bfloat16))
     if k % 16 == 0 and n % 16 == 0:
+        # The library's FP8 matrix units on Hopper accumulate with fewer bits than fp32: on an H200
+        # it is 1.2e-4 - 1.3e-4 (relative, Frobenius) from these sums, which meet the bound above.
         lib = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws, out_dtype=torch.float32).double()
-        assert float((got - lib).norm() / lib.norm()) < 1e-5
+        assert float((got - lib).norm() / lib.norm()) < 5e-4
 
 
 def test_fp8_linear_compiled_calls_the_operator_with_the_same_result():

@@ -1,7 +1,8 @@
 """fp4kit.models.mamba_step on a CUDA GPU, on Nemotron-3-Nano's Mamba shapes: eagerly the conv and
 SSM states are transformers' bit for bit and the outputs within one bf16 unit in the last place;
 compiled by torch.compile (as `generate(compile=True)` runs them) the states stay within fp32
-rounding of transformers' and the outputs within two units.
+rounding of transformers' and the outputs within two units plus what a state's bf16 rounding
+one unit away moves.
 
 Run: python -m pytest -q tests/gpu   (skipped without CUDA)
 """
@@ -58,7 +59,12 @@ def test_state_update_on_nano_shapes(batch, compiled):
     out = fn(mine, x, dt, A, B, C, D, z=None, dt_bias=dt_bias, dt_softplus=True)
     if compiled:  # inductor may fuse the update into one fma, and computes exp its own way
         assert torch.allclose(mine, ref_state, rtol=1e-5, atol=1e-6)
-        assert ((out.float() - ref.float()).abs() <= 2 * _ulp(ref)).all()
+        # The state is rounded to bf16 before its contraction with C; an fp32 state a rounding
+        # away can round to the neighbouring bf16 value, moving its term by one unit of the
+        # state's times |C| (measured on an H200: up to 6 units of the output where terms cancel).
+        per = state.shape[1] // C.shape[1]
+        slack = (_ulp(ref_state) * C.float().repeat_interleave(per, dim=1)[:, :, None, :].abs()).sum(-1)
+        assert ((out.float() - ref.float()).abs() <= 2 * _ulp(ref) + slack).all()
     else:
         assert torch.equal(mine, ref_state)
         assert ((out.float() - ref.float()).abs() <= _ulp(ref)).all()

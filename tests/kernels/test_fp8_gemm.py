@@ -186,3 +186,15 @@ def test_a_compiled_fp8_linear_calls_the_operator(monkeypatch):
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
     assert calls == [torch.Size([2, 32])]
     assert torch.equal(compiled, eager)
+
+
+def test_a_compiled_fp8_linear_reads_the_live_table_without_a_break():
+    # The launch rule reads the tuning file; under torch.compile that read happens outside the
+    # traced code (a constant to the graph), so a model's compiled step does not break at every
+    # FP8 linear: fullgraph tracing of the layer with the package's own table succeeds.
+    w = _e4m3(16, 32, seed=17)
+    layer = FP8Linear(w, _scale(0.01), _scale(0.02), None, backend="triton", name="mixer.in_proj")
+    x = torch.randn(1, 32, generator=torch.Generator().manual_seed(18))
+    eager = layer(x)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(layer, fullgraph=True, backend="aot_eager")(x), eager)
