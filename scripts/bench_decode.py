@@ -51,10 +51,9 @@ import torch
 from benchlib.record import run_record, write_results
 
 from fp4kit.decode import STEP_OPS, generate as fp4kit_generate
-from fp4kit.models.nemotron_h import shared_experts_after_routed
 from fp4kit.export.load import load_quantized
 from fp4kit.export.modelopt import export_checkpoint
-from fp4kit.models.nemotron_h import NANO_WIDTHS, mamba_kernels
+from fp4kit.models.nemotron_h import NANO_WIDTHS, mamba_kernels, shared_experts_after_routed
 from fp4kit.quantize import DEFAULT_RECIPE, quantize
 from fp4kit.recipe import load_recipe
 

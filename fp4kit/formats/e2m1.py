@@ -36,12 +36,11 @@ def _value_table(device: torch.device) -> torch.Tensor:
 
 
 def _pair_table(device: torch.device) -> torch.Tensor:
-    """[256, 2] fp32: a packed byte's two values, the low nibble's first."""
+    """[256, 2] fp32: a packed byte's two values, the low nibble's first (from `_value_table`)."""
     table = _PAIR_TABLES.get(device)
     if table is None:
-        host = torch.tensor([(E2M1_VALUES[b & 0xF], E2M1_VALUES[b >> 4]) for b in range(256)], dtype=torch.float32)
-        table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-        _PAIR_TABLES[device] = table
+        values = _value_table(device)
+        table = _PAIR_TABLES[device] = torch.stack((values.repeat(16), values.repeat_interleave(16)), dim=-1)
     return table
 
 

@@ -267,8 +267,6 @@ def overlap_shared_experts(model: nn.Module) -> int:
         return 0
     done = 0
     for block in [m for m in model.modules() if type(m) is block_class and _overlaps(m)]:
-        overlapped = _OVERLAPPED_CLASSES.setdefault(block_class, type(
-            f"{block_class.__name__}Overlapped", (block_class,), {"forward": _overlapped_moe_forward, "__module__": __name__}))
         weight = block.experts.up_proj_weight
         probe = torch.randn((1, 3, block.experts.hidden_dim), generator=torch.Generator().manual_seed(0)).to(
             device=weight.device, dtype=torch.bfloat16)
@@ -282,9 +280,16 @@ def overlap_shared_experts(model: nn.Module) -> int:
             warnings.warn(f"{type(block).__name__} keeps its forward, the shared expert after the routed ones: {why}",
                           RuntimeWarning, stacklevel=2)
             continue
-        block.__class__ = overlapped
+        block.__class__ = _overlapped_class(block_class)
         done += 1
     return done
+
+
+def _overlapped_class(base: type) -> type:
+    if base not in _OVERLAPPED_CLASSES:
+        _OVERLAPPED_CLASSES[base] = type(f"{base.__name__}Overlapped", (base,),
+                                         {"forward": _overlapped_moe_forward, "__module__": __name__})
+    return _OVERLAPPED_CLASSES[base]
 
 
 @contextlib.contextmanager
