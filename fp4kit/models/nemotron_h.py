@@ -197,11 +197,12 @@ def _takes_short_forward(router: nn.Module) -> bool:
     return _VERDICTS[router]
 
 
-def _short_class(base: type) -> type:
-    if base not in _SHORT_CLASSES:
-        _SHORT_CLASSES[base] = type(f"{base.__name__}OneGroup", (base,),
-                                    {"forward": _one_group_route, "__module__": __name__})
-    return _SHORT_CLASSES[base]
+def _with_forward(classes: dict, base: type, suffix: str, forward) -> type:
+    """`base`'s subclass with `forward`, made once per base and kept in `classes` (so that code
+    compiled for it stays valid from one use to the next)."""
+    if base not in classes:
+        classes[base] = type(f"{base.__name__}{suffix}", (base,), {"forward": forward, "__module__": __name__})
+    return classes[base]
 
 
 @contextlib.contextmanager
@@ -215,7 +216,7 @@ def single_group_routing(model: nn.Module):
     routers = [] if router_class is None else [
         m for m in model.modules() if type(m) is router_class and _takes_short_forward(m)]
     for m in routers:
-        m.__class__ = _short_class(router_class)
+        m.__class__ = _with_forward(_SHORT_CLASSES, router_class, "OneGroup", _one_group_route)
         if m.weight.dtype != torch.float32:
             m.__dict__["_weight_fp32"] = m.weight.detach().to(torch.float32)
     try:
@@ -280,16 +281,9 @@ def overlap_shared_experts(model: nn.Module) -> int:
             warnings.warn(f"{type(block).__name__} keeps its forward, the shared expert after the routed ones: {why}",
                           RuntimeWarning, stacklevel=2)
             continue
-        block.__class__ = _overlapped_class(block_class)
+        block.__class__ = _with_forward(_OVERLAPPED_CLASSES, block_class, "Overlapped", _overlapped_moe_forward)
         done += 1
     return done
-
-
-def _overlapped_class(base: type) -> type:
-    if base not in _OVERLAPPED_CLASSES:
-        _OVERLAPPED_CLASSES[base] = type(f"{base.__name__}Overlapped", (base,),
-                                         {"forward": _overlapped_moe_forward, "__module__": __name__})
-    return _OVERLAPPED_CLASSES[base]
 
 
 @contextlib.contextmanager
