@@ -266,9 +266,10 @@ def test_pick_moe_gemv_tile_and_threshold():
         rows.append({"tokens": t, "path": "gemv", "tile": [1, 8, 2048, 4], "maxnreg": None, "ms": a})
         rows.append({"tokens": t, "path": "gemv", "tile": [2, 8, 2048, 4], "maxnreg": None, "ms": b})
     got = sm.pick_gemv(rows, top_k=6, decode_tokens=8)
-    # summed up to 8 tokens: 120 against 115 -> the second tile; it loses at 16 tokens
-    assert got == {"max_assignments": 48, "BLOCK_M": 2, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1,
-                   "programs_per_sm": 2, "max_parts": 4}
+    # relative to each token count's best up to 8 tokens: 1 + 100/90 against 25/20 + 1 -> the
+    # first tile (a sum of times, 120 against 115, would take the second); it loses at 64 tokens
+    assert got == {"max_assignments": 96, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1,
+                   "programs_per_sm": 2, "max_parts": 4, "AHEAD": 1}
     # the same tile under a register cap or another split target is a launch of its own, and its
     # cap and split go with the pick (rows without a split ran SMALL's: 2 programs per SM, 4 parts)
     assert got["programs_per_sm"] == 2 and got["max_parts"] == 4
@@ -276,7 +277,47 @@ def test_pick_moe_gemv_tile_and_threshold():
               "max_parts": 4, "ms": ms} for t, ms in ((1, 18.0), (8, 80.0), (16, 250.0), (64, 300.0))]
     assert sm.pick_gemv(rows, top_k=6, decode_tokens=8) == {
         "max_assignments": 6 * 64, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1,
-        "programs_per_sm": 64, "max_parts": 4, "maxnreg": 96}
+        "programs_per_sm": 64, "max_parts": 4, "AHEAD": 1, "maxnreg": 96}
+    # so are the K tiles in flight, which go with the pick
+    rows += [{"tokens": t, "path": "gemv", "tile": [1, 8, 2048, 4], "maxnreg": 96, "programs_per_sm": 64,
+              "max_parts": 4, "ahead": 2, "ms": ms} for t, ms in ((1, 17.0), (8, 79.0), (16, 240.0), (64, 290.0))]
+    assert sm.pick_gemv(rows, top_k=6, decode_tokens=8)["AHEAD"] == 2
+
+
+def test_pick_moe_gemv_weighs_only_the_counts_the_tiles_serve():
+    # At 8 tokens the matrix units beat every tile: that count does not choose the tile (b would
+    # win 25/20 + 60/60 against 1 + 100/60 if it did), and the tiles serve one token only.
+    def gemv(t, bn, ms):
+        return {"tokens": t, "path": "gemv", "tile": [1, bn, 512, 1], "maxnreg": None, "ms": ms}
+
+    rows = [{"tokens": 1, "path": "matrix-unit", "ms": 40.0}, gemv(1, 4, 20.0), gemv(1, 8, 25.0),
+            {"tokens": 8, "path": "matrix-unit", "ms": 50.0}, gemv(8, 4, 100.0), gemv(8, 8, 60.0)]
+    got = sm.pick_gemv(rows, top_k=6, decode_tokens=8)
+    assert (got["BLOCK_N"], got["max_assignments"]) == (4, 6)
+    # no tile wins anywhere: chosen at one token, serving none
+    slow = [dict(r, ms=99.0) if r["path"] == "gemv" and r["tile"][1] == 4 else r for r in rows]
+    slow = [dict(r, ms=r["ms"] + 100.0) if r["path"] == "gemv" else r for r in slow]
+    assert sm.pick_gemv(slow, top_k=6)["BLOCK_N"] == 8 and sm.pick_gemv(slow, top_k=6)["max_assignments"] == 0
+
+
+def test_pick_small_mma_launch_and_reach():
+    def mma(t, launch, ms):
+        return {"tokens": t, "path": "small-mma", "launch": list(launch), "ms": ms}
+
+    a, b = (1, 1, 4, 2), (2, 1, 4, 2)
+    rows = [{"tokens": 1, "path": "gemv", "ms": 22.0}, mma(1, a, 18.0), mma(1, b, 20.0),
+            {"tokens": 2, "path": "gemv", "ms": 37.0}, mma(2, a, 36.0), mma(2, b, 30.0),
+            {"tokens": 4, "path": "gemv", "ms": 70.0}, mma(4, a, 90.0), mma(4, b, 80.0)]
+    # served up to 2 tokens (at 4 the gemv tiles win): 1 + 36/30 against 20/18 + 1 -> b, which
+    # beats the tiles at 1 and 2 tokens
+    assert sm.pick_small_mma(rows, top_k=6) == {"max_assignments": 12, "rows": 2, "num_warps": 1, "kwarps": 4,
+                                                 "prefetch": 2}
+    # losing at one token everywhere: off
+    slow = [dict(r, ms=r["ms"] + 50.0) if r["path"] == "small-mma" else r for r in rows]
+    assert sm.pick_small_mma(slow, top_k=6)["max_assignments"] == 0
+    # a launch that failed is never picked
+    failed = [dict(r, ms=None) if r["path"] == "small-mma" and r["launch"] == list(b) else r for r in rows]
+    assert sm.pick_small_mma(failed, top_k=6)["rows"] == 1
 
 
 def test_a_pick_drops_a_register_cap_it_does_not_carry(monkeypatch):
@@ -318,16 +359,22 @@ def test_moe_gemv_sweep_runs_each_candidate_right(monkeypatch):
     monkeypatch.setattr(sm.mg, "_split_k", lambda *a: used.append((a[-1]["programs_per_sm"], split_k(*a)[0])) or split_k(*a))
     monkeypatch.setattr(sm, "_routed_tokens", routed)
     monkeypatch.setattr(sm, "_cold_copies", lambda *a: [])
+    aheads = []
+    launch_cached = sm.mg.launch_cached
+    monkeypatch.setattr(sm.mg, "launch_cached", lambda kernel, grid, *a, **c: (
+        aheads.append(c.get("AHEAD")) if c.get("GEMV") else None, launch_cached(kernel, grid, *a, **c))[1])
     monkeypatch.setattr(sm, "time_if_right", lambda fn, ref, others: {"ms": float((fn().float() - ref).norm() / ref.norm())})
     tables = launch.override(launch.table("moe"), MOE_MMA={"max_per_expert": 0})  # the matrix units: wgmma tiles
     rows = sm.sweep_gemv(tokens=(1,), n_exp=4, top_k=2, hid=128, inter=128, tiles=((2, 32, 64, 1), (2, 32, 64, 1, 96)),
-                         programs_per_sm=(2, 1000), tables=tables)
-    assert [(r["path"], r.get("maxnreg"), r.get("programs_per_sm")) for r in rows] == [
-        ("matrix-unit", None, None), ("gemv", None, 2), ("gemv", None, 1000), ("gemv", 96, 2), ("gemv", 96, 1000)]
+                         programs_per_sm=(2, 1000), ahead=(1, 2), tables=tables)
+    assert [(r["path"], r.get("maxnreg"), r.get("programs_per_sm"), r.get("ahead")) for r in rows] == [
+        ("matrix-unit", None, None, None), ("gemv", None, 2, 1), ("gemv", None, 2, 2), ("gemv", None, 1000, 1),
+        ("gemv", None, 1000, 2), ("gemv", 96, 2, 1), ("gemv", 96, 2, 2), ("gemv", 96, 1000, 1), ("gemv", 96, 1000, 2)]
     assert all(r["ms"] < 1e-5 for r in rows)
     # each candidate's split target reached both projections: no split at 2, a split at 1000
     assert {p for p, _ in used} == {2, 1000} and all((n > 1) == (p == 1000) for p, n in used)
     assert sm.pick_gemv(rows, top_k=2)["programs_per_sm"] in (2, 1000)
+    assert aheads == [1, 1, 2, 2] * 4  # each candidate's K tiles in flight reached both projections
 
 
 def test_pick_moe_mma_launch_and_reach():

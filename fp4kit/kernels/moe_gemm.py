@@ -12,7 +12,8 @@ relu^2); the k slots of a token are summed in fp32 in a fixed order.
   compacts its assignments in order, for up_proj then down_proj (split-K partials in fp32, the
   down kernel finishing relu^2 as it reads them); `_moe_combine_kernel` applies the routing
   weights. Up to MOE_GEMV["max_assignments"] the projections run on the CUDA cores
-  (`tiles.gemv_accumulate`; split-K by MOE_GEMV's own target), else on the matrix units
+  (`tiles.gemv_accumulate`; split-K by MOE_GEMV's own target, its AHEAD K tiles in flight per
+  thread, 1 if absent), else on the matrix units
   (`tiles.accumulate`; split-K by SMALL's).
 - beyond, `_moe_sorted`: the assignments sorted by expert (`torch.sort`, stable; `offsets[e]`
   marks expert e's run), one launch per projection whose programs each walk one expert's run.
@@ -36,7 +37,8 @@ from fp4kit.formats.errors import FormatError
 from . import backend, launch
 from .backend import (ACT_DTYPES, cdiv, check_backend, check_weight, interpreted, launch_cached, launch_options,
                       next_power_of_2)
-from .mma import MMA_UNSCALE, mma_accumulate, mma_fragments, mma_lanes, mma_rows, mma_scales, mma_vec
+from .mma import (MMA_UNSCALE, first_group, mma_accumulate, mma_fragments, mma_lanes, mma_rows, mma_scales, mma_vec,
+                  sum_groups)
 from .tiles import accumulate, gemv_accumulate, gemv_k_tile, int64_activations, lut_tile, relu2, use_lut
 
 _WHAT = "kernels.moe_experts"
@@ -215,15 +217,20 @@ def _slot_expert(ids_ptr, A, E, slot, A_PAD: tl.constexpr, BY_ASSIGNMENT: tl.con
 
 
 @triton.jit
-def _expert_rows(ids, e, r0, BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
-    """Rows r0 .. r0+BLOCK_M-1 of expert e's assignments in increasing order: their assignment
+def _nth_assignments(ids, e, want, A_PAD: tl.constexpr):
+    """Expert e's assignments number `want` (a vector) in increasing order: their assignment
     indices and which exist (a compaction of ids == e by its running count)."""
     mine = ids == e
     rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-    want = r0 + tl.arange(0, BLOCK_M)
-    hit = mine[None, :] & (rank[None, :] == want[:, None])  # [BLOCK_M, A_PAD]
+    hit = mine[None, :] & (rank[None, :] == want[:, None])  # [len(want), A_PAD]
     assignment = tl.sum(tl.where(hit, tl.arange(0, A_PAD)[None, :], 0), axis=1)
     return assignment, tl.sum(hit.to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _expert_rows(ids, e, r0, BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
+    """Rows r0 .. r0+BLOCK_M-1 of expert e's assignments (`_nth_assignments`)."""
+    return _nth_assignments(ids, e, r0 + tl.arange(0, BLOCK_M), A_PAD)
 
 
 @triton.jit
@@ -233,7 +240,7 @@ def _moe_small_kernel(
     A_PAD: tl.constexpr, BY_ASSIGNMENT: tl.constexpr, UP: tl.constexpr, X_PARTS: tl.constexpr,
     RELU2_OUT: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, LUT: tl.constexpr, EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr, GEMV: tl.constexpr, KB: tl.constexpr,
+    EVEN_K: tl.constexpr, GEMV: tl.constexpr, KB: tl.constexpr, AHEAD: tl.constexpr = 1,
 ):
     """One projection for one expert, one N slice and one K split (grid: slots, N / BLOCK_N,
     splits); rows are stored by assignment index (no sort): fp32 partial sums
@@ -243,8 +250,8 @@ def _moe_small_kernel(
     (X_PARTS = 0) or relu^2 of its X_PARTS partials (as `tiles.accumulate` reads them).
     GEMV: the expert's rows BLOCK_M at a time on the CUDA cores (`tiles.gemv_accumulate`;
     wq_ptr is then the packed bytes' int64 view, x4_ptr the 16-bit activations' one; KB = K / 16
-    at compile time, the slice's blocks addressed from its first row); else on the matrix units
-    (`tiles.accumulate`; wq_ptr the int32 view; KB unused)."""
+    at compile time, the slice's blocks addressed from its first row; AHEAD K tiles in flight);
+    else on the matrix units (`tiles.accumulate`; wq_ptr the int32 view; KB and AHEAD unused)."""
     slot = tl.program_id(0)
     pid_s = tl.program_id(2)
     e, ids, serves = _slot_expert(ids_ptr, A, E, slot, A_PAD, BY_ASSIGNMENT)
@@ -265,7 +272,7 @@ def _moe_small_kernel(
                 acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
                 acc3 = gemv_accumulate(acc3, x_ptr, x4_ptr, x_row[:, None], m_ok, wq_ptr + first, ws_ptr + first, gs,
                                         tl.arange(0, BLOCK_N).to(tl.int64), n_ok, K, k_start, k_end, BLOCK_N, BLOCK_K,
-                                        LUT, EVEN_N, EVEN_K, X_PARTS, part_stride, ACT, KB=KB)
+                                        LUT, EVEN_N, EVEN_K, X_PARTS, part_stride, ACT, KB=KB, AHEAD=AHEAD)
                 acc = tl.trans(tl.sum(acc3, axis=2) * 64.0)  # [BLOCK_N, BLOCK_M]; 64: E2M1 * 2^-6 values
             else:
                 acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -276,6 +283,60 @@ def _moe_small_kernel(
                 tl.store(part_ptr + a64[None, :] * N + n64[:, None], relu2(acc, ACT), mask=ok)
             else:
                 tl.store(part_ptr + pid_s.to(tl.int64) * A * N + a64[None, :] * N + n64[:, None], acc, mask=ok)
+
+
+@triton.jit
+def _moe_small_mma_kernel(
+    x4_ptr, ids_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr,
+    A, E, N, K, TOPK, stride_x4,
+    A_PAD: tl.constexpr, BY_ASSIGNMENT: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr, ROWS: tl.constexpr,
+    WARPS: tl.constexpr, KWARPS: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALE_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr, VEC: tl.constexpr = False,
+):
+    """`_moe_small_kernel` on the register-fed matrix units (`mma.mma_accumulate`), one projection
+    per launch (grid: slots as `_slot_expert` gives them, N / (16 * ROWS * WARPS)): a program takes
+    one expert and 16 * ROWS * WARPS of its output features, with KWARPS groups of WARPS warps each
+    on its own run of K (summed in the program, `mma.sum_groups`), and the expert's assignments 8
+    at a time in increasing order as mma.sync's B columns (past the last, the last; not stored).
+    UP: the B columns are the tokens' hidden states x[assignment // TOPK], stored as the
+    activation relu^2 in ACT at out[assignment, n]; else the up projection's output at the
+    assignment, stored as fp32 sums at out[assignment, n] (`_moe_combine_kernel` with one part).
+    x4_ptr: the 16-bit activations' int64 view, rows stride_x4 apart; VEC: 16-byte loads
+    (`mma.mma_vec`)."""
+    slot = tl.program_id(0)
+    e, ids, serves = _slot_expert(ids_ptr, A, E, slot, A_PAD, BY_ASSIGNMENT)
+    count = tl.sum((ids == e).to(tl.int32), axis=0)
+    if serves & (count > 0):
+        g, c, warp, zero = mma_lanes(WARPS * KWARPS, EMULATE)
+        row = tl.program_id(1) * (16 * ROWS * WARPS) + (warp % WARPS) * (16 * ROWS) + g
+        wrows = mma_rows(row, e * N, N, K)
+        gs = tl.load(gs_ptr + e) * MMA_UNSCALE
+        out_row = row
+        out_c = c
+        if KWARPS > 1:  # the first group's lanes stand for the program's rows and columns
+            out_row = first_group(row, KWARPS)
+            out_c = first_group(c, KWARPS)
+        for m0 in range(0, count, 8):
+            column, _ = _nth_assignments(ids, e, tl.minimum(m0 + g, count - 1), A_PAD)  # B column g
+            if UP:
+                xrow = (column // TOPK).to(tl.int64) * stride_x4
+            else:
+                xrow = column.to(tl.int64) * stride_x4
+            acc = mma_accumulate(zero, x4_ptr, xrow, xrow, wb_ptr, ws_ptr, wrows, c, 0, K, 1, ROWS, F16, EVEN_K,
+                                 SCALE_PAIRS, PREFETCH, EMULATE, KWARPS, warp // WARPS, VEC)
+            if KWARPS > 1:
+                acc = sum_groups(acc, KWARPS, 1, ROWS)
+            # D columns 2c and 2c + 1: their assignments, read per lane and joined into the
+            # fragments' shape (as `_moe_down_mma_kernel` does)
+            a0, ok0 = _nth_assignments(ids, e, m0 + 2 * out_c, A_PAD)
+            a1, ok1 = _nth_assignments(ids, e, m0 + 2 * out_c + 1, A_PAD)
+            y, rows, _ = mma_fragments(acc, out_row, m0 + 2 * out_c, 1, ROWS)
+            dst = _mma_columns(a0.to(tl.int64) * N, a1.to(tl.int64) * N, ROWS) + rows
+            ok = (_mma_columns(ok0.to(tl.int32), ok1.to(tl.int32), ROWS) > 0) & (rows < N)
+            if UP:
+                tl.store(out_ptr + dst, relu2(y * gs, ACT), mask=ok)
+            else:
+                tl.store(out_ptr + dst, y * gs, mask=ok)
 
 
 @triton.jit
@@ -361,12 +422,27 @@ def moe_mma_config(rows: int | None = None, num_warps: int | None = None, prefet
                 PREFETCH=mma["prefetch"] if prefetch is None else prefetch)
 
 
+def small_mma_config(rows: int | None = None, num_warps: int | None = None, kwarps: int | None = None,
+                     prefetch: int | None = None, *, tables: Mapping | None = None) -> dict:
+    """The in-kernel-routing path on the register-fed matrix units (`_moe_small_mma`): arguments
+    left None take SMALL_MMA's entries."""
+    sm = _table(tables, None)["SMALL_MMA"]
+    r, nw = rows or sm["rows"], num_warps or sm["num_warps"]
+    return dict(small_mma=True, ROWS=r, num_warps=nw, KWARPS=kwarps or sm["kwarps"], BLOCK_N=16 * r * nw,
+                PREFETCH=sm["prefetch"] if prefetch is None else prefetch)
+
+
 def moe_config(assignments: int, n_experts: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                tables: Mapping | None = None) -> dict:
-    """Decode sizes: the CUDA-core tiles (MOE_GEMV) up to their assignment count; then, for 16-bit
-    activations on a GPU, the register-fed matrix units (MOE_MMA) up to their rows per expert;
-    else BLOCK_M = 16 on the matrix units, BLOCK_M following the mean number of rows per expert."""
+    """Decode sizes: for 16-bit activations on a GPU, the in-kernel-routing path on the register-fed
+    matrix units (SMALL_MMA) up to its assignment count; then the CUDA-core tiles (MOE_GEMV) up to
+    theirs; then, for 16-bit activations on a GPU, the register-fed matrix units on the sorted path
+    (MOE_MMA) up to their rows per expert; else BLOCK_M = 16 on the matrix units, BLOCK_M following
+    the mean number of rows per expert."""
     t = _table(tables, device)
+    if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and assignments <= t["SMALL_MMA"]["max_assignments"]):
+        return small_mma_config(tables=t)
     gemv = t["MOE_GEMV"]
     if assignments <= gemv["max_assignments"]:
         cfg = dict(gemv=True, **{k: v for k, v in gemv.items() if k != "max_assignments"})
@@ -425,6 +501,14 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     x = hidden_states.contiguous()
     table = _table(tables, x.device)
     cfg = dict(cfg or moe_config(a, n_exp, x.device, dtype, table))
+    if cfg.pop("small_mma", False):
+        if dtype not in (torch.bfloat16, torch.float16) or inter % 4:
+            raise ValueError(f"{_WHAT}: the in-kernel-routing path on the register-fed matrix units takes bf16/fp16 "
+                             f"activations and an intermediate size divisible by 4 (got {dtype}, {inter})")
+        if a == 0:
+            return torch.zeros_like(x)
+        return _moe_small_mma(x, top_k_index, top_k_weights.reshape(-1).to(torch.float32).contiguous(), up_proj,
+                              down_proj, cfg)
     # The in-kernel-routing path by default up to its size (the register-fed units run sorted only).
     small = cfg.pop("small", cfg.get("gemv", False) or (a <= table["SMALL"]["max_assignments"] and not cfg.get("mma")))
     lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(dtype, _moe_up_kernel, table["DEQUANT"]["lut"])
@@ -489,19 +573,25 @@ def _split_k(programs: int, k: int, block_k: int, device: torch.device, small: M
     return cdiv(k, k_per_split), k_per_split
 
 
+def _in_kernel_routing(top_k_index, up):
+    """What the in-kernel-routing launches take of the routing: (tokens, top_k, assignments, the
+    flat expert ids, whether a program serves an assignment (fewer assignments than experts: the
+    first of each routed expert's) rather than an expert, programs per weight slice)."""
+    t, top_k = top_k_index.shape
+    a = t * top_k
+    by_assignment = a < up.shape[0]
+    return t, top_k, a, top_k_index.reshape(-1).contiguous(), by_assignment, a if by_assignment else up.shape[0]
+
+
 def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
     """Three launches, no host-side routing: up (fp32 split-K partials per assignment), down
     (reading relu^2 of the up partials; fp32 partials), combine (routing weights, top-k sum).
     cfg["gemv"]: the projections on the CUDA cores (`gemv_accumulate`; split-K by cfg's
     programs_per_sm and max_parts, as MOE_GEMV gives them), else the matrix units (split-K by
     SMALL's)."""
-    t, top_k = top_k_index.shape
+    t, top_k, a, ids, by_assignment, slots = _in_kernel_routing(top_k_index, up)
     n_exp, inter, hid = up.shape
-    a = t * top_k
     dtype, device = x.dtype, x.device
-    ids = top_k_index.reshape(-1).contiguous()
-    by_assignment = a < n_exp
-    slots = a if by_assignment else n_exp
     gemv = cfg.pop("gemv", False)
     if gemv:
         lut = tables["DEQUANT"]["lut"] and not interpreted(_moe_small_kernel)  # the block-dot PTX takes any dtype
@@ -543,6 +633,40 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
     block = min(1024, next_power_of_2(hid))
     launch_cached(_moe_combine_kernel, (t, cdiv(hid, block)),
         part_dn, ids, weights, out, a, n_exp, hid, PARTS=s_dn, TOPK=top_k, ACT=_TL_DTYPES[dtype], BLOCK=block,
+        **launch_options())
+    return out
+
+
+def _moe_small_mma(x, top_k_index, weights, up, down, cfg):
+    """Three launches, no host-side routing, on the register-fed matrix units: up (the activation
+    relu^2 per assignment, `_moe_small_mma_kernel`), down (fp32 per assignment), combine."""
+    t, top_k, a, ids, by_assignment, slots = _in_kernel_routing(top_k_index, up)
+    n_exp, inter, hid = up.shape
+    dtype, device = x.dtype, x.device
+    emulate = interpreted(_moe_small_mma_kernel)
+    common = dict(A_PAD=max(next_power_of_2(a), 2), BY_ASSIGNMENT=by_assignment, ACT=_TL_DTYPES[dtype],
+                  ROWS=cfg["ROWS"], WARPS=cfg["num_warps"], KWARPS=cfg["KWARPS"], F16=dtype == torch.float16,
+                  PREFETCH=cfg["PREFETCH"], EMULATE=emulate, num_warps=cfg["num_warps"] * cfg["KWARPS"], num_stages=1,
+                  **launch_options())
+    block_n = cfg["BLOCK_N"]
+    x, x4 = int64_activations(x)
+    inter_act = torch.empty((a, inter), dtype=dtype, device=device)
+    scales, pairs = mma_scales(up)
+    launch_cached(_moe_small_mma_kernel, (slots, cdiv(inter, block_n)),
+        x4, ids, up.packed.view(torch.int64), scales, up.global_scale, inter_act, a, n_exp, inter, hid, top_k,
+        x.stride(0) // 4, UP=True, EVEN_K=hid % 128 == 0, SCALE_PAIRS=pairs,
+        VEC=mma_vec(up.packed, x4, x.stride(0) // 4, hid, _moe_small_mma_kernel), **common)
+    part = torch.empty((1, a, hid), dtype=torch.float32, device=device)
+    inter4 = inter_act.view(torch.int64)
+    scales, pairs = mma_scales(down)
+    launch_cached(_moe_small_mma_kernel, (slots, cdiv(hid, block_n)),
+        inter4, ids, down.packed.view(torch.int64), scales, down.global_scale, part, a, n_exp, hid, inter, top_k,
+        inter // 4, UP=False, EVEN_K=inter % 128 == 0, SCALE_PAIRS=pairs,
+        VEC=mma_vec(down.packed, inter4, inter // 4, inter, _moe_small_mma_kernel), **common)
+    out = torch.empty((t, hid), dtype=dtype, device=device)
+    block = min(1024, next_power_of_2(hid))
+    launch_cached(_moe_combine_kernel, (t, cdiv(hid, block)),
+        part, ids, weights, out, a, n_exp, hid, PARTS=1, TOPK=top_k, ACT=_TL_DTYPES[dtype], BLOCK=block,
         **launch_options())
     return out
 

@@ -238,10 +238,10 @@ def _load_x(x_ptr, x_row, m_ok, k0, kk, K, EVEN_K: tl.constexpr, X_PARTS: tl.con
 
 
 @triton.jit
-def k_ahead(k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """K offset of the tile after k0 (the prefetch); with EVEN_K held at the last tile before
-    k_end (the prefetch past the end re-reads it, in bounds), else left to the load's mask."""
-    k = k0 + BLOCK_K
+def k_ahead(k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STEPS: tl.constexpr = 1):
+    """K offset of the tile STEPS tiles after k0 (the prefetch); with EVEN_K held at the last tile
+    before k_end (the prefetch past the end re-reads it, in bounds), else left to the load's mask."""
+    k = k0 + STEPS * BLOCK_K
     if EVEN_K:
         k = tl.minimum(k, k_end - BLOCK_K)
     return k
@@ -503,7 +503,7 @@ def load_blocks(wb_ptr, ws_ptr, n64, n_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_K
 def gemv_accumulate(acc, x_ptr, x4_ptr, rows, m_ok, wb_ptr, ws_ptr, gs, n64, n_ok, K, k_start, k_end,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LUT: tl.constexpr, EVEN_N: tl.constexpr,
                      EVEN_K: tl.constexpr, X_PARTS: tl.constexpr = 0, part_stride=0, ACT: tl.constexpr = None,
-                     KB: tl.constexpr = 0):
+                     KB: tl.constexpr = 0, AHEAD: tl.constexpr = 1):
     """acc[BLOCK_M, BLOCK_N, BLOCK_K/16] += per block b: step_b * sum_i v(code_i) * x[m, k + i],
     over K in [k_start, k_end), on the CUDA cores.
 
@@ -516,16 +516,25 @@ def gemv_accumulate(acc, x_ptr, x4_ptr, rows, m_ok, wb_ptr, ws_ptr, gs, n64, n_o
     X_PARTS, part_stride, ACT: the activations as `_block_dot` reads them. Each thread holds its
     blocks of all BLOCK_N weight rows and BLOCK_M activation rows: a block's codes are decoded
     once for BLOCK_M rows, an activation converted once for BLOCK_N. KB > 0: K / 16 at compile
-    time, n64 counted from wb_ptr / ws_ptr (`load_blocks`)."""
+    time, n64 counted from wb_ptr / ws_ptr (`load_blocks`). AHEAD (1, 2 or 3): the K tiles whose
+    weights are in flight while one is computed; more keep more bytes in flight per thread where
+    few programs share a multiprocessor."""
+    tl.static_assert((AHEAD >= 1) & (AHEAD <= 3), "AHEAD: 1, 2 or 3 K tiles")
     blk16 = tl.arange(0, BLOCK_K // 16) * 16
     codes, sc = load_blocks(wb_ptr, ws_ptr, n64, n_ok, k_start, K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, KB)
+    if AHEAD >= 2:
+        codes1, sc1 = load_blocks(wb_ptr, ws_ptr, n64, n_ok, k_ahead(k_start, k_end, BLOCK_K, EVEN_K),
+                                  K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, KB)
+    if AHEAD >= 3:
+        codes2, sc2 = load_blocks(wb_ptr, ws_ptr, n64, n_ok, k_ahead(k_start, k_end, BLOCK_K, EVEN_K, 2),
+                                  K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, KB)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             ok = m_ok[:, None]
         else:
             ok = m_ok[:, None] & ((k0 + blk16) < K)[None, :]
         v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _codes16(codes[None, :, :], LUT)
-        codes_next, sc_next = load_blocks(wb_ptr, ws_ptr, n64, n_ok, k_ahead(k0, k_end, BLOCK_K, EVEN_K),
+        codes_next, sc_next = load_blocks(wb_ptr, ws_ptr, n64, n_ok, k_ahead(k0, k_end, BLOCK_K, EVEN_K, AHEAD),
                                            K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, KB)
         t = _block_dot(x_ptr, x4_ptr, rows, (k0 + blk16)[None, :], ok, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9,
                        v10, v11, v12, v13, v14, v15, X_PARTS, part_stride, ACT)
@@ -534,7 +543,12 @@ def gemv_accumulate(acc, x_ptr, x4_ptr, rows, m_ok, wb_ptr, ws_ptr, gs, n64, n_o
         else:
             scale = e4m3_decode(sc.to(tl.int32))
         acc = tl.fma(t, (scale * gs)[None, :, :], acc)
-        codes, sc = codes_next, sc_next
+        if AHEAD == 1:
+            codes, sc = codes_next, sc_next
+        elif AHEAD == 2:
+            codes, sc, codes1, sc1 = codes1, sc1, codes_next, sc_next
+        else:
+            codes, sc, codes1, sc1, codes2, sc2 = codes1, sc1, codes2, sc2, codes_next, sc_next
     return acc
 
 

@@ -83,11 +83,12 @@ def _gemv_kernel(
     x_ptr, x4_ptr, wb_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, stride_xm, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    LUT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, KB: tl.constexpr,
+    LUT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, KB: tl.constexpr, AHEAD: tl.constexpr = 1,
 ):
     """y = x @ W^T for a few activation rows on the CUDA cores (grid: N tiles, row tiles, K
-    splits), the block scale factored out of each 16-block (`gemv_accumulate`). KB: K / 16 (a
-    compile-time constant: the rows' blocks are addressed from the program's first row). Its grid
+    splits), the block scale factored out of each 16-block (`gemv_accumulate`, AHEAD K tiles in
+    flight). KB: K / 16 (a compile-time constant: the rows' blocks are addressed from the
+    program's first row). Its grid
     and epilogue mirror `_w4a16_kernel`'s, with the accumulator [M, N] where that one is [N, M]."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -102,7 +103,7 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
     acc = gemv_accumulate(acc, x_ptr, x4_ptr, m.to(tl.int64)[:, None] * stride_xm, m_ok, wb_ptr + first,
                            ws_ptr + first, tl.load(gs_ptr), tl.arange(0, BLOCK_N), n_ok, K, k_start, k_end,
-                           BLOCK_N, BLOCK_K, LUT, EVEN_N, EVEN_K, KB=KB)
+                           BLOCK_N, BLOCK_K, LUT, EVEN_N, EVEN_K, KB=KB, AHEAD=AHEAD)
     n64 = n.to(tl.int64)
     y = tl.sum(acc, axis=2) * 64.0  # [BLOCK_M, BLOCK_N]; 64: the block values are E2M1 * 2^-6
     out_off = m.to(tl.int64)[:, None] * N + n64[None, :]
@@ -177,7 +178,8 @@ def _dequantize_kernel(wq_ptr, ws_ptr, gs_ptr, out_ptr, N, K, LUT: tl.constexpr,
 #   DEQUANT   {"lut"}: the table dequantization's inline PTX for 16-bit activations on a GPU
 #             (off: the arithmetic form everywhere; the same values, for tests and benchmarks);
 #   GEMV      max_m, and per activation rows per program ("1", "2", "4": `gemv_block_m`) BLOCK_N,
-#             BLOCK_K (blocks per K step spread over the program's threads), warps, split-K target;
+#             BLOCK_K (blocks per K step spread over the program's threads), warps, split-K target,
+#             optionally AHEAD (K tiles in flight per thread, `tiles.gemv_accumulate`; 1 if absent);
 #   MMA       the register-fed kernel's rows (min_m..max_m), weight-row tiles of 16 per warp
 #             (rows), warps, split-K target, L2 prefetch distance in K steps, K groups of warps
 #             (kwarps: groups sharing a program's K range) and the split-K balance (`split_count`);

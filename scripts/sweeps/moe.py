@@ -58,6 +58,21 @@ def _cold_copies(t, top_k, n_exp, up, down):
     return [(u, weight_copy(down)) for u in weight_copies(up, touched)[1:]]
 
 
+def _cold_timer(t, n_exp, top_k, hid, up, down):
+    """t routed tokens (`_routed_tokens`) and what times a `moe_experts` launch shape on them cold
+    (`time_if_right` over `_cold_copies` of the stacks, each launch checked first): (hidden
+    states, stack copies in the graph, timer)."""
+    h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
+    copies = _cold_copies(t, top_k, n_exp, up, down)
+
+    def timed(cfg):
+        def run(u, d):
+            return mg.moe_experts(h, ids, w, u, d, cfg=dict(cfg))
+        return time_if_right(lambda: run(up, down), ref, [lambda u=u, d=d: run(u, d) for u, d in copies])
+
+    return h, 1 + len(copies), timed
+
+
 def sweep_small(tokens=(1, 2, 4, 8, 64), n_exp=128, top_k=6, hid=2688, inter=1856, programs_per_sm=(2, 4, 8),
                 max_parts=(4, 8), tables=None):
     """Times of the in-kernel-routing path (`_moe_small`) per split-K target and split cap, and
@@ -87,42 +102,92 @@ def sweep_small(tokens=(1, 2, 4, 8, 64), n_exp=128, top_k=6, hid=2688, inter=185
 
 
 def sweep_gemv(tokens=(1, 2, 4, 8, 16), n_exp=128, top_k=6, hid=2688, inter=1856,
-               tiles=((1, 4, 512, 1), (1, 8, 512, 1), (1, 8, 512, 1, 96), (1, 8, 256, 1), (1, 16, 128, 1),
-                      (1, 4, 2048, 4), (1, 8, 2048, 4), (2, 8, 512, 1)),
-               programs_per_sm=(2, 64), max_parts=4, tables=None):
+               tiles=((1, 4, 512, 1), (1, 8, 512, 1), (1, 8, 256, 1), (1, 4, 1024, 2), (2, 8, 512, 1)),
+               programs_per_sm=(2,), max_parts=4, ahead=(1, 2, 3), tables=None):
     """Times of the CUDA-core tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps[, register cap]) per split-K
-    target (programs per multiprocessor) on the in-kernel-routing path, and of the default beyond
-    them (`beyond_gemv_config`: the register-fed or the wgmma matrix units) at the same token
-    count, side by side, on Nano's experts; each checked first, timed cold (`time_if_right` over
-    copies of the stacks). The cap: one-warp 8 x 512 tiles take 130 registers uncapped and 96
-    capped with nothing spilled (`scripts/sass_loop.py moe-gemv`). The split: at one token the
-    up projection's 2784 programs of 4 rows (1392 of 8, 696 of 16) fill a multiprocessor's 32
-    one-warp slots only in part unless K is split; 8 x 256 and 16 x 128 pad K = 2688 less than
-    512 does (11 and 21 steps against 6 of 512)."""
+    target (programs per multiprocessor) and K tiles in flight (AHEAD) on the in-kernel-routing
+    path, and of the default beyond them (`beyond_gemv_config`: the register-fed or the wgmma
+    matrix units) at the same token count, side by side, on Nano's experts; each checked first,
+    timed cold (`time_if_right` over copies of the stacks). At one token the up projection's 2784
+    one-warp programs of 4 rows share the 132 multiprocessors about 21 each: each thread's loads
+    in flight, not the programs' count, set how much of the memory's bandwidth they draw, and
+    splitting K for more programs costs more than it gives (65.9 against 24.1 us at 2 against 64
+    programs per multiprocessor, kernels-sweeps-moe-gemv-before-ahead-h200.json)."""
     up, down = _nano_experts(n_exp, hid, inter)
     out = []
     for t in tokens:
-        h, ids, w, ref = _routed_tokens(t, n_exp, top_k, hid, up, down)
-        copies = _cold_copies(t, top_k, n_exp, up, down)
-
-        def timed(cfg):
-            def run(u, d):
-                return mg.moe_experts(h, ids, w, u, d, cfg=dict(cfg))
-            return time_if_right(lambda: run(up, down), ref, [lambda u=u, d=d: run(u, d) for u, d in copies])
-
+        h, n_copies, timed = _cold_timer(t, n_exp, top_k, hid, up, down)
         base = mg.beyond_gemv_config(t * top_k, n_exp, h.device, h.dtype, tables)
-        row = {"tokens": t, "path": "matrix-unit", "weight_copies": 1 + len(copies)}
+        row = {"tokens": t, "path": "matrix-unit", "weight_copies": n_copies}
         row.update(timed(base))
         out.append(row)
-        for (bm, bn, bk, nw, *cap), pps in itertools.product(tiles, programs_per_sm):
+        for (bm, bn, bk, nw, *cap), pps, a in itertools.product(tiles, programs_per_sm, ahead):
             mr = cap[0] if cap else None
             cfg = with_maxnreg(dict(gemv=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1,
-                                    programs_per_sm=pps, max_parts=max_parts), mr)
+                                    programs_per_sm=pps, max_parts=max_parts, AHEAD=a), mr)
             row = {"tokens": t, "path": "gemv", "tile": [bm, bn, bk, nw], "maxnreg": mr, "programs_per_sm": pps,
-                   "max_parts": max_parts, "weight_copies": 1 + len(copies)}
+                   "max_parts": max_parts, "ahead": a, "weight_copies": n_copies}
             row.update(timed(cfg))
             out.append(row)
     return out
+
+
+def sweep_small_mma(tokens=(1, 2, 4, 8), n_exp=128, top_k=6, hid=2688, inter=1856,
+                    launches=((1, 1, 4, 2), (2, 1, 4, 2), (1, 2, 2, 2), (1, 1, 2, 2)),
+                    tables=None):
+    """Times of the in-kernel-routing path on the register-fed matrix units (`small_mma_config`:
+    weight tiles per warp, warps, K groups of warps, L2 prefetch distance) and of the default
+    without it (`moe_config` with SMALL_MMA off) at the same token count, side by side, on Nano's
+    experts; each checked first, timed cold (`time_if_right` over copies of the stacks)."""
+    up, down = _nano_experts(n_exp, hid, inter)
+    tables = tables or launch.table("moe")
+    without = launch.override(tables, SMALL_MMA={"max_assignments": 0})
+    out = []
+    for t in tokens:
+        h, n_copies, timed = _cold_timer(t, n_exp, top_k, hid, up, down)
+        base = mg.moe_config(t * top_k, n_exp, h.device, h.dtype, without)
+        row = {"tokens": t, "path": "gemv" if base.get("gemv") else "default", "weight_copies": n_copies}
+        row.update(timed(base))
+        out.append(row)
+        for shape in launches:
+            row = {"tokens": t, "path": "small-mma", "launch": list(shape), "weight_copies": n_copies}
+            row.update(timed(mg.small_mma_config(*shape, tables=tables)))
+            out.append(row)
+    return out
+
+
+def pick_small_mma(rows, top_k=6) -> dict:
+    """SMALL_MMA: the launch (weight tiles per warp, warps, K groups, prefetch) with the smallest
+    sum of its time relative to the token count's best over the counts up to which the fastest
+    launch at each beats the default without the path at every swept count (one token where none
+    does), and max_assignments: top_k times the largest count up to which that launch beats the
+    default at every swept count (0 if not at the first)."""
+    def ms(r):
+        return r["ms"] if r["ms"] is not None else float("inf")
+
+    base = {r["tokens"]: ms(r) for r in rows if r["path"] != "small-mma"}
+
+    def wins_up_to(times):
+        up_to = 0
+        for t in sorted(base):
+            if not times.get(t, float("inf")) < base[t]:
+                break
+            up_to = t
+        return up_to
+
+    mma = [r for r in rows if r["path"] == "small-mma"]
+    fastest = {}
+    for r in mma:
+        fastest[r["tokens"]] = min(fastest.get(r["tokens"], float("inf")), ms(r))
+    served = max(wins_up_to(fastest), min(fastest))
+    totals = {}
+    for r in mma:
+        if r["tokens"] <= served:
+            totals[tuple(r["launch"])] = totals.get(tuple(r["launch"]), 0.0) + ms(r) / fastest[r["tokens"]]
+    best = min(totals, key=totals.get)
+    up_to = wins_up_to({r["tokens"]: ms(r) for r in mma if tuple(r["launch"]) == best})
+    rows_, warps, kwarps, prefetch = best
+    return {"max_assignments": top_k * up_to, "rows": rows_, "num_warps": warps, "kwarps": kwarps, "prefetch": prefetch}
 
 
 def sweep_mma(tokens=(32, 64, 128, 256), n_exp=128, top_k=6, hid=2688, inter=1856,
@@ -177,31 +242,44 @@ def pick_mma(rows, n_exp=128, top_k=6) -> dict:
 
 
 def pick_gemv(rows, top_k=6, decode_tokens=8) -> dict:
-    """MOE_GEMV: the launch (tile, register cap if any, split-K target and cap) with the smallest
-    summed time up to `decode_tokens` tokens, and max_assignments: top_k times the largest token
-    count up to which it beats the matrix-unit default beyond the tiles at every swept count (0
-    if not at the first)."""
+    """MOE_GEMV: the launch (tile, register cap if any, split-K target and cap, K tiles in flight)
+    with the smallest sum of its time relative to the token count's best over the counts the tiles
+    will serve: those up to `decode_tokens` up to which the fastest tile at each beats the
+    matrix-unit default beyond them (`beyond_gemv_config`) at every swept count, each count alike
+    (a sum of times would let 8 tokens' 127 us outweigh one token's 24, and a count the matrix
+    units take anyway would choose the tile); and max_assignments: top_k times the largest token
+    count up to which that launch beats the matrix units at every swept count (0 if not at the
+    first; where none wins at one token the launch is chosen at one token)."""
     def ms(r):
         return r["ms"] if r["ms"] is not None else float("inf")
 
     def launch_of(r):  # rows from before the split was swept ran SMALL's: 2 programs per SM, 4 parts
-        return (*r["tile"], r.get("maxnreg"), r.get("programs_per_sm", 2), r.get("max_parts", 4))
+        return (*r["tile"], r.get("maxnreg"), r.get("programs_per_sm", 2), r.get("max_parts", 4), r.get("ahead", 1))
 
-    totals = {}
-    for r in rows:
-        if r["path"] == "gemv" and r["tokens"] <= decode_tokens:
-            totals[launch_of(r)] = totals.get(launch_of(r), 0.0) + ms(r)
-    best = min(totals, key=totals.get)
-    gemv = {r["tokens"]: ms(r) for r in rows if r["path"] == "gemv" and launch_of(r) == best}
+    def wins_up_to(times):
+        up_to = 0
+        for t in sorted(base):
+            if not times.get(t, float("inf")) < base[t]:
+                break
+            up_to = t
+        return up_to
+
     base = {r["tokens"]: ms(r) for r in rows if r["path"] == "matrix-unit"}
-    up_to = 0
-    for t in sorted(base):
-        if not gemv.get(t, float("inf")) < base[t]:
-            break
-        up_to = t
-    bm, bn, bk, nw, mr, pps, parts = best
+    tiles = [r for r in rows if r["path"] == "gemv"]
+    fastest = {}
+    for r in tiles:
+        fastest[r["tokens"]] = min(fastest.get(r["tokens"], float("inf")), ms(r))
+    served = max(min(wins_up_to(fastest), decode_tokens), min(fastest))
+    totals = {}
+    for r in tiles:
+        if r["tokens"] <= served:
+            totals[launch_of(r)] = totals.get(launch_of(r), 0.0) + ms(r) / fastest[r["tokens"]]
+    best = min(totals, key=totals.get)
+    up_to = wins_up_to({r["tokens"]: ms(r) for r in tiles if launch_of(r) == best})
+    bm, bn, bk, nw, mr, pps, parts, a = best
     return with_maxnreg({"max_assignments": top_k * up_to, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                         "num_warps": nw, "num_stages": 1, "programs_per_sm": pps, "max_parts": parts}, mr)
+                         "num_warps": nw, "num_stages": 1, "programs_per_sm": pps, "max_parts": parts, "AHEAD": a},
+                        mr)
 
 
 def pick_small(rows, top_k=6) -> dict:
@@ -245,6 +323,9 @@ SWEEPS = {
                    "the in-kernel-routing path's split-K and the assignments up to which it beats the sorted path"),
     "gemv": Sweep("moe", "MOE_GEMV", sweep_gemv, merged("moe", "MOE_GEMV", pick_gemv, owned=("maxnreg",)),
                   "the CUDA-core tiles and the assignments up to which they beat the matrix units"),
+    "small_mma": Sweep("moe", "SMALL_MMA", sweep_small_mma, merged("moe", "SMALL_MMA", pick_small_mma),
+                       "the in-kernel-routing path on the register-fed matrix units: its launch shape and the "
+                       "assignments up to which it beats the path beyond it"),
     "mma": Sweep("moe", "MOE_MMA", sweep_mma, merged("moe", "MOE_MMA", pick_mma),
                  "the register-fed matrix units' launch shape and their reach in rows per expert"),
 }

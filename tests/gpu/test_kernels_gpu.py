@@ -254,26 +254,38 @@ def test_w4a16_gemv_bf16(nk, m):
 # --------------------------------------------------------------------------------------------
 # Grouped MoE
 # --------------------------------------------------------------------------------------------
+NO_SMALL_MMA = launch.override(launch.table("moe"), SMALL_MMA={"max_assignments": 0})  # the CUDA-core tiles at 0
+
+
+def _nano_moe(tokens, seed, n_exp=128, hid=2688, inter=1856, top_k=6):
+    """Nano's expert stacks quantized with 4/6 on the GPU, bf16 hidden states, top-6 routing and
+    its weights: (up, down, x, ids, weights)."""
+    up = kquant.quantize(_randn(n_exp, inter, hid, seed=seed), scale_rule="4o6")
+    down = kquant.quantize(_randn(n_exp, hid, inter, seed=seed + 1), scale_rule="4o6")
+    x = _randn(tokens, hid, seed=seed + 2, scale=1.0)
+    g = torch.Generator(device=DEV).manual_seed(seed + 3)
+    ids = torch.stack([torch.randperm(n_exp, device=DEV, generator=g)[:top_k] for _ in range(tokens)])
+    return up, down, x, ids, torch.rand((tokens, top_k), device=DEV, generator=g)
+
+
 @pytest.mark.parametrize("tokens,path", [
     (1, None), (4, None), (8, None), (64, None), (300, None), (2048, None),  # 2048: the large-M launch shape
     (1, "sorted"), (64, "small"),  # each path where the other is the default (64: one program per expert)
     (1, "small-matrix-unit"), (64, "gemv"),  # the in-kernel-routing path on the other units
     (1, "mma"), (8, "mma"), (17, "mma"), (64, "sorted"),  # the sorted path on the register-fed / wgmma units
+    (1, "small-mma"), (8, "small-mma"), (64, "small-mma"),  # the in-kernel-routing path on the register-fed units
 ])
 def test_moe_bf16_nano_shapes(tokens, path):
-    n_exp, hid, inter, top_k = 128, 2688, 1856, 6
-    up = kquant.quantize(_randn(n_exp, inter, hid, seed=8), scale_rule="4o6")
-    down = kquant.quantize(_randn(n_exp, hid, inter, seed=9), scale_rule="4o6")
-    x = _randn(tokens, hid, seed=10, scale=1.0)
-    g = torch.Generator(device=DEV).manual_seed(11)
-    ids = torch.stack([torch.randperm(n_exp, device=DEV, generator=g)[:top_k] for _ in range(tokens)])
-    weights = torch.rand((tokens, top_k), device=DEV, generator=g)
+    n_exp, top_k = 128, 6
+    up, down, x, ids, weights = _nano_moe(tokens, seed=8)
     cfg = None
     if path == "gemv":
-        cfg = dict(moe_gemm.moe_config(0, n_exp, x.device))
+        cfg = dict(moe_gemm.moe_config(0, n_exp, x.device, tables=NO_SMALL_MMA))
         assert cfg["gemv"]
     elif path == "mma":
         cfg = dict(moe_gemm.moe_mma_config(), small=False)
+    elif path == "small-mma":
+        cfg = moe_gemm.small_mma_config(1, 1, 4)
     elif path is not None:
         cfg = dict(moe_gemm.matrix_unit_config(tokens * top_k, n_exp, x.device), small=path != "sorted")
     got = moe_gemm.moe_experts(x, ids, weights, up, down, cfg=cfg)
@@ -284,6 +296,25 @@ def test_moe_bf16_nano_shapes(tokens, path):
     assert float((got.float() - ref).norm() / ref.norm()) < 1e-2
     torch_bf16 = moe_gemm.moe_experts(x, ids, weights, up, down, backend="torch")
     assert float((got.float() - torch_bf16.float()).norm() / torch_bf16.float().norm()) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_moe_gemv_tiles_in_flight_nano_shapes(tokens):
+    # Compiled for the GPU, MOE_GEMV's K tiles in flight (AHEAD) change no bit of either
+    # projection on Nano's experts (K = 2688 and 1856: ragged last steps of 512), nor does the
+    # dense GEMV's on the shared expert's shapes.
+    up, down, x, ids, weights = _nano_moe(tokens, seed=70)
+    cfg = dict(moe_gemm.moe_config(0, 128, x.device, tables=NO_SMALL_MMA))
+    outs = [moe_gemm.moe_experts(x, ids, weights, up, down, cfg=dict(cfg, AHEAD=a)) for a in (1, 2, 3)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    for n, k in ((3712, 2688), (2688, 3712)):
+        w = kquant.quantize(_randn(n, k, seed=74), scale_rule="4o6")
+        row = _randn(1, k, seed=75, scale=1.0)
+        dense = w4a16_gemm.config(1, n, k, row.device, tables=launch.override(launch.table("w4a16"), MMA={"max_m": 0},
+                                                                               ROW_MMA={"min_weights": None}))
+        assert dense["gemv"]
+        ys = [w4a16_gemm.w4a16_matmul(row, w, cfg=dict(dense, AHEAD=a)) for a in (1, 2, 3)]
+        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), (n, k)
 
 
 @pytest.mark.parametrize("launch", [(2, 2, 2), (1, 4, 0)])

@@ -72,6 +72,27 @@ def test_moe_matches_transformers_experts(dtype, rtol, tokens, path, monkeypatch
     assert float((torch_ref.double() - ref.double()).norm() / ref.double().norm()) < rtol
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_moe_gemv_tiles_in_flight_change_no_bit(tokens):
+    # MOE_GEMV's AHEAD (K tiles in flight) moves loads only: both projections give AHEAD = 1's
+    # output bit for bit (K = 96 and 160: ragged last tiles; 3 tiles ahead run past K).
+    n_exp, hid, inter, top_k = 6, 160, 96, 2
+    up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=40), scale_rule="4o6")
+    down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=41))
+    x = _rand(tokens, hid, seed=42, dtype=torch.float16)
+    g = torch.Generator().manual_seed(43)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand((tokens, top_k), generator=g)
+    args = (x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE))
+    cfg = dict(gemv=True, BLOCK_M=2, BLOCK_N=16, BLOCK_K=32, num_warps=1, num_stages=1, programs_per_sm=0, max_parts=1)
+    one = moe_gemm.moe_experts(*args, cfg=dict(cfg, AHEAD=1)).cpu()
+    for ahead in (2, 3):
+        assert torch.equal(moe_gemm.moe_experts(*args, cfg=dict(cfg, AHEAD=ahead)).cpu(), one), ahead
+    ref = moe_gemm.experts_reference(x.double(), ids, weights.double(), up.dequantize().double(),
+                                     down.dequantize().double())
+    assert float((one.double() - ref).norm() / ref.norm()) < 2e-3
+
+
 def test_moe_unused_experts_and_errors():
     n_exp, hid, inter = 6, 32, 48
     up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=16))
@@ -129,25 +150,59 @@ def test_moe_mma_launch_defaults_to_the_sorted_path_when_small():
     assert float((got.double() - ref).norm() / ref.norm()) < 5e-3
 
 
+def _fp16_case(n_exp, hid, inter, top_k, tokens, seed, routed=None):
+    """A 4/6 up and a plain down stack, fp16 hidden states, each token routed to top_k of the
+    first `routed` experts (default all), routing weights; on DEVICE, with the float64 reference."""
+    up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=seed, scale=0.1), scale_rule="4o6")
+    down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=seed + 1, scale=0.1))
+    x = _rand(tokens, hid, seed=seed + 2, dtype=torch.float16)
+    g = torch.Generator().manual_seed(seed + 3)
+    ids = torch.stack([torch.randperm(routed or n_exp, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand((tokens, top_k), generator=g)
+    ref = moe_gemm.experts_reference(x.double(), ids, weights.double(), up.dequantize().double(),
+                                     down.dequantize().double())
+    return tuple(v.to(DEVICE) for v in (x, ids, weights, up, down)), ref
+
+
 @pytest.mark.parametrize("launch", [(2, 2, 2), (1, 4, 0)])
 def test_moe_sorted_mma(launch):
     # The sorted path on the register-fed matrix units (the launch table's MOE_MMA), forced: K of 2.125
     # and 1.125 steps, scale bytes one at a time (K / 16 odd), rows not filling the last tile,
     # runs of 5 to 9 assignments per expert (one past a tile of 8).
-    n_exp, hid, inter, top_k, tokens = 6, 272, 144, 2, 19
-    up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=40, scale=0.1), scale_rule="4o6")
-    down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=41, scale=0.1))
-    x = _rand(tokens, hid, seed=42, dtype=torch.float16)
-    g = torch.Generator().manual_seed(43)
-    ids = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(tokens)])
-    weights = torch.rand((tokens, top_k), generator=g)
-    cfg = dict(moe_gemm.moe_mma_config(*launch), small=False)
-    got = moe_gemm.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE),
-                               cfg=cfg).cpu()
-    ref = moe_gemm.experts_reference(x.double(), ids, weights.double(), up.dequantize().double(),
-                                     down.dequantize().double())
+    args, ref = _fp16_case(6, 272, 144, 2, 19, seed=40)
+    got = moe_gemm.moe_experts(*args, cfg=dict(moe_gemm.moe_mma_config(*launch), small=False)).cpu()
     assert got.dtype == torch.float16
     assert float((got.double() - ref).norm() / ref.norm()) < 5e-3
+
+
+@pytest.mark.parametrize("launch,tokens", [((1, 1, 4, 2), 1), ((2, 2, 2, 0), 5), ((1, 2, 1, 2), 5)])
+def test_moe_small_mma(launch, tokens):
+    # The in-kernel-routing path on the register-fed matrix units (SMALL_MMA), forced: one token
+    # (a program per routed assignment) and five (a program per expert, up to 5 of an expert's
+    # assignments as B columns, and experts with none); K of 2.125 and 1.125 steps split over K
+    # groups of warps; scale bytes one at a time (K / 16 odd); rows past the last weight tile.
+    args, ref = _fp16_case(6, 272, 144, 3, tokens, seed=50, routed=5)  # expert 5: none
+    cfg = moe_gemm.small_mma_config(*launch)
+    got = moe_gemm.moe_experts(*args, cfg=cfg).cpu()
+    assert got.dtype == torch.float16
+    assert float((got.double() - ref).norm() / ref.norm()) < 5e-3
+    # the same matrix-unit sums as the sorted path's (same K order per 16-block, fp32): within
+    # the rounding of the intermediate to fp16
+    sorted_path = moe_gemm.moe_experts(*args, cfg=dict(moe_gemm.moe_mma_config(1, 1, 0), small=False)).cpu()
+    assert float((got.double() - sorted_path.double()).norm() / sorted_path.double().norm()) < 2e-3
+    with pytest.raises(ValueError, match="register-fed"):
+        moe_gemm.moe_experts(args[0].float(), *args[1:], cfg=cfg)
+
+
+def test_moe_config_takes_small_mma_up_to_its_assignments():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    tables = launch.override(MOE, SMALL_MMA={"max_assignments": 12})
+    assert moe_gemm.moe_config(12, 128, cuda, tables=tables) == moe_gemm.small_mma_config(tables=tables)
+    assert not moe_gemm.moe_config(18, 128, cuda, tables=tables).get("small_mma")
+    for dtype, device in ((torch.float32, cuda), (torch.bfloat16, cpu)):  # fp32 or the interpreter: not the mma path
+        assert not moe_gemm.moe_config(6, 128, device, dtype, tables=tables).get("small_mma")
+    off = launch.override(MOE, SMALL_MMA={"max_assignments": 0})
+    assert not moe_gemm.moe_config(1, 128, cuda, tables=off).get("small_mma")
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,15 +215,16 @@ def test_moe_config_paths_by_size_dtype_and_device():
     n_exp = 128
     gemv_max = MOE["MOE_GEMV"]["max_assignments"]
     mma_max = int(MOE["MOE_MMA"]["max_per_expert"] * n_exp)
-    assert moe_gemm.moe_config(gemv_max, n_exp, cuda).get("gemv")
-    assert moe_gemm.moe_config(gemv_max + 6, n_exp, cuda).get("mma")
-    assert moe_gemm.moe_config(mma_max, n_exp, cuda, torch.float16).get("mma")
-    beyond = moe_gemm.moe_config(mma_max + 6, n_exp, cuda)
+    tables = launch.override(MOE, SMALL_MMA={"max_assignments": 0})  # the paths beyond SMALL_MMA's
+    assert moe_gemm.moe_config(gemv_max, n_exp, cuda, tables=tables).get("gemv")
+    assert moe_gemm.moe_config(gemv_max + 6, n_exp, cuda, tables=tables).get("mma")
+    assert moe_gemm.moe_config(mma_max, n_exp, cuda, torch.float16, tables=tables).get("mma")
+    beyond = moe_gemm.moe_config(mma_max + 6, n_exp, cuda, tables=tables)
     assert not beyond.get("mma") and not beyond.get("gemv") and beyond["BLOCK_M"] in (16, 64)
     for dtype, device in ((torch.float32, cuda), (torch.bfloat16, cpu)):  # fp32 or the interpreter: wgmma tiles
-        assert not moe_gemm.moe_config(gemv_max + 6, n_exp, device, dtype).get("mma")
+        assert not moe_gemm.moe_config(gemv_max + 6, n_exp, device, dtype, tables=tables).get("mma")
     # the table given decides: no CUDA-core tiles, the register-fed units' own launch shape
-    tables = launch.override(MOE, MOE_GEMV={"max_assignments": 0}, MOE_MMA={"rows": 1, "num_warps": 2})
+    tables = launch.override(tables, MOE_GEMV={"max_assignments": 0}, MOE_MMA={"rows": 1, "num_warps": 2})
     cfg = moe_gemm.moe_config(6, n_exp, cuda, tables=tables)
     assert cfg["mma"] and cfg["BLOCK_N"] == 32 and cfg == moe_gemm.moe_mma_config(tables=tables)
 

@@ -96,6 +96,28 @@ def test_w4a16_gemv(dtype, m, nk):
         assert torch.all((y.double() - ref).abs() <= gemm_tolerance(x, wdq, dtype)(ref)), split
 
 
+@pytest.mark.parametrize("nk", [(72, 160), (64, 256), (40, 400)])  # ragged K, even K, more K tiles than in flight
+def test_w4a16_gemv_tiles_in_flight_change_no_bit(nk):
+    # AHEAD only moves the weights' loads earlier: every K tile is summed in the same order, so
+    # 2 and 3 tiles in flight give AHEAD = 1's output bit for bit, whole and split over K.
+    n, k = nk
+    wq = nvfp4.quantize(_rand(n, k, seed=31), scale_rule="4o6")
+    x = _rand(1, k, seed=32, dtype=torch.float16)
+    base = dict(gemv=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=32, num_warps=1, num_stages=1)
+    wdq = wq.dequantize(torch.float32)
+    ref = x.double() @ wdq.double().T
+    for split in (1, 2):  # two splits: the first one's tiles in flight run past its K range
+        cfg = dict(base, SPLIT=split, k_per_split=-(-k // (32 * split)) * 32)
+        one = w4a16_gemm.w4a16_matmul(x.to(DEVICE), wq.to(DEVICE), cfg=dict(cfg, AHEAD=1)).cpu()
+        assert torch.equal(one, w4a16_gemm.w4a16_matmul(x.to(DEVICE), wq.to(DEVICE), cfg=cfg).cpu())  # the default
+        assert torch.all((one.double() - ref).abs() <= gemm_tolerance(x, wdq, torch.float16)(ref)), split
+        for ahead in (2, 3):
+            got = w4a16_gemm.w4a16_matmul(x.to(DEVICE), wq.to(DEVICE), cfg=dict(cfg, AHEAD=ahead)).cpu()
+            assert torch.equal(got, one), (split, ahead)
+    with pytest.raises(Exception, match="AHEAD"):
+        w4a16_gemm.w4a16_matmul(x.to(DEVICE), wq.to(DEVICE), cfg=dict(base, SPLIT=1, k_per_split=k, AHEAD=4))
+
+
 @pytest.mark.parametrize("m", [1, 5, 9, 16])
 @pytest.mark.parametrize("nk", [(40, 256), (72, 400), (64, 224)])
 @pytest.mark.parametrize("launch", [(2, 4, 2, 0), (1, 8, 1, 0), (1, 1, 2, 0, 4), (2, 2, 1, 0, 2)])
