@@ -14,7 +14,10 @@ relu^2); the k slots of a token are summed in fp32 in a fixed order.
   weights. Up to MOE_GEMV["max_assignments"] the projections run on the CUDA cores
   (`tiles.gemv_accumulate`; split-K by MOE_GEMV's own target, its AHEAD K tiles in flight per
   thread, 1 if absent), else on the matrix units
-  (`tiles.accumulate`; split-K by SMALL's).
+  (`tiles.accumulate`; split-K by SMALL's). For 16-bit activations on a GPU, up to
+  SMALL_MMA["max_assignments"] the same routing runs on the register-fed matrix units instead
+  (`_moe_small_mma`, `_moe_small_mma_kernel`: K split over groups of warps inside a program, no
+  partials).
 - beyond, `_moe_sorted`: the assignments sorted by expert (`torch.sort`, stable; `offsets[e]`
   marks expert e's run), one launch per projection whose programs each walk one expert's run.
   With up to MOE_MMA["max_per_expert"] assignments per expert and 16-bit activations on a GPU

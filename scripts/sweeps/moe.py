@@ -161,33 +161,45 @@ def pick_small_mma(rows, top_k=6) -> dict:
     sum of its time relative to the token count's best over the counts up to which the fastest
     launch at each beats the default without the path at every swept count (one token where none
     does), and max_assignments: top_k times the largest count up to which that launch beats the
-    default at every swept count (0 if not at the first)."""
-    def ms(r):
-        return r["ms"] if r["ms"] is not None else float("inf")
-
-    base = {r["tokens"]: ms(r) for r in rows if r["path"] != "small-mma"}
-
-    def wins_up_to(times):
-        up_to = 0
-        for t in sorted(base):
-            if not times.get(t, float("inf")) < base[t]:
-                break
-            up_to = t
-        return up_to
-
-    mma = [r for r in rows if r["path"] == "small-mma"]
-    fastest = {}
-    for r in mma:
-        fastest[r["tokens"]] = min(fastest.get(r["tokens"], float("inf")), ms(r))
-    served = max(wins_up_to(fastest), min(fastest))
-    totals = {}
-    for r in mma:
-        if r["tokens"] <= served:
-            totals[tuple(r["launch"])] = totals.get(tuple(r["launch"]), 0.0) + ms(r) / fastest[r["tokens"]]
-    best = min(totals, key=totals.get)
-    up_to = wins_up_to({r["tokens"]: ms(r) for r in mma if tuple(r["launch"]) == best})
+    default at every swept count (0 if not at the first; `_relative_pick`)."""
+    base = {r["tokens"]: _ms(r) for r in rows if r["path"] != "small-mma"}
+    best, up_to = _relative_pick([r for r in rows if r["path"] == "small-mma"], lambda r: tuple(r["launch"]), base)
     rows_, warps, kwarps, prefetch = best
     return {"max_assignments": top_k * up_to, "rows": rows_, "num_warps": warps, "kwarps": kwarps, "prefetch": prefetch}
+
+
+def _ms(r) -> float:
+    """A sweep row's time, infinite where the launch failed."""
+    return r["ms"] if r["ms"] is not None else float("inf")
+
+
+def _wins_up_to(times: dict, base: dict) -> int:
+    """The largest token count up to which `times` beats `base` at every count of base's (0 if
+    not at the first)."""
+    up_to = 0
+    for t in sorted(base):
+        if not times.get(t, float("inf")) < base[t]:
+            break
+        up_to = t
+    return up_to
+
+
+def _relative_pick(candidates, launch_of, base, most_tokens=None) -> tuple:
+    """(launch, the token count up to which it beats base at every count): of the candidate rows'
+    launches, the one with the smallest sum of its time relative to each token count's fastest
+    over the counts the path will serve, those up to which the fastest launch at each beats base
+    at every count (at most `most_tokens`; at least the first count), each count alike."""
+    fastest = {}
+    for r in candidates:
+        fastest[r["tokens"]] = min(fastest.get(r["tokens"], float("inf")), _ms(r))
+    served = _wins_up_to(fastest, base)
+    served = max(served if most_tokens is None else min(served, most_tokens), min(fastest))
+    totals = {}
+    for r in candidates:
+        if r["tokens"] <= served:
+            totals[launch_of(r)] = totals.get(launch_of(r), 0.0) + _ms(r) / fastest[r["tokens"]]
+    best = min(totals, key=totals.get)
+    return best, _wins_up_to({r["tokens"]: _ms(r) for r in candidates if launch_of(r) == best}, base)
 
 
 def sweep_mma(tokens=(32, 64, 128, 256), n_exp=128, top_k=6, hid=2688, inter=1856,
@@ -216,25 +228,16 @@ def pick_mma(rows, n_exp=128, top_k=6) -> dict:
     register-fed path is used, and max_per_expert: the mean assignments per expert at the
     largest token count up to which that shape beats the sorted wgmma path at every swept
     count (0 if not at the first)."""
-    def ms(r):
-        return r["ms"] if r["ms"] is not None else float("inf")
-
-    base = {r["tokens"]: ms(r) for r in rows if r["path"] == "sorted"}
+    base = {r["tokens"]: _ms(r) for r in rows if r["path"] == "sorted"}
     mma = [r for r in rows if r["path"] == "sorted-mma"]
 
     def reach(launch):
-        times = {r["tokens"]: ms(r) for r in mma if tuple(r["launch"]) == launch}
-        up_to = 0
-        for t in sorted(base):
-            if not times.get(t, float("inf")) < base[t]:
-                break
-            up_to = t
-        return up_to
+        return _wins_up_to({r["tokens"]: _ms(r) for r in mma if tuple(r["launch"]) == launch}, base)
 
     launches = {tuple(r["launch"]) for r in mma}
     # The shape that wins furthest, then the fastest summed over the counts it is used for.
     up_to = max(reach(launch) for launch in launches)
-    totals = {launch: sum(ms(r) for r in mma if tuple(r["launch"]) == launch and r["tokens"] <= up_to)
+    totals = {launch: sum(_ms(r) for r in mma if tuple(r["launch"]) == launch and r["tokens"] <= up_to)
               for launch in launches if reach(launch) == up_to}
     rows_per_warp, warps, prefetch = min(totals, key=lambda launch: (totals[launch], launch))
     return {"max_per_expert": top_k * up_to / n_exp, "rows": rows_per_warp, "num_warps": warps,
@@ -249,33 +252,12 @@ def pick_gemv(rows, top_k=6, decode_tokens=8) -> dict:
     (a sum of times would let 8 tokens' 127 us outweigh one token's 24, and a count the matrix
     units take anyway would choose the tile); and max_assignments: top_k times the largest token
     count up to which that launch beats the matrix units at every swept count (0 if not at the
-    first; where none wins at one token the launch is chosen at one token)."""
-    def ms(r):
-        return r["ms"] if r["ms"] is not None else float("inf")
-
+    first; where none wins at one token the launch is chosen at one token; `_relative_pick`)."""
     def launch_of(r):  # rows from before the split was swept ran SMALL's: 2 programs per SM, 4 parts
         return (*r["tile"], r.get("maxnreg"), r.get("programs_per_sm", 2), r.get("max_parts", 4), r.get("ahead", 1))
 
-    def wins_up_to(times):
-        up_to = 0
-        for t in sorted(base):
-            if not times.get(t, float("inf")) < base[t]:
-                break
-            up_to = t
-        return up_to
-
-    base = {r["tokens"]: ms(r) for r in rows if r["path"] == "matrix-unit"}
-    tiles = [r for r in rows if r["path"] == "gemv"]
-    fastest = {}
-    for r in tiles:
-        fastest[r["tokens"]] = min(fastest.get(r["tokens"], float("inf")), ms(r))
-    served = max(min(wins_up_to(fastest), decode_tokens), min(fastest))
-    totals = {}
-    for r in tiles:
-        if r["tokens"] <= served:
-            totals[launch_of(r)] = totals.get(launch_of(r), 0.0) + ms(r) / fastest[r["tokens"]]
-    best = min(totals, key=totals.get)
-    up_to = wins_up_to({r["tokens"]: ms(r) for r in tiles if launch_of(r) == best})
+    base = {r["tokens"]: _ms(r) for r in rows if r["path"] == "matrix-unit"}
+    best, up_to = _relative_pick([r for r in rows if r["path"] == "gemv"], launch_of, base, decode_tokens)
     bm, bn, bk, nw, mr, pps, parts, a = best
     return with_maxnreg({"max_assignments": top_k * up_to, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
                          "num_warps": nw, "num_stages": 1, "programs_per_sm": pps, "max_parts": parts, "AHEAD": a},
