@@ -425,6 +425,11 @@ def moe_mma_config(rows: int | None = None, num_warps: int | None = None, prefet
                 PREFETCH=mma["prefetch"] if prefetch is None else prefetch)
 
 
+# Each lane of `_moe_small_mma_kernel` compacts the routed ids ([lanes, A_PAD] per pass), which
+# grows with the assignments: the path is for decode sizes only.
+SMALL_MMA_MOST = 64
+
+
 def small_mma_config(rows: int | None = None, num_warps: int | None = None, kwarps: int | None = None,
                      prefetch: int | None = None, *, tables: Mapping | None = None) -> dict:
     """The in-kernel-routing path on the register-fed matrix units (`_moe_small_mma`): arguments
@@ -444,7 +449,7 @@ def moe_config(assignments: int, n_experts: int, device: torch.device, dtype: to
     the mean number of rows per expert."""
     t = _table(tables, device)
     if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-            and assignments <= t["SMALL_MMA"]["max_assignments"]):
+            and assignments <= min(t["SMALL_MMA"]["max_assignments"], SMALL_MMA_MOST)):
         return small_mma_config(tables=t)
     gemv = t["MOE_GEMV"]
     if assignments <= gemv["max_assignments"]:
@@ -505,9 +510,10 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     table = _table(tables, x.device)
     cfg = dict(cfg or moe_config(a, n_exp, x.device, dtype, table))
     if cfg.pop("small_mma", False):
-        if dtype not in (torch.bfloat16, torch.float16) or inter % 4:
+        if dtype not in (torch.bfloat16, torch.float16) or inter % 4 or a > SMALL_MMA_MOST:
             raise ValueError(f"{_WHAT}: the in-kernel-routing path on the register-fed matrix units takes bf16/fp16 "
-                             f"activations and an intermediate size divisible by 4 (got {dtype}, {inter})")
+                             f"activations, an intermediate size divisible by 4 and at most {SMALL_MMA_MOST} "
+                             f"assignments (got {dtype}, {inter}, {a})")
         if a == 0:
             return torch.zeros_like(x)
         return _moe_small_mma(x, top_k_index, top_k_weights.reshape(-1).to(torch.float32).contiguous(), up_proj,

@@ -273,7 +273,7 @@ def _nano_moe(tokens, seed, n_exp=128, hid=2688, inter=1856, top_k=6):
     (1, "sorted"), (64, "small"),  # each path where the other is the default (64: one program per expert)
     (1, "small-matrix-unit"), (64, "gemv"),  # the in-kernel-routing path on the other units
     (1, "mma"), (8, "mma"), (17, "mma"), (64, "sorted"),  # the sorted path on the register-fed / wgmma units
-    (1, "small-mma"), (8, "small-mma"), (64, "small-mma"),  # the in-kernel-routing path on the register-fed units
+    (1, "small-mma"), (8, "small-mma"),  # the in-kernel-routing path on the register-fed units
 ])
 def test_moe_bf16_nano_shapes(tokens, path):
     n_exp, top_k = 128, 6

@@ -192,6 +192,11 @@ def test_moe_small_mma(launch, tokens):
     assert float((got.double() - sorted_path.double()).norm() / sorted_path.double().norm()) < 2e-3
     with pytest.raises(ValueError, match="register-fed"):
         moe_gemm.moe_experts(args[0].float(), *args[1:], cfg=cfg)
+    x, ids, weights, up, down = args
+    many = moe_gemm.SMALL_MMA_MOST // ids.shape[1] + 1  # tokens past the path's assignments
+    with pytest.raises(ValueError, match=f"at most {moe_gemm.SMALL_MMA_MOST} assignments"):
+        moe_gemm.moe_experts(x[:1].expand(many, -1), ids[:1].expand(many, -1), weights[:1].expand(many, -1), up, down,
+                             cfg=cfg)
 
 
 def test_moe_config_takes_small_mma_up_to_its_assignments():
@@ -203,6 +208,11 @@ def test_moe_config_takes_small_mma_up_to_its_assignments():
         assert not moe_gemm.moe_config(6, 128, device, dtype, tables=tables).get("small_mma")
     off = launch.override(MOE, SMALL_MMA={"max_assignments": 0})
     assert not moe_gemm.moe_config(1, 128, cuda, tables=off).get("small_mma")
+    # never past the assignments its per-lane compaction is sized for, whatever the table says
+    most = moe_gemm.SMALL_MMA_MOST
+    wide = launch.override(MOE, SMALL_MMA={"max_assignments": 4 * most})
+    assert moe_gemm.moe_config(most, 128, cuda, tables=wide).get("small_mma")
+    assert not moe_gemm.moe_config(most + 6, 128, cuda, tables=wide).get("small_mma")
 
 
 # --------------------------------------------------------------------------------------------
