@@ -405,6 +405,9 @@ def experts_reference(hidden, top_k_index, top_k_weights, up_w, down_w):
 #   SMALL       the in-kernel-routing path up to max_assignments; K split until about
 #               programs_per_sm programs per multiprocessor, at most max_parts ways (on the
 #               matrix units; the CUDA-core tiles split by MOE_GEMV's own entries);
+#   SMALL_MMA   the in-kernel-routing path on the register-fed matrix units up to max_assignments
+#               (never past SMALL_MMA_MOST): weight-row tiles of 16 per warp (rows), warps, K groups
+#               of warps (kwarps), L2 prefetch distance;
 #   MOE_MMA     the register-fed matrix units up to max_per_expert assignments per expert on
 #               average: weight-row tiles of 16 per warp (rows), warps, L2 prefetch distance;
 #   MOE_DECODE  the wgmma tiles' launch shape up to 24 rows per expert (maxnreg: a register cap).
@@ -592,6 +595,18 @@ def _in_kernel_routing(top_k_index, up):
     return t, top_k, a, top_k_index.reshape(-1).contiguous(), by_assignment, a if by_assignment else up.shape[0]
 
 
+def _combine(part, ids, weights, t, top_k, n_exp, dtype):
+    """The in-kernel-routing paths' last launch (`_moe_combine_kernel`): the [t, H] output in
+    `dtype` from the down projection's fp32 parts [parts, assignments, H]."""
+    parts, a, hid = part.shape
+    out = torch.empty((t, hid), dtype=dtype, device=part.device)
+    block = min(1024, next_power_of_2(hid))
+    launch_cached(_moe_combine_kernel, (t, cdiv(hid, block)),
+        part, ids, weights, out, a, n_exp, hid, PARTS=parts, TOPK=top_k, ACT=_TL_DTYPES[dtype], BLOCK=block,
+        **launch_options())
+    return out
+
+
 def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
     """Three launches, no host-side routing: up (fp32 split-K partials per assignment), down
     (reading relu^2 of the up partials; fp32 partials), combine (routing weights, top-k sum).
@@ -638,12 +653,7 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
         down.block_scale.view(torch.uint8), down.global_scale, part_dn, a, n_exp, hid, inter, top_k, kps_dn,
         a * inter, UP=False, X_PARTS=0 if s_up == 1 else s_up, RELU2_OUT=False, EVEN_N=hid % bn == 0,
         EVEN_K=inter % cfg_dn["BLOCK_K"] == 0, KB=inter // 16 if gemv else 0, **cfg_dn, **common)
-    out = torch.empty((t, hid), dtype=dtype, device=device)
-    block = min(1024, next_power_of_2(hid))
-    launch_cached(_moe_combine_kernel, (t, cdiv(hid, block)),
-        part_dn, ids, weights, out, a, n_exp, hid, PARTS=s_dn, TOPK=top_k, ACT=_TL_DTYPES[dtype], BLOCK=block,
-        **launch_options())
-    return out
+    return _combine(part_dn, ids, weights, t, top_k, n_exp, dtype)
 
 
 def _moe_small_mma(x, top_k_index, weights, up, down, cfg):
@@ -672,12 +682,7 @@ def _moe_small_mma(x, top_k_index, weights, up, down, cfg):
         inter4, ids, down.packed.view(torch.int64), scales, down.global_scale, part, a, n_exp, hid, inter, top_k,
         inter // 4, UP=False, EVEN_K=inter % 128 == 0, SCALE_PAIRS=pairs,
         VEC=mma_vec(down.packed, inter4, inter // 4, inter, _moe_small_mma_kernel), **common)
-    out = torch.empty((t, hid), dtype=dtype, device=device)
-    block = min(1024, next_power_of_2(hid))
-    launch_cached(_moe_combine_kernel, (t, cdiv(hid, block)),
-        part, ids, weights, out, a, n_exp, hid, PARTS=1, TOPK=top_k, ACT=_TL_DTYPES[dtype], BLOCK=block,
-        **launch_options())
-    return out
+    return _combine(part, ids, weights, t, top_k, n_exp, dtype)
 
 
 def _moe_sorted(x, top_k_index, weights, up, down, cfg, lut, tables):
