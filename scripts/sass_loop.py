@@ -1,6 +1,6 @@
 """Counts the instructions of a Triton kernel's innermost loop on sm_90, without a GPU.
 
-    python scripts/sass_loop.py fp8-gemv|moe-gemv|moe-small-mma|packed [--out benchmarks/results/<kernel>-sass.json]
+    python scripts/sass_loop.py fp8-gemv|moe-gemv|packed [--out benchmarks/results/<kernel>-sass.json]
 
 Triton compiles the kernel ahead of time for sm_90 (its bundled ptxas), cuobjdump (bundled too)
 disassembles it, and the loop is the last innermost one (a backward branch's range that holds no
@@ -131,40 +131,19 @@ def moe_gemv(tiles=((4, 512, 1, None), (8, 512, 1, None), (8, 512, 1, 96), (4, 1
     from fp4kit.kernels import moe_gemm as mg
 
     sig = {"x_ptr": "*bf16", "x4_ptr": "*i64", "ids_ptr": "*i64", "wq_ptr": "*i64", "ws_ptr": "*u8", "gs_ptr": "*fp32",
-           "part_ptr": "*bf16", "A": "i32", "E": "i32", "N": "i32", "K": "i32", "TOPK": "i32", "k_per_split": "i32",
+           "swq_ptr": "*i64", "sws_ptr": "*u8", "sgs_ptr": "*fp32", "part_ptr": "*bf16", "A": "i32", "E": "i32", "N": "i32", "K": "i32", "TOPK": "i32", "k_per_split": "i32",
            "part_stride": "i32"}
     sig.update({name: "constexpr" for name in ("A_PAD", "BY_ASSIGNMENT", "UP", "X_PARTS", "RELU2_OUT", "ACT", "BLOCK_M",
                                                "BLOCK_N", "BLOCK_K", "IEEE", "LUT", "EVEN_N", "EVEN_K", "GEMV", "KB",
-                                               "AHEAD")})
+                                               "AHEAD", "SHARED")})
     divisible = ("x_ptr", "x4_ptr", "ids_ptr", "wq_ptr", "ws_ptr", "gs_ptr", "part_ptr", "E", "N", "K", "k_per_split",
                  "part_stride")
     launches = [({"tile": [bn, bk, nw], **({"maxnreg": cap} if cap else {}), **({"ahead": a[0]} if a else {})},
                  dict(A_PAD=8, BY_ASSIGNMENT=True, UP=True, X_PARTS=0, RELU2_OUT=True, ACT=tl.bfloat16, BLOCK_M=1,
                       BLOCK_N=bn, BLOCK_K=bk, IEEE=False, LUT=True, EVEN_N=True, EVEN_K=False, GEMV=True, KB=2688 // 16,
-                      AHEAD=a[0] if a else 1),
+                      AHEAD=a[0] if a else 1, SHARED=0),
                  nw, bn * bk / (32 * nw)) for bn, bk, nw, cap, *a in tiles]
     return _rows(mg._moe_small_kernel, sig, divisible, launches)
-
-
-def moe_small_mma(launches=((1, 1, 4), (2, 1, 4), (1, 2, 2), (1, 1, 1))) -> list:
-    """`_moe_small_mma_kernel`'s K loop (`mma.mma_accumulate`, steps of 128) as one token's up
-    projection launches it on Nemotron-3-Nano (K = 2688, 21 whole steps; 16-byte loads, scale
-    bytes in pairs), per (weight tiles per warp, warps, K groups of warps): per step a lane decodes
-    64 weights of each of its weight tiles."""
-    import triton.language as tl
-
-    from fp4kit.kernels import moe_gemm as mg
-
-    sig = {"x4_ptr": "*i64", "ids_ptr": "*i64", "wb_ptr": "*i64", "ws_ptr": "*i16", "gs_ptr": "*fp32",
-           "out_ptr": "*bf16", "A": "i32", "E": "i32", "N": "i32", "K": "i32", "TOPK": "i32", "stride_x4": "i32"}
-    sig.update({name: "constexpr" for name in ("A_PAD", "BY_ASSIGNMENT", "UP", "ACT", "ROWS", "WARPS", "KWARPS", "F16",
-                                               "EVEN_K", "SCALE_PAIRS", "PREFETCH", "EMULATE", "VEC")})
-    divisible = ("x4_ptr", "ids_ptr", "wb_ptr", "ws_ptr", "gs_ptr", "out_ptr", "E", "N", "K", "stride_x4")
-    rows = [({"rows": r, "warps": nw, "kwarps": kw},
-             dict(A_PAD=8, BY_ASSIGNMENT=True, UP=True, ACT=tl.bfloat16, ROWS=r, WARPS=nw, KWARPS=kw, F16=False,
-                  EVEN_K=True, SCALE_PAIRS=True, PREFETCH=2, EMULATE=False, VEC=True), nw * kw, 64 * r)
-            for r, nw, kw in launches]
-    return _rows(mg._moe_small_mma_kernel, sig, divisible, rows)
 
 
 def packed(launches=((16, 1), (32, 1), (64, 1), (32, 2), (64, 2))) -> list:
@@ -184,7 +163,7 @@ def packed(launches=((16, 1), (32, 1), (64, 1), (32, 2), (64, 2))) -> list:
     return _rows(pg._packed_kernel, sig, divisible, rows)
 
 
-KERNELS = {"fp8-gemv": fp8_gemv, "moe-gemv": moe_gemv, "moe-small-mma": moe_small_mma, "packed": packed}
+KERNELS = {"fp8-gemv": fp8_gemv, "moe-gemv": moe_gemv, "packed": packed}
 
 
 def main(argv=None) -> int:

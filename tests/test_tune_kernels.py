@@ -300,26 +300,6 @@ def test_pick_moe_gemv_weighs_only_the_counts_the_tiles_serve():
     assert sm.pick_gemv(slow, top_k=6)["BLOCK_N"] == 8 and sm.pick_gemv(slow, top_k=6)["max_assignments"] == 0
 
 
-def test_pick_small_mma_launch_and_reach():
-    def mma(t, launch, ms):
-        return {"tokens": t, "path": "small-mma", "launch": list(launch), "ms": ms}
-
-    a, b = (1, 1, 4, 2), (2, 1, 4, 2)
-    rows = [{"tokens": 1, "path": "gemv", "ms": 22.0}, mma(1, a, 18.0), mma(1, b, 20.0),
-            {"tokens": 2, "path": "gemv", "ms": 37.0}, mma(2, a, 36.0), mma(2, b, 30.0),
-            {"tokens": 4, "path": "gemv", "ms": 70.0}, mma(4, a, 90.0), mma(4, b, 80.0)]
-    # served up to 2 tokens (at 4 the gemv tiles win): 1 + 36/30 against 20/18 + 1 -> b, which
-    # beats the tiles at 1 and 2 tokens
-    assert sm.pick_small_mma(rows, top_k=6) == {"max_assignments": 12, "rows": 2, "num_warps": 1, "kwarps": 4,
-                                                 "prefetch": 2}
-    # losing at one token everywhere: off
-    slow = [dict(r, ms=r["ms"] + 50.0) if r["path"] == "small-mma" else r for r in rows]
-    assert sm.pick_small_mma(slow, top_k=6)["max_assignments"] == 0
-    # a launch that failed is never picked
-    failed = [dict(r, ms=None) if r["path"] == "small-mma" and r["launch"] == list(b) else r for r in rows]
-    assert sm.pick_small_mma(failed, top_k=6)["rows"] == 1
-
-
 def test_a_pick_drops_a_register_cap_it_does_not_carry(monkeypatch):
     from sweeps.common import merged
 

@@ -25,6 +25,13 @@ def interpreted(kernel) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
+def exact_dot(dtype: torch.dtype, kernel) -> bool:
+    """Whether `kernel`'s `tl.dot` runs on fp32 operands with IEEE fp32 sums (`tiles.accumulate`'s
+    IEEE): for fp32 activations; and in the interpreter for 16-bit ones too, whose products are
+    exact in fp32 as on the matrix units (the interpreter's own bf16 dot returns wrong values)."""
+    return dtype == torch.float32 or (interpreted(kernel) and dtype in (torch.bfloat16, torch.float16))
+
+
 def check_backend(backend: str, kernel, *tensors: torch.Tensor, what: str) -> None:
     """Raise unless `backend` is known and, for "triton", `kernel` can run on `tensors`' device."""
     if backend not in BACKENDS:

@@ -269,8 +269,8 @@ def accumulate(acc, x_ptr, x_row, m_ok, wq_ptr, ws_ptr, gs, n64, n_ok, K, k_star
                                                  K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K)
         x = _load_x(x_ptr, x_row, m_ok, k0, kk, K, EVEN_K, X_PARTS, part_stride, ACT)  # [BLOCK_K, BLOCK_M]
         w = dequant_tile(packed, sc, gs, x.dtype, LUT, BLOCK_N, BLOCK_K)
-        if IEEE:
-            acc = tl.dot(w, x, acc, input_precision="ieee")
+        if IEEE:  # fp32 operands (16-bit ones convert exactly), IEEE fp32 sums
+            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, x, acc)
         packed, sc = packed_next, sc_next

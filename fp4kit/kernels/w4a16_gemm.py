@@ -36,8 +36,8 @@ import triton.language as tl
 from fp4kit.formats import nvfp4
 
 from . import backend, launch
-from .backend import (Constants, cdiv, check_activations, check_backend, check_weight, current_device, interpreted,
-                      launch_cached, launch_kept, launch_options)
+from .backend import (Constants, cdiv, check_activations, check_backend, check_weight, current_device, exact_dot,
+                      interpreted, launch_cached, launch_kept, launch_options)
 from .mma import (first_group, mma_accumulate, mma_fragments, mma_lanes, mma_rows, mma_scales, mma_vec,
                   store_unscaled, sum_groups)
 from .tiles import (accumulate, activation_rows, as_leading, dequant_tile, gemv_accumulate, gemv_k_tile, int64_activations,
@@ -352,7 +352,7 @@ def _plan(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, t: M
     elif gemv:
         consts = Constants(SPLIT=split, LUT=lut, KB=k // 16, **even, **cfg, **launch_options())
     else:
-        consts = Constants(SPLIT=split, IEEE=dtype == torch.float32, LUT=lut, **even, **cfg, **launch_options())
+        consts = Constants(SPLIT=split, IEEE=exact_dot(dtype, _w4a16_kernel), LUT=lut, **even, **cfg, **launch_options())
     return split, k_per_split, gemv, mma, grid, consts
 
 

@@ -132,42 +132,6 @@ def sweep_gemv(tokens=(1, 2, 4, 8, 16), n_exp=128, top_k=6, hid=2688, inter=1856
     return out
 
 
-def sweep_small_mma(tokens=(1, 2, 4, 8), n_exp=128, top_k=6, hid=2688, inter=1856,
-                    launches=((1, 1, 4, 2), (2, 1, 4, 2), (1, 2, 2, 2), (1, 1, 2, 2)),
-                    tables=None):
-    """Times of the in-kernel-routing path on the register-fed matrix units (`small_mma_config`:
-    weight tiles per warp, warps, K groups of warps, L2 prefetch distance) and of the default
-    without it (`moe_config` with SMALL_MMA off) at the same token count, side by side, on Nano's
-    experts; each checked first, timed cold (`time_if_right` over copies of the stacks)."""
-    up, down = _nano_experts(n_exp, hid, inter)
-    tables = tables or launch.table("moe")
-    without = launch.override(tables, SMALL_MMA={"max_assignments": 0})
-    out = []
-    for t in tokens:
-        h, n_copies, timed = _cold_timer(t, n_exp, top_k, hid, up, down)
-        base = mg.moe_config(t * top_k, n_exp, h.device, h.dtype, without)
-        row = {"tokens": t, "path": "gemv" if base.get("gemv") else "default", "weight_copies": n_copies}
-        row.update(timed(base))
-        out.append(row)
-        for shape in launches:
-            row = {"tokens": t, "path": "small-mma", "launch": list(shape), "weight_copies": n_copies}
-            row.update(timed(mg.small_mma_config(*shape, tables=tables)))
-            out.append(row)
-    return out
-
-
-def pick_small_mma(rows, top_k=6) -> dict:
-    """SMALL_MMA: the launch (weight tiles per warp, warps, K groups, prefetch) with the smallest
-    sum of its time relative to the token count's best over the counts up to which the fastest
-    launch at each beats the default without the path at every swept count (one token where none
-    does), and max_assignments: top_k times the largest count up to which that launch beats the
-    default at every swept count (0 if not at the first; `_relative_pick`)."""
-    base = {r["tokens"]: _ms(r) for r in rows if r["path"] != "small-mma"}
-    best, up_to = _relative_pick([r for r in rows if r["path"] == "small-mma"], lambda r: tuple(r["launch"]), base)
-    rows_, warps, kwarps, prefetch = best
-    return {"max_assignments": top_k * up_to, "rows": rows_, "num_warps": warps, "kwarps": kwarps, "prefetch": prefetch}
-
-
 def _ms(r) -> float:
     """A sweep row's time, infinite where the launch failed."""
     return r["ms"] if r["ms"] is not None else float("inf")
@@ -305,9 +269,6 @@ SWEEPS = {
                    "the in-kernel-routing path's split-K and the assignments up to which it beats the sorted path"),
     "gemv": Sweep("moe", "MOE_GEMV", sweep_gemv, merged("moe", "MOE_GEMV", pick_gemv, owned=("maxnreg",)),
                   "the CUDA-core tiles and the assignments up to which they beat the matrix units"),
-    "small_mma": Sweep("moe", "SMALL_MMA", sweep_small_mma, merged("moe", "SMALL_MMA", pick_small_mma),
-                       "the in-kernel-routing path on the register-fed matrix units: its launch shape and the "
-                       "assignments up to which it beats the path beyond it"),
     "mma": Sweep("moe", "MOE_MMA", sweep_mma, merged("moe", "MOE_MMA", pick_mma),
                  "the register-fed matrix units' launch shape and their reach in rows per expert"),
 }

@@ -254,9 +254,6 @@ def test_w4a16_gemv_bf16(nk, m):
 # --------------------------------------------------------------------------------------------
 # Grouped MoE
 # --------------------------------------------------------------------------------------------
-NO_SMALL_MMA = launch.override(launch.table("moe"), SMALL_MMA={"max_assignments": 0})  # the CUDA-core tiles at 0
-
-
 def _nano_moe(tokens, seed, n_exp=128, hid=2688, inter=1856, top_k=6):
     """Nano's expert stacks quantized with 4/6 on the GPU, bf16 hidden states, top-6 routing and
     its weights: (up, down, x, ids, weights)."""
@@ -273,19 +270,16 @@ def _nano_moe(tokens, seed, n_exp=128, hid=2688, inter=1856, top_k=6):
     (1, "sorted"), (64, "small"),  # each path where the other is the default (64: one program per expert)
     (1, "small-matrix-unit"), (64, "gemv"),  # the in-kernel-routing path on the other units
     (1, "mma"), (8, "mma"), (17, "mma"), (64, "sorted"),  # the sorted path on the register-fed / wgmma units
-    (1, "small-mma"), (8, "small-mma"),  # the in-kernel-routing path on the register-fed units
 ])
 def test_moe_bf16_nano_shapes(tokens, path):
     n_exp, top_k = 128, 6
     up, down, x, ids, weights = _nano_moe(tokens, seed=8)
     cfg = None
     if path == "gemv":
-        cfg = dict(moe_gemm.moe_config(0, n_exp, x.device, tables=NO_SMALL_MMA))
+        cfg = dict(moe_gemm.moe_config(0, n_exp, x.device))
         assert cfg["gemv"]
     elif path == "mma":
         cfg = dict(moe_gemm.moe_mma_config(), small=False)
-    elif path == "small-mma":
-        cfg = moe_gemm.small_mma_config(1, 1, 4)
     elif path is not None:
         cfg = dict(moe_gemm.matrix_unit_config(tokens * top_k, n_exp, x.device), small=path != "sorted")
     got = moe_gemm.moe_experts(x, ids, weights, up, down, cfg=cfg)
@@ -298,13 +292,36 @@ def test_moe_bf16_nano_shapes(tokens, path):
     assert float((got.float() - torch_bf16.float()).norm() / torch_bf16.float().norm()) < 1e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 4, 8])
+def test_shared_expert_in_the_routed_launches_nano_shapes(tokens):
+    # Nano's shared expert (3712 = 2 x 1856) as two more experts per token in the routed
+    # experts' launches where those route in the kernels (up to 4 tokens): the routed output is
+    # moe_experts' bit for bit, the shared one its own launches' (w4a16_matmul) up to summation
+    # order and bf16 roundings. At 8 tokens (the sorted path) its own launches, bit for bit.
+    up, down, x, ids, weights = _nano_moe(tokens, seed=80)
+    s_up = kquant.quantize(_randn(3712, 2688, seed=84), scale_rule="4o6")
+    s_down = kquant.quantize(_randn(2688, 3712, seed=85), scale_rule="4o6")
+    parts = moe_gemm.shared_parts(s_up, s_down, 1856)[1]
+    assert bool(moe_gemm.moe_config(tokens * 6, 128, x.device).get("gemv")) == (tokens <= 4)
+    routed, shared = moe_gemm.moe_experts_and_shared(x, ids, weights, up, down, s_up, s_down, parts)
+    assert torch.equal(routed, moe_gemm.moe_experts(x, ids, weights, up, down))
+    own = w4a16_gemm.w4a16_matmul(torch.square(torch.relu(w4a16_gemm.w4a16_matmul(x, s_up))), s_down)
+    if tokens > 4:
+        assert torch.equal(shared, own)
+    else:
+        assert float((shared.float() - own.float()).norm() / own.float().norm()) < 2**-7
+    h = torch.square(torch.relu(x.double() @ s_up.dequantize().double().T)).to(torch.bfloat16).double()
+    ref = h @ s_down.dequantize().double().T
+    assert float((shared.double() - ref).norm() / ref.norm()) < 1e-2
+
+
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_moe_gemv_tiles_in_flight_nano_shapes(tokens):
     # Compiled for the GPU, MOE_GEMV's K tiles in flight (AHEAD) change no bit of either
     # projection on Nano's experts (K = 2688 and 1856: ragged last steps of 512), nor does the
     # dense GEMV's on the shared expert's shapes.
     up, down, x, ids, weights = _nano_moe(tokens, seed=70)
-    cfg = dict(moe_gemm.moe_config(0, 128, x.device, tables=NO_SMALL_MMA))
+    cfg = dict(moe_gemm.moe_config(0, 128, x.device))
     outs = [moe_gemm.moe_experts(x, ids, weights, up, down, cfg=dict(cfg, AHEAD=a)) for a in (1, 2, 3)]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     for n, k in ((3712, 2688), (2688, 3712)):

@@ -72,6 +72,67 @@ def test_moe_matches_transformers_experts(dtype, rtol, tokens, path, monkeypatch
     assert float((torch_ref.double() - ref.double()).norm() / ref.double().norm()) < rtol
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("path", ["small", "small-split", "gemv", "gemv-split"])
+def test_shared_expert_in_the_routed_launches(tokens, path, monkeypatch):
+    # The shared expert (intermediate 2 x the routed experts') cut into two parts and run as two
+    # more experts per token in the routed experts' launches: the routed output is moe_experts'
+    # bit for bit (same split-K), the shared output the shared expert's up to summation order.
+    # 1 token: a program per assignment (5 < 10 experts); 5 tokens: a program per expert.
+    n_exp, hid, inter, top_k = 8, 128, 48, 3
+    split = path.endswith("-split")
+    tables = launch.override(MOE, SMALL={"max_assignments": 512, "programs_per_sm": 1000 if path == "small-split" else 0},
+                             MOE_GEMV={"max_assignments": 512 if path.startswith("gemv") else 0,
+                                       "programs_per_sm": 1000 if path == "gemv-split" else 0})
+    up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=50, scale=0.1), scale_rule="4o6")
+    down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=51, scale=0.1))
+    s_up = nvfp4.quantize(_rand(2 * inter, hid, seed=52, scale=0.1))
+    s_down = nvfp4.quantize(_rand(hid, 2 * inter, seed=53, scale=0.1))
+    x = _rand(tokens, hid, seed=54, dtype=torch.float16)
+    g = torch.Generator().manual_seed(55)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand((tokens, top_k), generator=g)
+    cut = moe_gemm.shared_parts(s_up, s_down, inter)
+    assert cut[1].shape == (2, hid, inter)
+    for j in range(2):  # part j is column block j of down_proj, as dequantized values
+        assert torch.equal(cut[1].dequantize()[j], s_down.dequantize()[:, j * inter:(j + 1) * inter])
+        assert torch.equal(cut[0].dequantize()[j], s_up.dequantize()[j * inter:(j + 1) * inter])
+    on = [t.to(DEVICE) for t in (x, ids, weights)]
+    splits = []
+    split_k = moe_gemm._split_k
+    monkeypatch.setattr(moe_gemm, "_split_k", lambda *a: splits.append(split_k(*a)[0]) or split_k(*a))
+    routed, shared = moe_gemm.moe_experts_and_shared(*on, up.to(DEVICE), down.to(DEVICE), s_up.to(DEVICE),
+                                                     s_down.to(DEVICE), cut[1].to(DEVICE), tables=tables)
+    assert (splits[0] > 1) if split else splits == [1, 1]  # split: the down kernel reads the up partials
+    assert torch.equal(routed.cpu(), moe_gemm.moe_experts(*on, up.to(DEVICE), down.to(DEVICE), tables=tables).cpu())
+    h = torch.square(torch.relu(torch.nn.functional.linear(x.double(), s_up.dequantize().double())))
+    ref = torch.nn.functional.linear(h, s_down.dequantize().double())
+    assert shared.dtype == x.dtype and float((shared.cpu().double() - ref).norm() / ref.norm()) < 2e-3
+    # the shared expert's own launches (no parts) agree as closely
+    _, own = moe_gemm.moe_experts_and_shared(*on, up.to(DEVICE), down.to(DEVICE), s_up.to(DEVICE), s_down.to(DEVICE),
+                                             tables=tables)
+    assert float((shared.cpu().double() - own.cpu().double()).norm() / own.cpu().double().norm()) < 2e-3
+    assert not torch.equal(shared.cpu(), torch.zeros_like(shared.cpu()))
+
+
+def test_shared_parts_only_where_the_shapes_cut():
+    hid, inter = 64, 32
+    s_up, s_down = nvfp4.quantize(_rand(3 * inter, hid, seed=56)), nvfp4.quantize(_rand(hid, 3 * inter, seed=57))
+    assert moe_gemm.shared_parts(s_up, s_down, inter)[1].shape == (3, hid, inter)
+    assert moe_gemm.shared_parts(s_up, s_down, 64) is None  # 96 is not a multiple of 64
+    assert moe_gemm.shared_parts(s_up, s_down, 24) is None  # 96 = 4 x 24, but 24 is not a whole number of blocks
+    up = nvfp4.quantize(_rand(4, inter, hid, seed=58))
+    down = nvfp4.quantize(_rand(4, hid, inter, seed=59))
+    x, ids, weights = _rand(1, hid, seed=60), torch.tensor([[0, 2]]), torch.tensor([[0.5, 0.5]])
+    wrong = moe_gemm.shared_parts(s_up, s_down, inter)[1]
+    with pytest.raises(FormatError, match="are not the parts of a shared expert"):
+        moe_gemm.moe_experts_and_shared(x, ids, weights, up, down, s_up, s_down,
+                                        nvfp4.NVFP4Tensor(wrong.packed[:2], wrong.block_scale[:2], wrong.global_scale[:2]))
+    with pytest.raises(FormatError, match="are not the parts of a shared expert"):  # another expert's scale
+        moe_gemm.moe_experts_and_shared(x, ids, weights, up, down, s_up, s_down,
+                                        nvfp4.NVFP4Tensor(wrong.packed, wrong.block_scale, wrong.global_scale * 2))
+
+
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_moe_gemv_tiles_in_flight_change_no_bit(tokens):
     # MOE_GEMV's AHEAD (K tiles in flight) moves loads only: both projections give AHEAD = 1's
@@ -150,14 +211,14 @@ def test_moe_mma_launch_defaults_to_the_sorted_path_when_small():
     assert float((got.double() - ref).norm() / ref.norm()) < 5e-3
 
 
-def _fp16_case(n_exp, hid, inter, top_k, tokens, seed, routed=None):
+def _fp16_case(n_exp, hid, inter, top_k, tokens, seed):
     """A 4/6 up and a plain down stack, fp16 hidden states, each token routed to top_k of the
-    first `routed` experts (default all), routing weights; on DEVICE, with the float64 reference."""
+    experts, routing weights; on DEVICE, with the float64 reference."""
     up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=seed, scale=0.1), scale_rule="4o6")
     down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=seed + 1, scale=0.1))
     x = _rand(tokens, hid, seed=seed + 2, dtype=torch.float16)
     g = torch.Generator().manual_seed(seed + 3)
-    ids = torch.stack([torch.randperm(routed or n_exp, generator=g)[:top_k] for _ in range(tokens)])
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.rand((tokens, top_k), generator=g)
     ref = moe_gemm.experts_reference(x.double(), ids, weights.double(), up.dequantize().double(),
                                      down.dequantize().double())
@@ -175,46 +236,6 @@ def test_moe_sorted_mma(launch):
     assert float((got.double() - ref).norm() / ref.norm()) < 5e-3
 
 
-@pytest.mark.parametrize("launch,tokens", [((1, 1, 4, 2), 1), ((2, 2, 2, 0), 5), ((1, 2, 1, 2), 5)])
-def test_moe_small_mma(launch, tokens):
-    # The in-kernel-routing path on the register-fed matrix units (SMALL_MMA), forced: one token
-    # (a program per routed assignment) and five (a program per expert, up to 5 of an expert's
-    # assignments as B columns, and experts with none); K of 2.125 and 1.125 steps split over K
-    # groups of warps; scale bytes one at a time (K / 16 odd); rows past the last weight tile.
-    args, ref = _fp16_case(6, 272, 144, 3, tokens, seed=50, routed=5)  # expert 5: none
-    cfg = moe_gemm.small_mma_config(*launch)
-    got = moe_gemm.moe_experts(*args, cfg=cfg).cpu()
-    assert got.dtype == torch.float16
-    assert float((got.double() - ref).norm() / ref.norm()) < 5e-3
-    # the same matrix-unit sums as the sorted path's (same K order per 16-block, fp32): within
-    # the rounding of the intermediate to fp16
-    sorted_path = moe_gemm.moe_experts(*args, cfg=dict(moe_gemm.moe_mma_config(1, 1, 0), small=False)).cpu()
-    assert float((got.double() - sorted_path.double()).norm() / sorted_path.double().norm()) < 2e-3
-    with pytest.raises(ValueError, match="register-fed"):
-        moe_gemm.moe_experts(args[0].float(), *args[1:], cfg=cfg)
-    x, ids, weights, up, down = args
-    many = moe_gemm.SMALL_MMA_MOST // ids.shape[1] + 1  # tokens past the path's assignments
-    with pytest.raises(ValueError, match=f"at most {moe_gemm.SMALL_MMA_MOST} assignments"):
-        moe_gemm.moe_experts(x[:1].expand(many, -1), ids[:1].expand(many, -1), weights[:1].expand(many, -1), up, down,
-                             cfg=cfg)
-
-
-def test_moe_config_takes_small_mma_up_to_its_assignments():
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    tables = launch.override(MOE, SMALL_MMA={"max_assignments": 12})
-    assert moe_gemm.moe_config(12, 128, cuda, tables=tables) == moe_gemm.small_mma_config(tables=tables)
-    assert not moe_gemm.moe_config(18, 128, cuda, tables=tables).get("small_mma")
-    for dtype, device in ((torch.float32, cuda), (torch.bfloat16, cpu)):  # fp32 or the interpreter: not the mma path
-        assert not moe_gemm.moe_config(6, 128, device, dtype, tables=tables).get("small_mma")
-    off = launch.override(MOE, SMALL_MMA={"max_assignments": 0})
-    assert not moe_gemm.moe_config(1, 128, cuda, tables=off).get("small_mma")
-    # never past the assignments its per-lane compaction is sized for, whatever the table says
-    most = moe_gemm.SMALL_MMA_MOST
-    wide = launch.override(MOE, SMALL_MMA={"max_assignments": 4 * most})
-    assert moe_gemm.moe_config(most, 128, cuda, tables=wide).get("small_mma")
-    assert not moe_gemm.moe_config(most + 6, 128, cuda, tables=wide).get("small_mma")
-
-
 # --------------------------------------------------------------------------------------------
 # Launch-shape picks from benchmark sweeps (pure Python: the rows are what the sweeps record)
 # --------------------------------------------------------------------------------------------
@@ -225,16 +246,15 @@ def test_moe_config_paths_by_size_dtype_and_device():
     n_exp = 128
     gemv_max = MOE["MOE_GEMV"]["max_assignments"]
     mma_max = int(MOE["MOE_MMA"]["max_per_expert"] * n_exp)
-    tables = launch.override(MOE, SMALL_MMA={"max_assignments": 0})  # the paths beyond SMALL_MMA's
-    assert moe_gemm.moe_config(gemv_max, n_exp, cuda, tables=tables).get("gemv")
-    assert moe_gemm.moe_config(gemv_max + 6, n_exp, cuda, tables=tables).get("mma")
-    assert moe_gemm.moe_config(mma_max, n_exp, cuda, torch.float16, tables=tables).get("mma")
-    beyond = moe_gemm.moe_config(mma_max + 6, n_exp, cuda, tables=tables)
+    assert moe_gemm.moe_config(gemv_max, n_exp, cuda).get("gemv")
+    assert moe_gemm.moe_config(gemv_max + 6, n_exp, cuda).get("mma")
+    assert moe_gemm.moe_config(mma_max, n_exp, cuda, torch.float16).get("mma")
+    beyond = moe_gemm.moe_config(mma_max + 6, n_exp, cuda)
     assert not beyond.get("mma") and not beyond.get("gemv") and beyond["BLOCK_M"] in (16, 64)
     for dtype, device in ((torch.float32, cuda), (torch.bfloat16, cpu)):  # fp32 or the interpreter: wgmma tiles
-        assert not moe_gemm.moe_config(gemv_max + 6, n_exp, device, dtype, tables=tables).get("mma")
+        assert not moe_gemm.moe_config(gemv_max + 6, n_exp, device, dtype).get("mma")
     # the table given decides: no CUDA-core tiles, the register-fed units' own launch shape
-    tables = launch.override(tables, MOE_GEMV={"max_assignments": 0}, MOE_MMA={"rows": 1, "num_warps": 2})
+    tables = launch.override(MOE, MOE_GEMV={"max_assignments": 0}, MOE_MMA={"rows": 1, "num_warps": 2})
     cfg = moe_gemm.moe_config(6, n_exp, cuda, tables=tables)
     assert cfg["mma"] and cfg["BLOCK_N"] == 32 and cfg == moe_gemm.moe_mma_config(tables=tables)
 
