@@ -651,8 +651,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     how = ("CUDA graph" if result.graph else "eager") + (", compiled" if args.compile else "")
     state = "" if args.ssm_state == "fp32" else f", SSM state {args.ssm_state}" + (
         f" R={args.philox_rounds}" if args.ssm_state == "fp16-sr" else "")
-    print(f"{sum(map(len, result.tokens))} tokens in {result.seconds:.2f}s: {result.tokens_per_s:.1f} tokens/s "
-          f"({how}, batch {result.batch}{state})", file=sys.stderr)
+    print(f"{sum(map(len, result.tokens))} tokens in {result.seconds:.2f}s: {result.tokens_per_s:.1f} tokens/s with the "
+          f"prefill, decode {result.decode_tokens_per_s:.1f} tokens/s ({how}, batch {result.batch}{state})", file=sys.stderr)
     return 0
 
 

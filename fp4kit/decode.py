@@ -64,10 +64,20 @@ class Generation:
     captures: int = 0
     replays: int = 0
     batch: int = 0  # rows run, the batch padded up to its bucket when a graph is used
+    # host clock from the prefill's token read back to the last step's: the decode steps alone
+    # (no prefill, compile or capture), each step's tokens read back as they are
+    decode_seconds: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
+        """All new tokens over `seconds` (the prefill's first token included)."""
         return sum(len(t) for t in self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """The tokens the decode steps produced (each row's after its first) over `decode_seconds`."""
+        made = sum(max(len(t) - 1, 0) for t in self.tokens)
+        return made / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
 @dataclass
@@ -585,10 +595,12 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
     eos_set = set(eos)
     finished = [False] * n
     out: list[list[int]] = [[] for _ in range(n)]
+    read_at: list[float] = []  # host clock as each step's tokens (the prefill's first) are read back
 
     def take(host: list[int]) -> bool:
         """One step's tokens to the rows still running; True once every row has stopped."""
         nonlocal finished
+        read_at.append(time.perf_counter())
         for i in range(n):
             if not finished[i]:
                 out[i].append(host[i])
@@ -623,4 +635,4 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
 
     text = [tokenizer.decode(t, skip_special_tokens=True) for t in out] if tokenizer is not None else None
     return Generation(tokens=out, text=text, steps=steps, seconds=seconds, graph=graph, captures=s.counts["captures"],
-                      replays=s.counts["replays"], batch=rows)
+                      replays=s.counts["replays"], batch=rows, decode_seconds=read_at[-1] - read_at[0])

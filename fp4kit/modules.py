@@ -302,8 +302,6 @@ class NVFP4Experts(nn.Module):
         self.name = name
         self.algo = algo
         self.accumulate_in_routing_dtype = hf_experts_accumulate_in_routing_dtype()
-        self.register_buffer("shared_down_parts_weight", None, persistent=False)  # see take_shared_parts
-        self.register_buffer("shared_down_parts_weight_scale", None, persistent=False)
 
     def stack(self, proj: str) -> nvfp4.NVFP4Tensor:
         return nvfp4.NVFP4Tensor(getattr(self, f"{proj}_weight"), getattr(self, f"{proj}_weight_scale"),
@@ -331,41 +329,19 @@ class NVFP4Experts(nn.Module):
                     shared: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(hidden_states, top_k_index, top_k_weights), shared(hidden_states)) for a shared
         expert of two W4A16 NVFP4Linear (checkpoint layout, no bias) around relu^2, by
-        `kernels.moe_gemm.moe_experts_and_shared` (Triton backend): after `take_shared_parts`,
-        at decode sizes in the routed experts' launches, else the same launches as the two
-        modules', on a GPU the shared expert's on a second stream."""
+        `kernels.moe_gemm.moe_experts_and_shared` (Triton backend): the same launches, on a GPU
+        the shared expert's on a second stream."""
         up, down = shared.up_proj, shared.down_proj
-        parts = self.shared_down_parts_weight
         if torch.compiler.is_compiling():  # one opaque operator to the compiler
             return kernel_ops.moe_experts_and_shared(
                 hidden_states, top_k_index, top_k_weights, self.up_proj_weight, self.up_proj_weight_scale,
                 self.up_proj_weight_scale_2, self.down_proj_weight, self.down_proj_weight_scale,
                 self.down_proj_weight_scale_2, up.weight, up.weight_scale, up.weight_scale_2, down.weight,
-                down.weight_scale, down.weight_scale_2, parts, self.shared_down_parts_weight_scale)
+                down.weight_scale, down.weight_scale_2)
         from .kernels.moe_gemm import moe_experts_and_shared
 
-        return moe_experts_and_shared(
-            hidden_states, top_k_index, top_k_weights, self.stack("up_proj"), self.stack("down_proj"), up.qweight,
-            down.qweight, None if parts is None else nvfp4.NVFP4Tensor(
-                parts, self.shared_down_parts_weight_scale, down.weight_scale_2.reshape(1).expand(parts.shape[0])))
-
-    def take_shared_parts(self, shared: nn.Module) -> bool:
-        """Keep the shared expert's down_proj cut into parts of the routed experts' shape
-        (`kernels.moe_gemm.shared_parts`; non-persistent buffers, not in the state dict), so that
-        `with_shared` runs the shared expert in the routed experts' launches. False (nothing kept)
-        where its shape does not cut so."""
-        from .kernels.moe_gemm import shared_parts
-
-        cut = shared_parts(shared.up_proj.qweight, shared.down_proj.qweight, self.intermediate_dim)
-        if cut is None:
-            return False
-        self.register_buffer("shared_down_parts_weight", cut[1].packed, persistent=False)
-        self.register_buffer("shared_down_parts_weight_scale", cut[1].block_scale, persistent=False)
-        return True
-
-    def drop_shared_parts(self) -> None:
-        """Undo `take_shared_parts`: `with_shared` runs the two modules' own launches."""
-        self.shared_down_parts_weight = self.shared_down_parts_weight_scale = None
+        return moe_experts_and_shared(hidden_states, top_k_index, top_k_weights, self.stack("up_proj"),
+                                      self.stack("down_proj"), up.qweight, down.qweight)
 
     def _loop(self, hidden_states, top_k_index, top_k_weights, up_w, down_w, up_scale=None, down_scale=None):
         # transformers' eager NemotronHExperts.forward, statement for statement (up_w / down_w:

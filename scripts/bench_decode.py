@@ -11,6 +11,10 @@ CUDA). Then, per batch size, side by side in one process, interleaved:
   decode time = median time of generate(N new tokens) - median time of generate(1 new token)
   tokens/s    = batch * (N - 1) / decode time  (the N - 1 tokens that come from decode steps;
                 prefill, cache allocation and graph capture are in both timings and cancel)
+  steps tokens/s = batch * (N - 1) / median Generation.decode_seconds of generate(N) (fp4kit's
+                generate: its decode steps timed alone, from the prefill's token read back to the
+                last step's; no second generate to subtract, whose prefill and capture vary by
+                tens of milliseconds from run to run)
 
 for `graph` (fp4kit.generate, captured step; with --compile, the step's forward compiled by
 torch.compile first, for every model alike) and, for BF16 at `--eager-batches`, `eager`
@@ -102,28 +106,32 @@ def build_nano_layers(layers: int, device: torch.device, seed: int):
     return build_model(nano_config(layers), device=str(device), seed=seed)
 
 
-def timed_generate(model, prompts: torch.Tensor, new_tokens: int, how: str,
-                   compile: bool = False, ops: str = "fp4kit", sequential: bool = False) -> tuple[float, list[list[int]]]:
-    """Seconds for one greedy generate of exactly `new_tokens` tokens per row, and the tokens;
-    sequential: the MoE blocks' shared expert after the routed experts, on one stream."""
+def timed_generate(model, prompts: torch.Tensor, new_tokens: int, how: str, compile: bool = False,
+                   ops: str = "fp4kit", sequential: bool = False) -> tuple[float, list[list[int]], float | None]:
+    """Seconds for one greedy generate of exactly `new_tokens` tokens per row, the tokens, and for
+    fp4kit's generate its decode steps' own seconds (`Generation.decode_seconds`; None for
+    transformers' generate); sequential: the MoE blocks' shared expert after the routed experts,
+    on one stream."""
     if sequential:
         with shared_experts_after_routed(model):
             return timed_generate(model, prompts, new_tokens, how, compile, ops)
     sync(prompts.device)
     t0 = time.perf_counter()
+    decode_s = None
     if how == "eager":
         out = model.generate(
             input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, do_sample=False, pad_token_id=model.generation_config.pad_token_id or 0,
         )[:, prompts.shape[1]:].tolist()
     else:
-        out = fp4kit_generate(model, None, prompts.tolist(), new_tokens, graph=how == "graph",
-                              compile=compile, step_ops=ops).tokens
+        result = fp4kit_generate(model, None, prompts.tolist(), new_tokens, graph=how == "graph",
+                                 compile=compile, step_ops=ops)
+        out, decode_s = result.tokens, result.decode_seconds
     sync(prompts.device)
     seconds = time.perf_counter() - t0
     if [len(r) for r in out] != [new_tokens] * prompts.shape[0]:
         raise RuntimeError(f"{how} generate returned rows of {sorted({len(r) for r in out})} tokens, expected {new_tokens}")
-    return seconds, out
+    return seconds, out, decode_s
 
 
 def teacher_forced_argmax(model, sequence: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -153,15 +161,17 @@ def bench_batch(runs: dict, prompts: torch.Tensor, new_tokens: int, reps: int, c
         base = allocated(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        first_s, tokens[label] = timed_generate(model, prompts, new_tokens, how, compile, ops, seq)
+        first_s, tokens[label], _ = timed_generate(model, prompts, new_tokens, how, compile, ops, seq)
         out[f"first_generate_s_{label}"] = first_s
         if device.type == "cuda":
             out[f"generate_peak_extra_bytes_{label}"] = torch.cuda.max_memory_allocated(device) - base
-    times = {label: {"one": [], "all": []} for label in runs}
+    times = {label: {"one": [], "all": [], "steps": []} for label in runs}
     for _ in range(reps):  # interleaved, so drift hits all alike
         for label, (model, how, ops, seq) in runs.items():
             times[label]["one"].append(timed_generate(model, prompts, 1, how, compile, ops, seq)[0])
-            times[label]["all"].append(timed_generate(model, prompts, new_tokens, how, compile, ops, seq)[0])
+            seconds, _, decode_s = timed_generate(model, prompts, new_tokens, how, compile, ops, seq)
+            times[label]["all"].append(seconds)
+            times[label]["steps"].append(decode_s)
     decoded = prompts.shape[0] * (new_tokens - 1)
     for label, t in times.items():
         one, full = statistics.median(t["one"]), statistics.median(t["all"])
@@ -169,6 +179,9 @@ def bench_batch(runs: dict, prompts: torch.Tensor, new_tokens: int, reps: int, c
         out[f"ms_per_decode_step_{label}"] = 1e3 * (full - one) / (new_tokens - 1)
         out[f"generate_1_s_{label}"] = t["one"]
         out[f"generate_{new_tokens}_s_{label}"] = t["all"]
+        if None not in t["steps"]:  # fp4kit's generate: its decode steps timed alone, no prefill to subtract
+            out[f"decode_steps_s_{label}"] = t["steps"]
+            out[f"steps_tokens_per_s_{label}"] = decoded / statistics.median(t["steps"])
     out["row0_tokens"] = {label: rows[0] for label, rows in tokens.items()}
     ref = tokens["bf16_graph" if "bf16_graph" in tokens else "bf16_step"]
     sequence = torch.cat([prompts, torch.tensor(ref, device=device)], dim=1)
@@ -340,6 +353,8 @@ def main() -> None:
         "eager_launch_host_us": launch,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "reps": args.reps,
         "tokens_per_s": "batch * (new_tokens - 1) / (median generate(new_tokens) - median generate(1))",
+        "steps_tokens_per_s": "batch * (new_tokens - 1) / median decode_seconds of generate(new_tokens): the decode "
+                              "steps' own host-clock time, from the prefill's token read back to the last step's",
         "batches": per_batch,
     }
 
@@ -356,6 +371,10 @@ def main() -> None:
             rel = r[f"speedup_over_bf16_{how}"][lab]
             cells.append(f"{r[f'tokens_per_s_{lab}']:>24.1f} ({rel:5.2f}x)")
         print(f"{b:>5}" + "".join(cells))
+        base = r.get(f"steps_tokens_per_s_bf16_{how}")
+        cells = [f"{r[f'steps_tokens_per_s_{lab}']:>24.1f} ({r[f'steps_tokens_per_s_{lab}'] / base:5.2f}x)"
+                 if base and f"steps_tokens_per_s_{lab}" in r else f"{'-':>34}" for lab in labels]
+        print(f"{'steps':>5}" + "".join(cells))
     if device.type == "cuda":
         print("weight memory: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in weight_bytes.items()))
 

@@ -8,10 +8,12 @@ Triton kernels, and profiles `generate` of `--steps` + 1 new tokens and of 1 tok
 kernels are grouped by name: fp4kit's own Triton kernels, BF16 matrix products, copies,
 elementwise, reductions, top-k and sorting, and the rest; the kernels that take the most time
 per step are listed by name as well (`top_kernels_per_step`). Each model's step is also timed by
-the host clock without the profiler (`per_step_wall_us`: the median over `--reps` pairs of the
-same two generates); less the step's kernel time, that leaves the time per step the device ran no
-kernel of the step (`per_step_idle_us`: launch gaps within the graph, the host's turn between
-steps).
+the host clock without the profiler (`per_step_wall_us`: over `--reps` generates of `--steps` + 1
+tokens, the median of `Generation.decode_seconds` per step, the decode steps timed alone; a
+difference of two generates would carry their prefills' and captures' run-to-run spread, tens of
+milliseconds, into a few dozen steps); less the step's kernel time, that leaves the time per step
+the device ran no kernel of the step (`per_step_idle_us`: launch gaps within the graph, the host's
+turn between steps; negative where kernels of two streams overlap).
 
     python scripts/profile_decode.py [--layers 26] [--batch 1] [--steps 32] [--compile] [--step-ops fp4kit,transformers]
 
@@ -86,21 +88,13 @@ def profiled(model, prompt: list[list[int]], new: int, device: torch.device,
 
 def wall_per_step(model, prompt: list[list[int]], steps: int, device: torch.device, compile: bool = False,
                   step_ops: str = "fp4kit", reps: int = 3) -> float:
-    """Microseconds of host clock per decode step: generate of `steps` + 1 tokens less generate of
-    1, the median of `reps` such pairs (after the profiled runs: kernels compiled, graphs warm)."""
+    """Microseconds of host clock per decode step: `Generation.decode_seconds` of a generate of
+    `steps` + 1 tokens over its `steps` steps, the median of `reps` generates (after the profiled
+    runs: kernels compiled, graphs warm)."""
     import statistics
-    import time
 
-    def run(new: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        generate(model, None, prompt, new, compile=compile, step_ops=step_ops)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
-    return statistics.median((run(steps + 1) - run(1)) / steps * 1e6 for _ in range(reps))
+    return statistics.median(generate(model, None, prompt, steps + 1, compile=compile, step_ops=step_ops).decode_seconds
+                             / steps * 1e6 for _ in range(reps))
 
 
 def by_kind(per_name: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -140,7 +134,7 @@ def main() -> None:
                     help=f"comma-separated, of {', '.join(STEP_OPS)}: what the step's attention and Mamba mixers run "
                          "(generate's step_ops), each model profiled under each; the names of the others than the "
                          "first end in ' (<ops> ops)' (default fp4kit)")
-    ap.add_argument("--reps", type=int, default=3, help="timed pairs of generates per model for the wall time per step")
+    ap.add_argument("--reps", type=int, default=3, help="timed generates per model for the wall time per step")
     ap.add_argument("--out", help="JSON file (default benchmarks/results/decode-profile-<gpu>.json)")
     args = ap.parse_args()
     step_ops = [o for o in args.step_ops.split(",") if o]

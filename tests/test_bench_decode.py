@@ -37,8 +37,12 @@ def test_the_tiny_run_writes_every_comparison(tmp_path):
         # tokens/s and ms per step come from one decode time (timings themselves vary with load).
         assert one[f"tokens_per_s_{label}"] * one[f"ms_per_decode_step_{label}"] / 1e3 == pytest.approx(1)
         assert len(one[f"generate_1_s_{label}"]) == len(one[f"generate_3_s_{label}"]) == 1
+        if label != "bf16_eager":  # fp4kit's generate: its decode steps timed alone, within the whole call
+            assert 0 < one[f"decode_steps_s_{label}"][0] < one[f"generate_3_s_{label}"][0]
+            assert one[f"steps_tokens_per_s_{label}"] == pytest.approx(2 / one[f"decode_steps_s_{label}"][0])
         assert one["speedup_over_bf16_step"][label] == one[f"tokens_per_s_{label}"] / one["tokens_per_s_bf16_step"]
         assert len(one["row0_tokens"][label]) == 3
+    assert "steps_tokens_per_s_bf16_eager" not in one
     for label in other:  # over BF16 under the same step ops
         assert one["speedup_over_bf16_step"][label] == (one[f"tokens_per_s_{label}"]
                                                         / one["tokens_per_s_bf16_step_transformers-ops"])

@@ -63,6 +63,31 @@ def test_greedy_tokens_equal_model_generate_on_the_embedded_model(tiny):
     assert result.tokens_per_s > 0
 
 
+def test_decode_time_is_the_steps_alone(quantized):
+    # decode_seconds runs from the prefill's token read back to the last step's: a slow prefill
+    # stays out of it, what happens between the steps' reads (here a stream that sleeps) is in it.
+    import time
+
+    real = quantized.forward
+    pause = 0.05
+
+    def forward(*args, **kwargs):
+        if kwargs["input_ids"].shape[1] > 1:  # the prefill
+            time.sleep(6 * pause)
+        return real(*args, **kwargs)
+
+    prompts = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(2)).tolist()
+    quantized.forward = forward
+    try:
+        result = generate(quantized, None, prompts, 4, stream=lambda tokens: time.sleep(pause), stop_at_eos=False)
+    finally:
+        del quantized.forward
+    assert result.steps == 3 and all(len(t) == 4 for t in result.tokens)
+    assert 3 * pause <= result.decode_seconds <= result.seconds - 6 * pause
+    assert result.decode_tokens_per_s == pytest.approx(2 * 3 / result.decode_seconds)
+    assert result.tokens_per_s == pytest.approx(2 * 4 / result.seconds)
+
+
 @pytest.mark.slow
 def test_prompts_of_different_lengths_are_left_padded_as_generate_does(tiny):
     model, tok = tiny

@@ -663,6 +663,28 @@ FIGURES = [
        lambda r: f"{r['us']:.1f} us" + (" (11 MoE layers)" if r["count"] == 22 and r["kernel"] == "_moe_small_kernel" else ""))
       for text, k in (("routed\nexperts' two projections take 270.2 us (11 MoE layers)", "_moe_small_kernel"),
                       ("the shared experts' GEMVs 144.0 us", "_gemv_kernel"), ("the W4A16 lm_head 77.2 us", "_mma_kernel"))],
+    *[(README, "it took the profiled step from 331 to 287 kernels and from 1284.9 to 1107.1 us of kernel time, the\n"
+       "routed launches growing from 270.2 to 289.2 us", name, (), fmt)
+      for name, fmt in (("decode-profile-compiled-lightning-h200.json",
+                         lambda d: f"from {d['per_step_kernels']['modelopt-lightning']:.0f} to"),
+                        ("decode-profile-compiled-lightning-shared-parts-h200.json",
+                         lambda d: f"to {d['per_step_kernels']['modelopt-lightning']:.0f} kernels"),
+                        ("decode-profile-compiled-lightning-h200.json",
+                         lambda d: f"from {d['per_step_total_us']['modelopt-lightning']:.1f} to"),
+                        ("decode-profile-compiled-lightning-shared-parts-h200.json",
+                         lambda d: f"to {d['per_step_total_us']['modelopt-lightning']:.1f} us"),
+                        ("decode-profile-compiled-lightning-h200.json", lambda d: "from {:.1f} to".format(
+                            _at(d, ("top_kernels_per_step", "modelopt-lightning", {"kernel": "_moe_small_kernel"}, "us")))),
+                        ("decode-profile-compiled-lightning-shared-parts-h200.json", lambda d: "to {:.1f} us".format(
+                            _at(d, ("top_kernels_per_step", "modelopt-lightning", {"kernel": "_moe_small_kernel"}, "us")))))],
+    *[(README, text, name, ("batches", "1", f"tokens_per_s_{label}"), _f(1))
+      for text, name in (("decoded 806.1 tokens/s (1.80x BF16's 447.6", "decode-b1-shared-parts-h200.json"),
+                         ("against 825.2 (1.84x of 447.9)", "decode-b1-side-stream-h200.json"))
+      for label in ("bf16_graph", "modelopt-lightning_graph")],
+    *[(README, text, name, ("batches", "1"),
+       lambda b: f"{b['tokens_per_s_modelopt-lightning_graph'] / b['tokens_per_s_bf16_graph']:.2f}x")
+      for text, name in (("decoded 806.1 tokens/s (1.80x BF16's 447.6", "decode-b1-shared-parts-h200.json"),
+                         ("against 825.2 (1.84x of 447.9)", "decode-b1-side-stream-h200.json"))],
     (README, "The routed experts' 270.2 us per step", "decode-profile-compiled-lightning-h200.json",
      ("top_kernels_per_step", "modelopt-lightning", {"kernel": "_moe_small_kernel"}, "us"), _f(1)),
     *[(README, "stream one\ntoken's 33.7 MB at 1.5 TB/s", "kernels-sweeps-moe-gemv-h200.json",

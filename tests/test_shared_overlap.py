@@ -1,10 +1,7 @@
 """Nemotron-H MoE blocks whose routed and shared experts run on fp4kit's W4A16 Triton modules run
-both in one call (`models.nemotron_h.overlap_shared_experts`). A shared expert whose intermediate
-size is not a multiple of the routed experts' (48 against 32) runs its own launches (on a GPU on a
-second stream): the block's output is its own forward's bit for bit. One whose size is (64) runs at
-decode sizes in the routed experts' launches: the routed output is theirs bit for bit, the shared
-one its own up to summation order. Eager and compiled give the same bits. On the CPU the Triton
-kernels run in the interpreter, so only the MoE blocks are switched to them."""
+both in one call (`models.nemotron_h.overlap_shared_experts`; on a GPU the shared expert on a
+second stream): the block's output is its own forward's bit for bit, eagerly and compiled. On the
+CPU the Triton kernels run in the interpreter, so only the MoE blocks are switched to them."""
 
 from __future__ import annotations
 
@@ -26,17 +23,13 @@ models = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(models)
 
 
-@pytest.fixture(scope="module", params=[48, 64], ids=["own-launches", "in-routed-launches"])
-def checkpoint(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
     calib = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
     folder = tmp_path_factory.mktemp("overlap") / "nvfp4"
-    model = models.build_nemotron_h(moe_shared_expert_intermediate_size=request.param)
-    export_checkpoint(quantize(model, load_recipe(DEFAULT_RECIPE), calib, progress=False), folder, progress=False)
+    export_checkpoint(quantize(models.build_nemotron_h(), load_recipe(DEFAULT_RECIPE), calib, progress=False), folder,
+                      progress=False)
     return folder
-
-
-def _in_routed_launches(model) -> bool:
-    return model.config.moe_shared_expert_intermediate_size % model.config.moe_intermediate_size == 0
 
 
 def _moe_blocks(model):
@@ -65,14 +58,7 @@ def test_the_blocks_give_their_own_forwards_output(checkpoint):
             assert n == len(blocks) and all(type(b) is nemotron_h._classes().NemotronHMoE for b in blocks)
             own = model(input_ids=ids).logits
     assert all(type(b).__name__ == "NemotronHMoEOverlapped" for b in blocks)
-    parts = [b.experts.shared_down_parts_weight for b in blocks]
-    if _in_routed_launches(model):
-        assert all(p is not None and p.shape[0] == 2 for p in parts)
-        assert not torch.equal(overlapped, own)  # another order of the shared expert's sums
-        assert float((overlapped.double() - own.double()).norm() / own.double().norm()) < 2**-7
-    else:
-        assert all(p is None for p in parts)
-        assert torch.equal(overlapped, own)
+    assert torch.equal(overlapped, own)
 
 
 def test_compiled_block_calls_one_operator_with_the_same_output(checkpoint):
@@ -113,21 +99,6 @@ def test_a_block_whose_probe_differs_keeps_its_forward(checkpoint, monkeypatch):
         return routed, shared * 2
 
     monkeypatch.setattr(NVFP4Experts, "with_shared", doubled)
-    why = "is (0.99|1|1.0.) from its own output" if _in_routed_launches(model) else "the shared expert's output differs from its own"
-    with pytest.warns(RuntimeWarning, match=f"keeps its forward.*{why}.*on a probe"):
+    with pytest.warns(RuntimeWarning, match="keeps its forward.*differs from the block's own forward's on a probe"):
         assert nemotron_h.overlap_shared_experts(model) == 0
     assert all(type(b) is nemotron_h._classes().NemotronHMoE for b in _moe_blocks(model))
-    assert all(b.experts.shared_down_parts_weight is None for b in _moe_blocks(model))  # the parts are dropped
-
-
-def test_a_block_whose_routed_output_differs_keeps_its_forward(checkpoint, monkeypatch):
-    model = _on_triton(load_quantized(checkpoint, backend="torch"))
-    real = NVFP4Experts.with_shared
-
-    def nudged(self, *args):
-        routed, shared = real(self, *args)
-        return routed.float().add(2**-20).to(routed.dtype), shared  # a few values move by an ulp
-
-    monkeypatch.setattr(NVFP4Experts, "with_shared", nudged)
-    with pytest.warns(RuntimeWarning, match="keeps its forward.*routed experts' output differs"):
-        assert nemotron_h.overlap_shared_experts(model) == 0

@@ -195,54 +195,23 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 # Decode sizes (up to SMALL["max_assignments"]): routing inside the kernels, split-K, three launches
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _assignment_experts(ids_ptr, a, A, E, TOPK, SHARED: tl.constexpr):
-    """The expert ids of assignments a (a scalar or a vector; -1 at a >= A). SHARED = 0: the
-    routed ids as stored, TOPK per token. SHARED > 0: TOPK slots per token, the first
-    TOPK - SHARED the routed ids (stored TOPK - SHARED per token), the last SHARED the shared
-    expert's parts, numbered E .. E + SHARED - 1 after the E routed experts."""
-    if SHARED == 0:
-        return tl.load(ids_ptr + a, mask=a < A, other=-1).to(tl.int32)
-    routed_k = TOPK - SHARED
-    j = a % TOPK
-    routed = j < routed_k
-    ids = tl.load(ids_ptr + (a // TOPK) * routed_k + j, mask=(a < A) & routed, other=-1).to(tl.int32)
-    return tl.where(routed | (a >= A), ids, E + j - routed_k)
-
-
-@triton.jit
-def _slot_expert(ids_ptr, A, E, TOPK, slot, A_PAD: tl.constexpr, BY_ASSIGNMENT: tl.constexpr,
-                 SHARED: tl.constexpr):
-    """(expert this program serves, its assignment ids [A_PAD], whether it serves one), the
-    experts numbered as `_assignment_experts` gives them (E + SHARED in all).
+def _slot_expert(ids_ptr, A, E, slot, A_PAD: tl.constexpr, BY_ASSIGNMENT: tl.constexpr):
+    """(expert this program serves, its assignment ids [A_PAD], whether it serves one).
 
     BY_ASSIGNMENT (fewer assignments than experts): program `slot` takes the expert of
     assignment `slot` if no earlier assignment has it, so each routed expert is taken once and
     the grid is as small as the assignment count. Otherwise program `slot` is expert `slot`.
-    An id outside [0, E + SHARED) is served by no program."""
+    An id outside [0, E) is served by no program."""
     a_idx = tl.arange(0, A_PAD)
-    ids = _assignment_experts(ids_ptr, a_idx, A, E, TOPK, SHARED)
+    ids = tl.load(ids_ptr + a_idx, mask=a_idx < A, other=-1).to(tl.int32)
     if BY_ASSIGNMENT:
-        e = _assignment_experts(ids_ptr, slot, A, E, TOPK, SHARED)
+        e = tl.load(ids_ptr + slot).to(tl.int32)
         earlier = tl.sum(((ids == e) & (a_idx < slot)).to(tl.int32), axis=0)
-        serves = (earlier == 0) & (e >= 0) & (e < E + SHARED)
+        serves = (earlier == 0) & (e >= 0) & (e < E)
     else:
         e = slot
-        serves = e < E + SHARED
+        serves = e < E
     return e, ids, serves
-
-
-@triton.jit
-def _expert_stack(wq_ptr, ws_ptr, gs_ptr, swq_ptr, sws_ptr, sgs_ptr, e, E, SHARED: tl.constexpr):
-    """Expert e's stack and place in it: (packed words, scale bytes, its index there, its global
-    scale): the routed stack for e < E, else the shared expert's parts (stacked as the routed
-    experts are, one global scale for all)."""
-    if SHARED == 0:
-        return wq_ptr, ws_ptr, e, tl.load(gs_ptr + e)
-    if e < E:
-        wq, ws, i, gs = wq_ptr, ws_ptr, e, tl.load(gs_ptr + e)
-    else:
-        wq, ws, i, gs = swq_ptr, sws_ptr, e - E, tl.load(sgs_ptr)
-    return wq, ws, i, gs
 
 
 @triton.jit
@@ -264,13 +233,12 @@ def _expert_rows(ids, e, r0, BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
 
 @triton.jit
 def _moe_small_kernel(
-    x_ptr, x4_ptr, ids_ptr, wq_ptr, ws_ptr, gs_ptr, swq_ptr, sws_ptr, sgs_ptr, part_ptr,
+    x_ptr, x4_ptr, ids_ptr, wq_ptr, ws_ptr, gs_ptr, part_ptr,
     A, E, N, K, TOPK, k_per_split, part_stride,
     A_PAD: tl.constexpr, BY_ASSIGNMENT: tl.constexpr, UP: tl.constexpr, X_PARTS: tl.constexpr,
     RELU2_OUT: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, LUT: tl.constexpr, EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr, GEMV: tl.constexpr, KB: tl.constexpr, AHEAD: tl.constexpr = 1,
-    SHARED: tl.constexpr = 0,
 ):
     """One projection for one expert, one N slice and one K split (grid: slots, N / BLOCK_N,
     splits); rows are stored by assignment index (no sort): fp32 partial sums
@@ -281,19 +249,13 @@ def _moe_small_kernel(
     GEMV: the expert's rows BLOCK_M at a time on the CUDA cores (`tiles.gemv_accumulate`;
     wq_ptr is then the packed bytes' int64 view, x4_ptr the 16-bit activations' one; KB = K / 16
     at compile time, the slice's blocks addressed from its first row; AHEAD K tiles in flight);
-    else on the matrix units (`tiles.accumulate`; wq_ptr the int32 view; KB and AHEAD unused).
-    SHARED > 0: each token's TOPK slots end with SHARED parts of a shared expert, experts
-    E .. E + SHARED - 1 (`_assignment_experts`), whose [SHARED, N, K] stack swq_ptr / sws_ptr
-    (viewed as the routed one) has the one global scale at sgs_ptr."""
+    else on the matrix units (`tiles.accumulate`; wq_ptr the int32 view; KB and AHEAD unused)."""
     slot = tl.program_id(0)
     pid_s = tl.program_id(2)
-    e, ids, serves = _slot_expert(ids_ptr, A, E, TOPK, slot, A_PAD, BY_ASSIGNMENT, SHARED)
+    e, ids, serves = _slot_expert(ids_ptr, A, E, slot, A_PAD, BY_ASSIGNMENT)
     count = tl.sum((ids == e).to(tl.int32), axis=0)
     if serves & (count > 0):
-        stack_wq, stack_ws, i, gs = _expert_stack(wq_ptr, ws_ptr, gs_ptr, swq_ptr, sws_ptr, sgs_ptr, e, E, SHARED)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n64, n_ok = n.to(tl.int64), n < N
-        i64 = i.to(tl.int64)
+        n64, n_ok, wq, ws, gs = _expert_slice(wq_ptr, ws_ptr, gs_ptr, e, N, K, BLOCK_N)
         k_start = pid_s * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
         for r0 in range(0, count, BLOCK_M):
@@ -304,15 +266,13 @@ def _moe_small_kernel(
             else:
                 x_row = a64 * K
             if GEMV:
-                first = i64 * N * KB + (tl.program_id(1) * BLOCK_N).to(tl.int64) * KB
+                first = e.to(tl.int64) * N * KB + (tl.program_id(1) * BLOCK_N).to(tl.int64) * KB
                 acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
-                acc3 = gemv_accumulate(acc3, x_ptr, x4_ptr, x_row[:, None], m_ok, stack_wq + first, stack_ws + first, gs,
+                acc3 = gemv_accumulate(acc3, x_ptr, x4_ptr, x_row[:, None], m_ok, wq_ptr + first, ws_ptr + first, gs,
                                         tl.arange(0, BLOCK_N).to(tl.int64), n_ok, K, k_start, k_end, BLOCK_N, BLOCK_K,
                                         LUT, EVEN_N, EVEN_K, X_PARTS, part_stride, ACT, KB=KB, AHEAD=AHEAD)
                 acc = tl.trans(tl.sum(acc3, axis=2) * 64.0)  # [BLOCK_N, BLOCK_M]; 64: E2M1 * 2^-6 values
             else:
-                wq = stack_wq + i64 * N * (K // 8)
-                ws = stack_ws + i64 * N * (K // 16)
                 acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 acc = accumulate(acc, x_ptr, x_row, m_ok, wq, ws, gs, n64, n_ok, K, k_start, k_end,
                                   BLOCK_N, BLOCK_K, IEEE, LUT, EVEN_N, EVEN_K, X_PARTS, part_stride, ACT)
@@ -324,39 +284,25 @@ def _moe_small_kernel(
 
 
 @triton.jit
-def _moe_combine_kernel(part_ptr, ids_ptr, w_ptr, out_ptr, shared_ptr, A, E, H, PARTS: tl.constexpr,
-                        TOPK: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr, SHARED: tl.constexpr = 0):
+def _moe_combine_kernel(part_ptr, ids_ptr, w_ptr, out_ptr, A, E, H, PARTS: tl.constexpr,
+                        TOPK: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
     """out[t] = sum over slots j = 0 .. TOPK-1 (this order, fp32) of w[t, j] times the down
     projection of assignment t*TOPK + j (its PARTS partials summed in order, rounded to ACT as
     the linear's output); cast to out's dtype. An assignment whose expert id is outside [0, E)
-    adds nothing. SHARED > 0: the parts hold TOPK + SHARED assignments per token, the last
-    SHARED the shared expert's parts along its intermediate dimension, summed in order (fp32)
-    and rounded to ACT into shared[t], the shared expert's output."""
+    adds nothing."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = h < H
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOPK):
         a = t.to(tl.int64) * TOPK + j
-        y = _parts_sum(part_ptr, t.to(tl.int64) * (TOPK + SHARED) + j, A, H, h, ok, PARTS)
+        y = tl.load(part_ptr + a * H + h, mask=ok, other=0.0)
+        for s in tl.static_range(1, PARTS):
+            y += tl.load(part_ptr + s * A.to(tl.int64) * H + a * H + h, mask=ok, other=0.0)
         e = tl.load(ids_ptr + a)
         routed = (e >= 0) & (e < E)
         total += tl.where(routed, y.to(ACT).to(tl.float32) * tl.load(w_ptr + a), 0.0)
     tl.store(out_ptr + t.to(tl.int64) * H + h, total.to(out_ptr.dtype.element_ty), mask=ok)
-    if SHARED > 0:
-        shared = tl.zeros((BLOCK,), dtype=tl.float32)
-        for j in tl.static_range(SHARED):
-            shared += _parts_sum(part_ptr, t.to(tl.int64) * (TOPK + SHARED) + TOPK + j, A, H, h, ok, PARTS)
-        tl.store(shared_ptr + t.to(tl.int64) * H + h, shared.to(ACT), mask=ok)
-
-
-@triton.jit
-def _parts_sum(part_ptr, a, A, H, h, ok, PARTS: tl.constexpr):
-    """Assignment a's fp32 sums at h: its PARTS split-K partials [PARTS, A, H] added in order."""
-    y = tl.load(part_ptr + a * H + h, mask=ok, other=0.0)
-    for s in tl.static_range(1, PARTS):
-        y += tl.load(part_ptr + s * A.to(tl.int64) * H + a * H + h, mask=ok, other=0.0)
-    return y
 
 
 def _check_inputs(hidden, top_k_index, top_k_weights, up, down):
@@ -499,80 +445,19 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
                cfg, lut, table)
 
 
-def shared_parts(shared_up: nvfp4.NVFP4Tensor, shared_down: nvfp4.NVFP4Tensor,
-                 inter: int) -> tuple[nvfp4.NVFP4Tensor, nvfp4.NVFP4Tensor] | None:
-    """A shared expert (up [S*inter, H], down [H, S*inter]) cut into S parts of the routed
-    experts' shape along its intermediate dimension, for `moe_experts_and_shared` to run with
-    the routed experts: up as [S, inter, H] (a view) and down as [S, H, inter] (a copy: column
-    blocks become stacked experts), each part with the shared expert's global scale. None if the
-    shapes do not cut so (the intermediate size not a multiple of inter, or not of 16)."""
-    (si, h), (h2, si2) = shared_up.shape, shared_down.shape
-    if (h2, si2) != (h, si) or si % inter or inter % 16 or shared_up.packed.dim() != 2:
-        return None
-    parts = si // inter
-    down = nvfp4.NVFP4Tensor(
-        shared_down.packed.reshape(h, parts, inter // 2).transpose(0, 1).contiguous(),
-        shared_down.block_scale.reshape(h, parts, inter // 16).transpose(0, 1).contiguous(),
-        _part_scales(shared_down, parts))
-    return _up_parts(shared_up, parts, inter), down
-
-
-def _part_scales(w: nvfp4.NVFP4Tensor, parts: int) -> torch.Tensor:
-    """w's one global scale as the [parts] global scales of its parts (a view)."""
-    return w.global_scale.reshape(1).expand(parts)
-
-
-def _up_parts(shared_up: nvfp4.NVFP4Tensor, parts: int, inter: int) -> nvfp4.NVFP4Tensor:
-    """The shared expert's up_proj [parts * inter, H] as a [parts, inter, H] stack (a view)."""
-    h = shared_up.shape[1]
-    return nvfp4.NVFP4Tensor(shared_up.packed.reshape(parts, inter, h // 2),
-                             shared_up.block_scale.reshape(parts, inter, h // 16), _part_scales(shared_up, parts))
-
-
 _SIDE_STREAMS: dict = {}  # device index -> the stream the shared expert runs on
 
 
 def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                            up_proj: nvfp4.NVFP4Tensor, down_proj: nvfp4.NVFP4Tensor, shared_up: nvfp4.NVFP4Tensor,
-                           shared_down: nvfp4.NVFP4Tensor,
-                           shared_down_parts: nvfp4.NVFP4Tensor | None = None, *,
-                           tables: Mapping | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`moe_experts(...)` on the Triton backend, the shared expert down(relu^2(up(x)))) for
-    Nemotron-H's MoE block.
-
-    shared_down_parts (`shared_parts(...)[1]`, made once) given and the routed experts on the
-    in-kernel-routing path (decode sizes): the shared expert runs as that many more experts in
-    the routed experts' three launches (`_moe_small`), its parts' fp32 outputs summed in the
-    combine launch. The routed output is `moe_experts`' bit for bit; the shared one is the
-    same sums of the same products in another order (fp32), its intermediate rounded to the
-    activation dtype as `w4a16_gemm.w4a16_matmul`'s.
-    Otherwise the two computed as `moe_experts` and `w4a16_matmul` compute them, each output
-    theirs bit for bit; on a GPU the shared expert's launches go to a second stream, which waits
-    for the caller's work so far and which the caller's stream waits for before it goes on (in a
-    CUDA graph, a branch of the graph). tables: the "moe" launch table (default: the device's)."""
+                           shared_down: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`moe_experts(...)` on the Triton backend, the shared expert down(relu^2(up(x))) by
+    `w4a16_gemm.w4a16_matmul`) for Nemotron-H's MoE block: the launches of the two computed one
+    after the other, so each output is theirs bit for bit. On a GPU the shared expert's launches
+    go to a second stream, which waits for the caller's work so far and which the caller's stream
+    waits for before it goes on: its small GEMVs run beside the routed experts' instead of after
+    them (in a CUDA graph, as a branch of the graph)."""
     from .w4a16_gemm import w4a16_matmul
-
-    n_exp, inter, hid = _check_inputs(hidden_states, top_k_index, top_k_weights, up_proj, down_proj)
-    if shared_down_parts is not None:
-        parts = shared_down_parts.shape[0] if shared_down_parts.packed.dim() == 3 else 0
-        if (tuple(shared_down_parts.shape) != (parts, hid, inter) or tuple(shared_up.shape) != (parts * inter, hid)
-                or tuple(shared_down.shape) != (hid, parts * inter) or shared_up.global_scale.numel() != 1
-                or not torch.equal(shared_down_parts.global_scale, _part_scales(shared_down, parts))):
-            raise FormatError(f"{_WHAT}: shared_down_parts {tuple(shared_down_parts.shape)} are not the parts of a "
-                              f"shared expert {tuple(shared_up.shape)} / {tuple(shared_down.shape)} for experts of "
-                              f"intermediate size {inter}")
-        check_backend("triton", _moe_small_kernel, hidden_states, top_k_index, top_k_weights,
-                      up_proj.packed.view(torch.int32), down_proj.packed.view(torch.int32),
-                      shared_up.packed.view(torch.int32), shared_down_parts.packed.view(torch.int32), what=_WHAT)
-        x = hidden_states.contiguous()
-        table = _table(tables, x.device)
-        t, top_k = top_k_index.shape
-        cfg = dict(moe_config(t * top_k, n_exp, x.device, x.dtype, table))
-        # the routed experts' path as `moe_experts` takes it: in-kernel routing up to SMALL's size
-        if t and (cfg.get("gemv") or (t * top_k <= table["SMALL"]["max_assignments"] and not cfg.get("mma"))):
-            lut = cfg.pop("lut", lut_tile(cfg)) and use_lut(x.dtype, _moe_up_kernel, table["DEQUANT"]["lut"])
-            return _moe_small(x, top_k_index, top_k_weights.reshape(-1).to(torch.float32).contiguous(), up_proj,
-                              down_proj, cfg, lut, table, shared=(_up_parts(shared_up, parts, inter), shared_down_parts))
 
     def shared() -> torch.Tensor:
         h = w4a16_matmul(hidden_states, shared_up, backend="triton")
@@ -580,7 +465,7 @@ def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tenso
 
     device = hidden_states.device
     if device.type != "cuda":
-        return moe_experts(hidden_states, top_k_index, top_k_weights, up_proj, down_proj, tables=tables), shared()
+        return moe_experts(hidden_states, top_k_index, top_k_weights, up_proj, down_proj), shared()
     index = device.index if device.index is not None else torch.cuda.current_device()
     side = _SIDE_STREAMS.get(index)
     if side is None:
@@ -589,7 +474,7 @@ def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tenso
     side.wait_stream(main)
     with torch.cuda.stream(side):
         out_shared = shared()
-    routed = moe_experts(hidden_states, top_k_index, top_k_weights, up_proj, down_proj, tables=tables)
+    routed = moe_experts(hidden_states, top_k_index, top_k_weights, up_proj, down_proj)
     main.wait_stream(side)
     # out_shared's memory returns to the side stream's pool when the caller drops it; the side
     # stream is this function's alone and waits for the caller's stream before its next use, so
@@ -609,26 +494,36 @@ def _split_k(programs: int, k: int, block_k: int, device: torch.device, small: M
     return cdiv(k, k_per_split), k_per_split
 
 
-def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables, shared=None):
+def _in_kernel_routing(top_k_index, up):
+    """What the in-kernel-routing launches take of the routing: (tokens, top_k, assignments, the
+    flat expert ids, whether a program serves an assignment (fewer assignments than experts: the
+    first of each routed expert's) rather than an expert, programs per weight slice)."""
+    t, top_k = top_k_index.shape
+    a = t * top_k
+    by_assignment = a < up.shape[0]
+    return t, top_k, a, top_k_index.reshape(-1).contiguous(), by_assignment, a if by_assignment else up.shape[0]
+
+
+def _combine(part, ids, weights, t, top_k, n_exp, dtype):
+    """The in-kernel-routing paths' last launch (`_moe_combine_kernel`): the [t, H] output in
+    `dtype` from the down projection's fp32 parts [parts, assignments, H]."""
+    parts, a, hid = part.shape
+    out = torch.empty((t, hid), dtype=dtype, device=part.device)
+    block = min(1024, next_power_of_2(hid))
+    launch_cached(_moe_combine_kernel, (t, cdiv(hid, block)),
+        part, ids, weights, out, a, n_exp, hid, PARTS=parts, TOPK=top_k, ACT=_TL_DTYPES[dtype], BLOCK=block,
+        **launch_options())
+    return out
+
+
+def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
     """Three launches, no host-side routing: up (fp32 split-K partials per assignment), down
     (reading relu^2 of the up partials; fp32 partials), combine (routing weights, top-k sum).
     cfg["gemv"]: the projections on the CUDA cores (`gemv_accumulate`; split-K by cfg's
     programs_per_sm and max_parts, as MOE_GEMV gives them), else the matrix units (split-K by
-    SMALL's). shared: None, or a shared expert cut into S parts along its intermediate
-    dimension (`shared_parts`: up [S, I, H], down [S, H, I]) that the same launches run as S
-    more assignments per token; then (routed output, shared output). The split-K follows the
-    routed experts alone, so the routed output is the one without the shared expert, bit for bit."""
-    t, top_k = top_k_index.shape
+    SMALL's)."""
+    t, top_k, a, ids, by_assignment, slots = _in_kernel_routing(top_k_index, up)
     n_exp, inter, hid = up.shape
-    n_shared = 0 if shared is None else shared[0].shape[0]
-    per_token = top_k + n_shared
-    a = t * per_token
-    # Fewer assignments than experts: a program per assignment, the first of each expert's.
-    by_assignment = a < n_exp + n_shared
-    slots = a if by_assignment else n_exp + n_shared
-    routed_slots = min(t * top_k, n_exp)
-    ids = top_k_index.reshape(-1).contiguous()
-    s_up_w, s_dn_w = (up, down) if shared is None else shared
     dtype, device = x.dtype, x.device
     gemv = cfg.pop("gemv", False)
     if gemv:
@@ -645,9 +540,9 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables, shared=None)
         cfg_up = cfg_dn = cfg
         view = torch.int32
     common = dict(A_PAD=max(next_power_of_2(a), 2), BY_ASSIGNMENT=by_assignment, ACT=_TL_DTYPES[dtype],
-                  IEEE=exact_dot(dtype, _moe_small_kernel), LUT=lut, GEMV=gemv, SHARED=n_shared, **launch_options())
+                  IEEE=exact_dot(dtype, _moe_small_kernel), LUT=lut, GEMV=gemv, **launch_options())
     bn = cfg["BLOCK_N"]
-    s_up, kps_up = _split_k(routed_slots * cdiv(inter, bn), hid, cfg_up["BLOCK_K"], device, split)
+    s_up, kps_up = _split_k(slots * cdiv(inter, bn), hid, cfg_up["BLOCK_K"], device, split)
     # One split: the up kernel finishes the activation itself; more: fp32 partials, finished by
     # the down kernel as it reads them.
     if s_up == 1:
@@ -656,26 +551,18 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables, shared=None)
         part_up = torch.empty((s_up, a, inter), dtype=torch.float32, device=device)
     x, x4 = int64_activations(x) if gemv else (x, x)
     launch_cached(_moe_small_kernel, (slots, cdiv(inter, bn), s_up),
-        x, x4, ids, up.packed.view(view), up.block_scale.view(torch.uint8), up.global_scale,
-        s_up_w.packed.view(view), s_up_w.block_scale.view(torch.uint8), s_up_w.global_scale,
-        part_up, a, n_exp, inter, hid, per_token, kps_up, 0, UP=True, X_PARTS=0, RELU2_OUT=s_up == 1,
+        x, x4, ids, up.packed.view(view), up.block_scale.view(torch.uint8),
+        up.global_scale, part_up, a, n_exp, inter, hid, top_k, kps_up, 0, UP=True, X_PARTS=0, RELU2_OUT=s_up == 1,
         EVEN_N=inter % bn == 0, EVEN_K=hid % cfg_up["BLOCK_K"] == 0, KB=hid // 16 if gemv else 0, **cfg_up, **common)
-    s_dn, kps_dn = _split_k(routed_slots * cdiv(hid, bn), inter, cfg_dn["BLOCK_K"], device, split)
+    s_dn, kps_dn = _split_k(slots * cdiv(hid, bn), inter, cfg_dn["BLOCK_K"], device, split)
     part_dn = torch.empty((s_dn, a, hid), dtype=torch.float32, device=device)
     part_up, part_up4 = int64_activations(part_up) if gemv else (part_up, part_up)
     launch_cached(_moe_small_kernel, (slots, cdiv(hid, bn), s_dn),
-        part_up, part_up4, ids, down.packed.view(view), down.block_scale.view(torch.uint8), down.global_scale,
-        s_dn_w.packed.view(view), s_dn_w.block_scale.view(torch.uint8), s_dn_w.global_scale,
-        part_dn, a, n_exp, hid, inter, per_token, kps_dn,
+        part_up, part_up4, ids, down.packed.view(view),
+        down.block_scale.view(torch.uint8), down.global_scale, part_dn, a, n_exp, hid, inter, top_k, kps_dn,
         a * inter, UP=False, X_PARTS=0 if s_up == 1 else s_up, RELU2_OUT=False, EVEN_N=hid % bn == 0,
         EVEN_K=inter % cfg_dn["BLOCK_K"] == 0, KB=inter // 16 if gemv else 0, **cfg_dn, **common)
-    out = torch.empty((t, hid), dtype=dtype, device=device)
-    out_shared = torch.empty((t, hid), dtype=dtype, device=device) if n_shared else out
-    block = min(1024, next_power_of_2(hid))
-    launch_cached(_moe_combine_kernel, (t, cdiv(hid, block)),
-        part_dn, ids, weights, out, out_shared, a, n_exp, hid, PARTS=s_dn, TOPK=top_k, ACT=_TL_DTYPES[dtype],
-        BLOCK=block, SHARED=n_shared, **launch_options())
-    return out if shared is None else (out, out_shared)
+    return _combine(part_dn, ids, weights, t, top_k, n_exp, dtype)
 
 
 def _moe_sorted(x, top_k_index, weights, up, down, cfg, lut, tables):

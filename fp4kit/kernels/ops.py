@@ -10,8 +10,7 @@ directly: the dispatcher adds host time to every call.
     moe_experts(hidden, top_k_index, top_k_weights, up_packed, up_block_scale, up_global_scale,
                 down_packed, down_block_scale, down_global_scale)  kernels.moe_gemm.moe_experts
     moe_experts_and_shared(the same, then the shared expert's up and down packed, block_scale,
-                global_scale, then its down parts' packed and block_scale or None)
-                                                              kernels.moe_gemm.moe_experts_and_shared
+                global_scale)                                 kernels.moe_gemm.moe_experts_and_shared
     topk_gather(scores, bias, k)                                  kernels.router.topk_gather
     fp8_matmul(xq, weight, input_scale, weight_scale, out_dtype)  kernels.fp8_gemm.fp8_matmul
 
@@ -74,27 +73,21 @@ def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tenso
                            down_packed: torch.Tensor, down_block_scale: torch.Tensor, down_global_scale: torch.Tensor,
                            shared_up_packed: torch.Tensor, shared_up_block_scale: torch.Tensor,
                            shared_up_global_scale: torch.Tensor, shared_down_packed: torch.Tensor,
-                           shared_down_block_scale: torch.Tensor, shared_down_global_scale: torch.Tensor,
-                           shared_down_parts_packed: torch.Tensor | None = None,
-                           shared_down_parts_block_scale: torch.Tensor | None = None,
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           shared_down_block_scale: torch.Tensor,
+                           shared_down_global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from .moe_gemm import moe_experts_and_shared as launch
 
-    parts = None if shared_down_parts_packed is None else nvfp4.NVFP4Tensor(
-        shared_down_parts_packed, shared_down_parts_block_scale,
-        shared_down_global_scale.reshape(1).expand(shared_down_parts_packed.shape[0]))
     return launch(hidden_states, top_k_index, top_k_weights,
                   nvfp4.NVFP4Tensor(up_packed, up_block_scale, up_global_scale),
                   nvfp4.NVFP4Tensor(down_packed, down_block_scale, down_global_scale),
                   nvfp4.NVFP4Tensor(shared_up_packed, shared_up_block_scale, shared_up_global_scale),
-                  nvfp4.NVFP4Tensor(shared_down_packed, shared_down_block_scale, shared_down_global_scale), parts)
+                  nvfp4.NVFP4Tensor(shared_down_packed, shared_down_block_scale, shared_down_global_scale))
 
 
 @moe_experts_and_shared.register_fake
 def _(hidden_states, top_k_index, top_k_weights, up_packed, up_block_scale, up_global_scale, down_packed,
       down_block_scale, down_global_scale, shared_up_packed, shared_up_block_scale, shared_up_global_scale,
-      shared_down_packed, shared_down_block_scale, shared_down_global_scale, shared_down_parts_packed=None,
-      shared_down_parts_block_scale=None):
+      shared_down_packed, shared_down_block_scale, shared_down_global_scale):
     return (torch.empty_like(hidden_states, memory_format=torch.contiguous_format),
             hidden_states.new_empty((*hidden_states.shape[:-1], shared_down_packed.shape[0])))
 

@@ -234,42 +234,14 @@ _OVERLAPPED_CLASSES: dict[type, type] = {}
 
 def _overlapped_moe_forward(self, hidden_states):
     """`NemotronHMoE.forward` with the routed experts and the shared expert in one call
-    (`NVFP4Experts.with_shared`: at decode sizes the shared expert in the routed experts'
-    launches, else on a GPU on a second stream beside them); installed only where a probe shows
-    the outputs agree (`overlap_shared_experts`)."""
+    (`NVFP4Experts.with_shared`: on a GPU the shared expert on a second stream beside the routed
+    experts): the same kernels on the same values, so the same output bit for bit; installed only
+    where a probe shows that (`overlap_shared_experts`)."""
     orig_shape = hidden_states.shape
     _, topk_weights, topk_indices = self.gate(hidden_states)
     rows = hidden_states.view(-1, hidden_states.shape[-1])
     routed, shared = self.experts.with_shared(rows, topk_indices, topk_weights, self.shared_experts)
     return routed.view(*orig_shape) + shared.view(*orig_shape)
-
-
-# How far the shared expert run in the routed experts' launches may be from its own modules'
-# output on a probe, relative (norm of the difference over the norm): the same fp32 products
-# summed in another order, the intermediate and the output rounded to bf16 (2^-8 relative each)
-# where the two orders round differently; a wrong part or scale is off by O(1).
-SHARED_PARTS_TOLERANCE = 2.0**-7
-
-
-def _probe_disagrees(block: nn.Module, probe: torch.Tensor) -> str | None:
-    """Why `_overlapped_moe_forward` cannot stand for `block`'s own forward on `probe`, or None:
-    the routed experts' output must be theirs bit for bit; the shared expert's must be its
-    modules' bit for bit, or within SHARED_PARTS_TOLERANCE where it runs in the routed experts'
-    launches (`NVFP4Experts.take_shared_parts`)."""
-    with torch.no_grad():
-        rows = probe.view(-1, probe.shape[-1])
-        _, weights, ids = block.gate(probe)
-        routed, shared = block.experts.with_shared(rows, ids, weights, block.shared_experts)
-        if not torch.equal(routed, block.experts(rows, ids, weights)):
-            return "the routed experts' output differs from their own forward's on a probe"
-        own = block.shared_experts(rows)
-        if block.experts.shared_down_parts_weight is None:
-            return None if torch.equal(shared, own) else "the shared expert's output differs from its own on a probe"
-        err = float((shared.double() - own.double()).norm() / own.double().norm().clamp_min(1e-30))
-        if not err <= SHARED_PARTS_TOLERANCE:
-            return (f"the shared expert run in the routed experts' launches is {err:.3g} from its own output on a "
-                    f"probe (relative; at most {SHARED_PARTS_TOLERANCE:.3g})")
-    return None
 
 
 def _overlaps(block: nn.Module) -> bool:
@@ -288,10 +260,9 @@ def _overlaps(block: nn.Module) -> bool:
 
 def overlap_shared_experts(model: nn.Module) -> int:
     """Each Nemotron-H MoE block whose experts and shared expert run on fp4kit's W4A16 Triton
-    modules (`_overlaps`) gets the forward that runs them in one call (`_overlapped_moe_forward`;
-    its experts keep the shared expert's down_proj cut into parts, `NVFP4Experts.take_shared_parts`,
-    where it cuts so), if on a probe of its own the outputs agree (`_probe_disagrees`); else it
-    keeps its forward, with a warning. Returns how many blocks did."""
+    modules (`_overlaps`) gets the forward that runs them in one call (`_overlapped_moe_forward`),
+    if on a probe of its own its output equals the block's own forward's bit for bit (else it
+    keeps its forward, with a warning). Returns how many blocks did."""
     block_class = getattr(_classes(), "NemotronHMoE", None)
     if block_class is None:
         return 0
@@ -301,12 +272,12 @@ def overlap_shared_experts(model: nn.Module) -> int:
         probe = torch.randn((1, 3, block.experts.hidden_dim), generator=torch.Generator().manual_seed(0)).to(
             device=weight.device, dtype=torch.bfloat16)
         try:
-            block.experts.take_shared_parts(block.shared_experts)
-            why = _probe_disagrees(block, probe)
+            with torch.no_grad():
+                same = torch.equal(block(probe), _overlapped_moe_forward(block, probe))
+            why = "its output differs from the block's own forward's on a probe"
         except Exception as e:  # a block this forward does not fit keeps its own
-            why = f"the forward failed on a probe ({type(e).__name__}: {e})"
-        if why is not None:
-            block.experts.drop_shared_parts()
+            same, why = False, f"the forward failed on a probe ({type(e).__name__}: {e})"
+        if not same:
             warnings.warn(f"{type(block).__name__} keeps its forward, the shared expert after the routed ones: {why}",
                           RuntimeWarning, stacklevel=2)
             continue

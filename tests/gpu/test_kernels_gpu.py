@@ -292,29 +292,6 @@ def test_moe_bf16_nano_shapes(tokens, path):
     assert float((got.float() - torch_bf16.float()).norm() / torch_bf16.float().norm()) < 1e-2
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 8])
-def test_shared_expert_in_the_routed_launches_nano_shapes(tokens):
-    # Nano's shared expert (3712 = 2 x 1856) as two more experts per token in the routed
-    # experts' launches where those route in the kernels (up to 4 tokens): the routed output is
-    # moe_experts' bit for bit, the shared one its own launches' (w4a16_matmul) up to summation
-    # order and bf16 roundings. At 8 tokens (the sorted path) its own launches, bit for bit.
-    up, down, x, ids, weights = _nano_moe(tokens, seed=80)
-    s_up = kquant.quantize(_randn(3712, 2688, seed=84), scale_rule="4o6")
-    s_down = kquant.quantize(_randn(2688, 3712, seed=85), scale_rule="4o6")
-    parts = moe_gemm.shared_parts(s_up, s_down, 1856)[1]
-    assert bool(moe_gemm.moe_config(tokens * 6, 128, x.device).get("gemv")) == (tokens <= 4)
-    routed, shared = moe_gemm.moe_experts_and_shared(x, ids, weights, up, down, s_up, s_down, parts)
-    assert torch.equal(routed, moe_gemm.moe_experts(x, ids, weights, up, down))
-    own = w4a16_gemm.w4a16_matmul(torch.square(torch.relu(w4a16_gemm.w4a16_matmul(x, s_up))), s_down)
-    if tokens > 4:
-        assert torch.equal(shared, own)
-    else:
-        assert float((shared.float() - own.float()).norm() / own.float().norm()) < 2**-7
-    h = torch.square(torch.relu(x.double() @ s_up.dequantize().double().T)).to(torch.bfloat16).double()
-    ref = h @ s_down.dequantize().double().T
-    assert float((shared.double() - ref).norm() / ref.norm()) < 1e-2
-
-
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_moe_gemv_tiles_in_flight_nano_shapes(tokens):
     # Compiled for the GPU, MOE_GEMV's K tiles in flight (AHEAD) change no bit of either

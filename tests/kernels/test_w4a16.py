@@ -74,6 +74,25 @@ def test_w4a16_matmul(dtype, m, split):
     assert torch_y.shape == y.shape
 
 
+@pytest.mark.parametrize("m", [3, 17])
+def test_w4a16_bf16_on_the_matrix_units(m):
+    # bf16 activations where the matrix units take them: on the CPU the wgmma tiles
+    # (`tiles.accumulate`), whose tl.dot runs in the interpreter on exact fp32 operands
+    # (`backend.exact_dot`: the interpreter's own bf16 dot returns wrong values). Against the
+    # product with the bf16-dequantized weights; the interpreter's fp32 -> bf16 casts truncate
+    # (each rounded value up to 2^-7 towards zero), so the bound is loose, but a wrong product is off
+    # by O(1) or more.
+    n, k = 64, 128
+    wq = nvfp4.quantize(_rand(n, k, seed=30), scale_rule="4o6")
+    x = _rand(m, k, seed=31, dtype=torch.bfloat16)
+    if backend.interpreted(w4a16_gemm._w4a16_kernel):
+        cfg = w4a16_gemm.config(m, n, k, torch.device("cpu"), torch.bfloat16)
+        assert not cfg.get("gemv") and not cfg.get("mma")
+    y = w4a16_gemm.w4a16_matmul(x.to(DEVICE), wq.to(DEVICE)).cpu()
+    ref = x.double() @ wq.dequantize(torch.bfloat16).double().T
+    assert y.dtype == torch.bfloat16 and float((y.double() - ref).norm() / ref.norm()) < 5e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("nk", [(72, 160), (64, 256)])  # ragged (masked) and even tiles
