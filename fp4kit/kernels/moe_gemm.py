@@ -368,9 +368,10 @@ def moe_mma_config(rows: int | None = None, num_warps: int | None = None, prefet
 
 def moe_config(assignments: int, n_experts: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                tables: Mapping | None = None) -> dict:
-    """Decode sizes: the CUDA-core tiles (MOE_GEMV) up to their assignment count; then, for 16-bit activations on a GPU, the register-fed matrix units on the sorted path
-    (MOE_MMA) up to their rows per expert; else BLOCK_M = 16 on the matrix units, BLOCK_M following
-    the mean number of rows per expert."""
+    """Decode sizes: the CUDA-core tiles (MOE_GEMV) up to their assignment count; then, for 16-bit
+    activations on a GPU, the register-fed matrix units on the sorted path (MOE_MMA) up to their
+    rows per expert; else BLOCK_M = 16 on the matrix units, BLOCK_M following the mean number of
+    rows per expert."""
     t = _table(tables, device)
     gemv = t["MOE_GEMV"]
     if assignments <= gemv["max_assignments"]:
@@ -505,7 +506,7 @@ def _in_kernel_routing(top_k_index, up):
 
 
 def _combine(part, ids, weights, t, top_k, n_exp, dtype):
-    """The in-kernel-routing paths' last launch (`_moe_combine_kernel`): the [t, H] output in
+    """The in-kernel-routing path's last launch (`_moe_combine_kernel`): the [t, H] output in
     `dtype` from the down projection's fp32 parts [parts, assignments, H]."""
     parts, a, hid = part.shape
     out = torch.empty((t, hid), dtype=dtype, device=part.device)
