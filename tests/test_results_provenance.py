@@ -37,11 +37,6 @@ def _at(doc, path: tuple):
     return doc
 
 
-def _ms(row: dict) -> float:
-    """A sweep row's time, infinite where its launch failed."""
-    return float("inf") if row["ms"] is None else row["ms"]
-
-
 def _flat(text: str) -> str:
     return " ".join(text.split())
 
@@ -781,7 +776,7 @@ FIGURES = [
       for key, fmt in (("per_weight", _f(2)), ("registers", str))],
     *[(BENCH, "slower than the\nCUDA-core tiles at 1 and 2 tokens (26.0 against 22.7 us and 41.6 against 37.0 us at its best\nlaunch)",
        "kernels-sweeps-moe-small_mma-h200.json", ("rows",),
-       lambda rows, t=t: f"{min(_ms(r) for r in rows if r['tokens'] == t and r['path'] == 'small-mma') * 1e3:.1f} against "
+       lambda rows, t=t: f"{min(r['ms'] for r in rows if r['tokens'] == t and r['path'] == 'small-mma') * 1e3:.1f} against "
        f"{next(r['ms'] for r in rows if r['tokens'] == t and r['path'] == 'gemv') * 1e3:.1f}") for t in (1, 2)],
     (BENCH, "wrong on the GPU at 4 and 8 tokens", "kernels-sweeps-moe-small_mma-h200.json", ("rows",),
      lambda rows: "4 and 8" if sorted({r["tokens"] for r in rows if r["path"] == "small-mma" and r["ms"] is None

@@ -215,20 +215,15 @@ def _slot_expert(ids_ptr, A, E, slot, A_PAD: tl.constexpr, BY_ASSIGNMENT: tl.con
 
 
 @triton.jit
-def _nth_assignments(ids, e, want, A_PAD: tl.constexpr):
-    """Expert e's assignments number `want` (a vector) in increasing order: their assignment
+def _expert_rows(ids, e, r0, BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
+    """Rows r0 .. r0+BLOCK_M-1 of expert e's assignments in increasing order: their assignment
     indices and which exist (a compaction of ids == e by its running count)."""
     mine = ids == e
     rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-    hit = mine[None, :] & (rank[None, :] == want[:, None])  # [len(want), A_PAD]
+    want = r0 + tl.arange(0, BLOCK_M)
+    hit = mine[None, :] & (rank[None, :] == want[:, None])  # [BLOCK_M, A_PAD]
     assignment = tl.sum(tl.where(hit, tl.arange(0, A_PAD)[None, :], 0), axis=1)
     return assignment, tl.sum(hit.to(tl.int32), axis=1) > 0
-
-
-@triton.jit
-def _expert_rows(ids, e, r0, BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
-    """Rows r0 .. r0+BLOCK_M-1 of expert e's assignments (`_nth_assignments`)."""
-    return _nth_assignments(ids, e, r0 + tl.arange(0, BLOCK_M), A_PAD)
 
 
 @triton.jit
@@ -495,37 +490,19 @@ def _split_k(programs: int, k: int, block_k: int, device: torch.device, small: M
     return cdiv(k, k_per_split), k_per_split
 
 
-def _in_kernel_routing(top_k_index, up):
-    """What the in-kernel-routing launches take of the routing: (tokens, top_k, assignments, the
-    flat expert ids, whether a program serves an assignment (fewer assignments than experts: the
-    first of each routed expert's) rather than an expert, programs per weight slice)."""
-    t, top_k = top_k_index.shape
-    a = t * top_k
-    by_assignment = a < up.shape[0]
-    return t, top_k, a, top_k_index.reshape(-1).contiguous(), by_assignment, a if by_assignment else up.shape[0]
-
-
-def _combine(part, ids, weights, t, top_k, n_exp, dtype):
-    """The in-kernel-routing path's last launch (`_moe_combine_kernel`): the [t, H] output in
-    `dtype` from the down projection's fp32 parts [parts, assignments, H]."""
-    parts, a, hid = part.shape
-    out = torch.empty((t, hid), dtype=dtype, device=part.device)
-    block = min(1024, next_power_of_2(hid))
-    launch_cached(_moe_combine_kernel, (t, cdiv(hid, block)),
-        part, ids, weights, out, a, n_exp, hid, PARTS=parts, TOPK=top_k, ACT=_TL_DTYPES[dtype], BLOCK=block,
-        **launch_options())
-    return out
-
-
 def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
     """Three launches, no host-side routing: up (fp32 split-K partials per assignment), down
     (reading relu^2 of the up partials; fp32 partials), combine (routing weights, top-k sum).
     cfg["gemv"]: the projections on the CUDA cores (`gemv_accumulate`; split-K by cfg's
     programs_per_sm and max_parts, as MOE_GEMV gives them), else the matrix units (split-K by
     SMALL's)."""
-    t, top_k, a, ids, by_assignment, slots = _in_kernel_routing(top_k_index, up)
+    t, top_k = top_k_index.shape
     n_exp, inter, hid = up.shape
+    a = t * top_k
     dtype, device = x.dtype, x.device
+    ids = top_k_index.reshape(-1).contiguous()
+    by_assignment = a < n_exp
+    slots = a if by_assignment else n_exp
     gemv = cfg.pop("gemv", False)
     if gemv:
         lut = tables["DEQUANT"]["lut"] and not interpreted(_moe_small_kernel)  # the block-dot PTX takes any dtype
@@ -563,7 +540,12 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
         down.block_scale.view(torch.uint8), down.global_scale, part_dn, a, n_exp, hid, inter, top_k, kps_dn,
         a * inter, UP=False, X_PARTS=0 if s_up == 1 else s_up, RELU2_OUT=False, EVEN_N=hid % bn == 0,
         EVEN_K=inter % cfg_dn["BLOCK_K"] == 0, KB=inter // 16 if gemv else 0, **cfg_dn, **common)
-    return _combine(part_dn, ids, weights, t, top_k, n_exp, dtype)
+    out = torch.empty((t, hid), dtype=dtype, device=device)
+    block = min(1024, next_power_of_2(hid))
+    launch_cached(_moe_combine_kernel, (t, cdiv(hid, block)),
+        part_dn, ids, weights, out, a, n_exp, hid, PARTS=s_dn, TOPK=top_k, ACT=_TL_DTYPES[dtype], BLOCK=block,
+        **launch_options())
+    return out
 
 
 def _moe_sorted(x, top_k_index, weights, up, down, cfg, lut, tables):
