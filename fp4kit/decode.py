@@ -38,7 +38,7 @@ from torch import nn
 
 from .models import cache_argument
 from .models import mamba_step
-from .models.nemotron_h import single_group_routing
+from .models.nemotron_h import one_launch_routing, single_group_routing
 from .models.roles import input_device
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -46,10 +46,12 @@ SSM_STATE_FORMATS = ("fp32", "fp16", "fp16-sr")
 WARMUP_STEPS = 2  # eager runs on a side stream before capture: lazy kernel compiles and allocations
 # Attention implementations whose decode step takes the 4-D mask built here.
 MASKED_ATTENTION = ("sdpa", "eager")
-# What a decode step's attention and Mamba mixers run: "fp4kit", the attention over grouped query
-# heads (`grouped_decode_sdpa`) and the mixers' element-wise decode functions
-# (`models.mamba_step`); "transformers", the model's own.
-STEP_OPS = ("fp4kit", "transformers")
+# What a decode step's attention, routers and Mamba mixers run: "fp4kit", the attention over
+# grouped query heads (`grouped_decode_sdpa`) and the mixers' element-wise decode functions
+# (`models.mamba_step`); "triton", those with the attention (`kernel_decode_attention`) and each
+# single-group router (`models.nemotron_h.one_launch_routing`) as one Triton launch on a GPU;
+# "transformers", the model's own.
+STEP_OPS = ("fp4kit", "transformers", "triton")
 
 
 @dataclass
@@ -358,16 +360,20 @@ def _forward(model, s: _StaticStep) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _step_ops(model, s: _StaticStep):
-    """The step's own attention and Mamba decode functions in place (ops "fp4kit"), or the model's."""
-    if s.ops != "fp4kit":
+    """The step's own attention and Mamba decode functions in place (ops "fp4kit"), with the
+    one-launch attention and routers (ops "triton"), or the model's."""
+    if s.ops == "transformers":
         yield
         return
-    with grouped_attention(model), mamba_step.switched(s.mamba_modules):
+    kernels = s.ops == "triton"
+    with grouped_attention(model, kernel=kernels), mamba_step.switched(s.mamba_modules), \
+            (one_launch_routing() if kernels else contextlib.nullcontext()):
         yield
 
 
-# The attention implementation a decode step's sdpa attention runs under (`grouped_attention`).
+# The attention implementations a decode step's sdpa attention runs under (`grouped_attention`).
 GROUPED_SDPA = "fp4kit_grouped_sdpa"
+KERNEL_ATTENTION = "fp4kit_decode_attention"
 # Attention arguments under which `grouped_decode_sdpa` leaves the call to transformers' sdpa: a
 # request for the weights, and anything that changes the scores or the softmax (a bias, a cap,
 # attention sinks).
@@ -403,18 +409,54 @@ def grouped_decode_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     return out.reshape(b, heads, 1, d).transpose(1, 2).contiguous(), None
 
 
+def _kernel_device(query: torch.Tensor) -> bool:
+    """Whether the attention kernel runs where the query is: on a GPU, compiled (not in Triton's
+    interpreter)."""
+    from .kernels.attention import _decode_attention_kernel
+    from .kernels.backend import interpreted
+
+    return query.is_cuda and not interpreted(_decode_attention_kernel)
+
+
+def _kernel_takes(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
+    """Whether `kernels.attention.decode_attention` takes this call: one 16-bit query position
+    (`_kernel_device`), a mask of one row per batch row and no other scores or outputs."""
+    return (_kernel_device(query) and query.shape[2] == 1
+            and query.dtype in (torch.bfloat16, torch.float16) and key.dtype == query.dtype
+            and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1)))
+            and not any(kwargs.get(name) for name in _OTHER_ATTENTION)
+            and not any(kwargs.get(name) is not None for name in _OTHER_SCORES))
+
+
+def kernel_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
+    """`grouped_decode_sdpa`'s attention as one Triton launch (`kernels.attention.decode_attention`,
+    split over the cache, fp32 softmax) where it applies (`_kernel_takes`); other calls go to
+    `grouped_decode_sdpa`."""
+    if dropout or not _kernel_takes(query, key, attention_mask, kwargs):
+        return grouped_decode_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    from .kernels import attention, ops
+
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    run = ops.decode_attention if torch.compiler.is_compiling() else attention.decode_attention
+    return run(query, key, value, attention_mask, float(scale)), None
+
+
 @contextlib.contextmanager
-def grouped_attention(model: nn.Module):
-    """Within the block, a model on transformers' sdpa attention runs `grouped_decode_sdpa`
-    (registered with transformers' AttentionInterface); other implementations run as they are."""
+def grouped_attention(model: nn.Module, kernel: bool = False):
+    """Within the block, a model on transformers' sdpa attention runs `grouped_decode_sdpa`, or
+    with `kernel` `kernel_decode_attention` (registered with transformers' AttentionInterface);
+    other implementations run as they are."""
     config = model.config
     if getattr(config, "_attn_implementation", None) != "sdpa":
         yield
         return
     from transformers import AttentionInterface
 
-    AttentionInterface.register(GROUPED_SDPA, grouped_decode_sdpa)
-    config._attn_implementation = GROUPED_SDPA
+    name, fn = (KERNEL_ATTENTION, kernel_decode_attention) if kernel else (GROUPED_SDPA, grouped_decode_sdpa)
+    AttentionInterface.register(name, fn)
+    config._attn_implementation = name
     try:
         yield
     finally:
@@ -547,6 +589,9 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
     step_ops: "fp4kit" (default): the step's sdpa attention runs over grouped query heads without
     copying the key/value cache per query head (`grouped_decode_sdpa`), and the Mamba mixers'
     decode functions run element-wise (`models.mamba_step`), for BF16 and quantized models alike;
+    "triton": those, with the attention (`kernel_decode_attention`) and each single-group router
+    (`models.nemotron_h.one_launch_routing`) as one Triton launch each on a GPU; their sums run in
+    other orders, so like compile=True its logits can differ from eager ones in the last bits;
     "transformers": the model's own functions, to compare with.
     """
     if step_ops not in STEP_OPS:

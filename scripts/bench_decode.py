@@ -25,7 +25,8 @@ that the checkpoint generates: row 0's tokens against BF16's, the agreeing prefi
 teacher-forced agreement; and records the host time of one eager W4A16 call (M = 1).
 
 `--step-ops fp4kit,transformers` times every model under each of `fp4kit.generate`'s step ops
-(the step's attention and Mamba decode functions: fp4kit's, or the model's own), side by side.
+(the step's attention, routers and Mamba decode functions: fp4kit's, those with one-launch
+attention and routers (triton), or the model's own), side by side.
 `--sequential-shared` times each checkpoint also with its MoE blocks' shared expert run after the
 routed experts on one stream (`models.nemotron_h.shared_experts_after_routed`), as labels ending
 in _sequential-shared: load_quantized runs it on a second stream beside them on a GPU.
@@ -217,8 +218,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true",
                     help="fp4kit.generate compiles its decode step (torch.compile) for every model alike")
     ap.add_argument("--step-ops", default="fp4kit",
-                    help=f"comma-separated, of {', '.join(STEP_OPS)}: what the decode step's attention and Mamba "
-                         "mixers run (fp4kit.generate's step_ops), every model under each; labels of the others "
+                    help=f"comma-separated, of {', '.join(STEP_OPS)}: what the decode step's attention, routers "
+                         "and Mamba mixers run (fp4kit.generate's step_ops), every model under each; labels of the others "
                          "than the first end in _<ops>-ops (default fp4kit)")
     ap.add_argument("--sequential-shared", action="store_true",
                     help="time each checkpoint also with its MoE blocks' shared expert after the routed experts "

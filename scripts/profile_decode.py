@@ -40,7 +40,7 @@ from fp4kit.recipe import load_recipe
 
 # Kernel (or, on the CPU, operator) names by kind; the first pattern that matches names the kind.
 KINDS = (
-    ("fp4kit kernels", r"^_(moe|gemv|mma|w4a16|packed|dequantize|fp8|round)"),
+    ("fp4kit kernels", r"^_(moe|gemv|mma|w4a16|packed|dequantize|fp8|round|route|decode_attention)"),
     ("bf16 matmul", r"nvjet|cutlass|gemm|cublas|grouped_mm|splitKreduce|aten::(mm|bmm|addmm|linear|_grouped_mm)$"),
     ("copy", r"copy|Memcpy|Memset|aten::(copy_|clone|contiguous|to|_to_copy)$"),
     ("top-k and sort", r"topk|[Ss]ort|aten::(topk|sort|argsort)$"),
@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (for a CPU smoke run)")
     ap.add_argument("--compile", action="store_true", help="generate compiles its decode step (torch.compile)")
     ap.add_argument("--step-ops", default="fp4kit",
-                    help=f"comma-separated, of {', '.join(STEP_OPS)}: what the step's attention and Mamba mixers run "
+                    help=f"comma-separated, of {', '.join(STEP_OPS)}: what the step's attention, routers and Mamba mixers run "
                          "(generate's step_ops), each model profiled under each; the names of the others than the "
                          "first end in ' (<ops> ops)' (default fp4kit)")
     ap.add_argument("--reps", type=int, default=3, help="timed generates per model for the wall time per step")

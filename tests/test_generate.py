@@ -251,7 +251,7 @@ def test_decode_steps_attend_without_repeating_the_cache(monkeypatch, build):
     assert result.tokens == expected
     assert model.config._attn_implementation == "sdpa"
 
-    monkeypatch.setattr(generate_module, "grouped_attention", lambda model: contextlib.nullcontext())
+    monkeypatch.setattr(generate_module, "grouped_attention", lambda model, **_: contextlib.nullcontext())
     assert generate(model, None, ids.tolist(), 8).tokens == expected
     assert repeats.count(True) >= 7 * 2  # keys and values at every step, at least one layer
 
@@ -673,3 +673,33 @@ def test_tokens_read_a_step_late_are_the_same_tokens(monkeypatch, stop_at_eos):
         assert at_once_seen[-1][0] is None and late.steps == at_once.steps + 1 == len(at_once_seen)
     else:
         assert at_once.tokens == first and late.steps == at_once.steps == 11
+
+
+def test_the_triton_step_ops_run_attention_and_each_router_as_one_launch(monkeypatch):
+    """step_ops="triton": in every decode step (not the prefill) each attention layer and each
+    single-group router is one kernel launch, and the tokens are those of the "fp4kit" ops. The
+    kernels run on a GPU only; here the interpreter stands in for one."""
+    from fp4kit.kernels import attention, router
+    from fp4kit.models import nemotron_h
+
+    model = models.build_nemotron_h().to(torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(4)).tolist()
+    want = generate(model, None, ids, 6, step_ops="fp4kit")
+    monkeypatch.setattr(generate_module, "_kernel_device", lambda query: True)
+    monkeypatch.setattr(nemotron_h, "_kernel_rows", lambda x: True)
+    launched = []
+    for module in (attention, router):
+        monkeypatch.setattr(module, "launch_cached",
+                            lambda kernel, *a, _real=module.launch_cached, **k: launched.append(kernel) or _real(kernel, *a, **k))
+    got = generate(model, None, ids, 6, step_ops="triton")
+    kinds = model.config.layers_block_type
+    steps = got.steps
+    assert steps == 5 and got.tokens == want.tokens
+    assert launched.count(router._route_kernel) == kinds.count("moe") * steps > 0
+    assert launched.count(router._topk_gather_kernel) == kinds.count("moe")  # the prefill's routers
+    assert launched.count(attention._decode_attention_kernel) == kinds.count("full_attention") * steps > 0
+    assert not nemotron_h._ONE_LAUNCH
+    launched.clear()
+    assert generate(model, None, ids, 6, step_ops="fp4kit").tokens == want.tokens
+    assert router._route_kernel not in launched and attention._decode_attention_kernel not in launched

@@ -12,6 +12,8 @@ directly: the dispatcher adds host time to every call.
     moe_experts_and_shared(the same, then the shared expert's up and down packed, block_scale,
                 global_scale)                                 kernels.moe_gemm.moe_experts_and_shared
     topk_gather(scores, bias, k)                                  kernels.router.topk_gather
+    route(x, weight, bias, k, norm, scale)                        kernels.router.route
+    decode_attention(query, key, value, mask, scale)              kernels.attention.decode_attention
     fp8_matmul(xq, weight, input_scale, weight_scale, out_dtype)  kernels.fp8_gemm.fp8_matmul
 
 Each runs the Triton backend (compiled on a GPU, interpreted on the CPU under TRITON_INTERPRET=1).
@@ -134,3 +136,32 @@ def _topk_gather_backward(ctx, grad_chosen, grad_gathered):
 
 
 topk_gather.register_autograd(_topk_gather_backward, setup_context=_topk_gather_context)
+
+
+@torch.library.custom_op("fp4kit::route", mutates_args=())
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, norm: bool,
+          scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .router import route as launch
+
+    return launch(x, weight, bias, k, norm=norm, scale=scale, backend="triton")
+
+
+@route.register_fake
+def _(x, weight, bias, k, norm, scale):
+    t, e = x.shape[0], weight.shape[0]
+    return (x.new_empty((t, e), dtype=torch.float32), x.new_empty((t, k), dtype=torch.float32),
+            x.new_empty((t, k), dtype=torch.int64))
+
+
+@torch.library.custom_op("fp4kit::decode_attention", mutates_args=())
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    from .attention import decode_attention as launch
+
+    return launch(query, key, value, mask, scale, backend="triton")
+
+
+@decode_attention.register_fake
+def _(query, key, value, mask, scale):
+    b, heads, _, d = query.shape
+    return query.new_empty((b, 1, heads, d))

@@ -30,13 +30,9 @@ _LOWEST = -(2**31)  # below every value's key: the padding past E, and a pick on
 
 
 @triton.jit
-def _topk_gather_kernel(s_ptr, b_ptr, ids_ptr, w_ptr, E, stride_s,
-                        TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    ok = e < E
-    s = tl.load(s_ptr + t * stride_s + e, mask=ok, other=0.0)
-    c = s + tl.load(b_ptr + e, mask=ok, other=0.0).to(tl.float32)
+def _pick_order(c, e, ok, TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(chosen, pos) for the fp32 sums `c` [BLOCK_E] (entries past E: ok False): the k largest,
+    and each one's place in torch's order (module docstring); pos is meaningful where chosen."""
     # Order-preserving signed keys of the fp32 bit patterns (negative values: magnitude bits
     # flipped), NaN above everything, padding below everything.
     bits = c.to(tl.int32, bitcast=True)
@@ -55,10 +51,69 @@ def _topk_gather_kernel(s_ptr, b_ptr, ids_ptr, w_ptr, E, stride_s,
     at = chosen & (key == kth)
     n_above = tl.sum(above.to(tl.int32), axis=0)
     pos = tl.where(above, tl.cumsum(above.to(tl.int32), axis=0) - 1, n_above + tl.cumsum(at.to(tl.int32), axis=0) - 1)
+    return chosen, pos
+
+
+@triton.jit
+def _topk_gather_kernel(s_ptr, b_ptr, ids_ptr, w_ptr, E, stride_s,
+                        TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    s = tl.load(s_ptr + t * stride_s + e, mask=ok, other=0.0)
+    c = s + tl.load(b_ptr + e, mask=ok, other=0.0).to(tl.float32)
+    chosen, pos = _pick_order(c, e, ok, TOPK, BLOCK_E)
     for j in tl.static_range(TOPK):
         mine = chosen & (pos == j)
         tl.store(ids_ptr + t * TOPK + j, tl.max(tl.where(mine, e, -1), axis=0).to(tl.int64))
         tl.store(w_ptr + t * TOPK + j, tl.max(tl.where(mine, s, float("-inf")), axis=0))
+
+
+@triton.jit
+def _route_kernel(x_ptr, w_ptr, b_ptr, logits_ptr, ids_ptr, wout_ptr, cnt_ptr, E, K, stride_x, stride_w, scale,
+                  TOPK: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
+    """One token's router (program axis 1) in one launch. Each program computes the fp32 logits of
+    BLOCK_R experts (fp32 products of the token's row and the weight rows, summed in fp32), stores
+    them and counts itself in at the token's counter; the last of the token's programs to arrive
+    reads the E logits back (through L2, where the others' stores are), takes the sigmoid scores,
+    picks as `_topk_gather_kernel` does, normalises the picked scores by their sum (+ 1e-20, in
+    pick order) where NORM, scales them, and puts the counter back to 0 for the next launch."""
+    pid = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < E
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        x = tl.load(x_ptr + t * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + r[:, None].to(tl.int64) * stride_w + k[None, :], mask=r_ok[:, None] & (k[None, :] < K),
+                    other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    tl.store(logits_ptr + t * E + r, tl.sum(acc, axis=1), mask=r_ok)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        e = tl.arange(0, BLOCK_E)
+        ok = e < E
+        logit = tl.load(logits_ptr + t * E + e, mask=ok, other=0.0, cache_modifier=".cg")
+        s = tl.math.div_rn(tl.full([BLOCK_E], 1.0, tl.float32), 1.0 + tl.exp(-logit))
+        c = s + tl.load(b_ptr + e, mask=ok, other=0.0).to(tl.float32)
+        chosen, pos = _pick_order(c, e, ok, TOPK, BLOCK_E)
+        total = 0.0
+        if NORM:
+            for j in tl.static_range(TOPK):
+                total += tl.max(tl.where(chosen & (pos == j), s, float("-inf")), axis=0)
+            total += 1e-20
+        for j in tl.static_range(TOPK):
+            mine = chosen & (pos == j)
+            tl.store(ids_ptr + t * TOPK + j, tl.max(tl.where(mine, e, -1), axis=0).to(tl.int64))
+            picked = tl.max(tl.where(mine, s, float("-inf")), axis=0)
+            if NORM:
+                picked = tl.math.div_rn(picked, total)
+            tl.store(wout_ptr + t * TOPK + j, picked * scale)
+        tl.store(cnt_ptr + t, 0)
 
 
 def _keys(c: torch.Tensor) -> torch.Tensor:
@@ -113,3 +168,76 @@ def topk_gather(scores: torch.Tensor, bias: torch.Tensor, k: int, *, backend: st
         with torch.cuda.device(gpu) if gpu >= 0 and gpu != current_device() else contextlib.nullcontext():
             launch_cached(_topk_gather_kernel, (t,), *args, **consts)
     return chosen, gathered
+
+
+# The one-launch router (`route`): experts per program, weight columns per loop step, and the
+# most tokens it takes (more: the logits by torch's matmul, then `topk_gather`).
+ROUTE_EXPERTS = 4
+ROUTE_BLOCK_K = 512
+ROUTE_MAX_TOKENS = 64
+
+
+def route_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, *, norm: bool = True,
+                    scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A single-group sigmoid router's forward (logits [T, E] fp32, weights [T, k] fp32, chosen
+    [T, k] int64) in torch: fp32 logits of x's rows, sigmoid scores, the pick of
+    `topk_gather_reference`, the picked scores normalised by their sum + 1e-20 where `norm`, then
+    scaled."""
+    logits = torch.nn.functional.linear(x.float(), weight.float())
+    chosen, weights = topk_gather_reference(logits.sigmoid(), bias, k)
+    if norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits, weights * scale, chosen
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, *, norm: bool = True,
+          scale: float = 1.0, backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`route_reference`'s router in one launch (`_route_kernel`) for up to ROUTE_MAX_TOKENS rows:
+    (logits, weights, chosen). The logits are summed in another order than torch's matmul (and
+    the sigmoid's exp may differ from torch's in the last bit), so a pick can differ from
+    `route_reference`'s where two experts' sums tie to about 1e-7; given its own logits, the pick,
+    its order and the weights follow `route_reference`'s rules.
+
+    x: [T, K] (any float dtype, made fp32 exactly); weight: [E, K] fp32; bias: [E] any float.
+    More rows than ROUTE_MAX_TOKENS: torch's fp32 matmul and sigmoid, then `topk_gather`.
+    backend: "triton" or "torch" (`route_reference`)."""
+    what = "kernels.route"
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"{what}: x must be a float [T, K] tensor, got {tuple(getattr(x, 'shape', ()))}")
+    t, kdim = x.shape
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] != kdim:
+        raise ValueError(f"{what}: weight must be an fp32 [E, {kdim}] tensor, got "
+                         f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
+    n = weight.shape[0]
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (n,):
+        raise ValueError(f"{what}: bias must be a float [{n}] tensor, got {tuple(getattr(bias, 'shape', ()))}")
+    if not 1 <= k <= n:
+        raise ValueError(f"{what}: k must be in [1, {n}], got {k}")
+    check_backend(backend, _route_kernel, x, weight, bias, what=what)
+    if backend == "torch":
+        return route_reference(x, weight, bias, k, norm=norm, scale=scale)
+    if t > ROUTE_MAX_TOKENS:
+        logits = torch.nn.functional.linear(x.float(), weight)
+        chosen, weights = topk_gather(logits.sigmoid(), bias, k)
+        if norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, weights * scale, chosen
+    from .tiles import split_counters
+
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight, bias = weight.contiguous(), bias.contiguous()
+    logits = torch.empty((t, n), dtype=torch.float32, device=x.device)
+    weights = torch.empty((t, k), dtype=torch.float32, device=x.device)
+    chosen = torch.empty((t, k), dtype=torch.int64, device=x.device)
+    if t:
+        gpu = x.get_device()
+        with torch.cuda.device(gpu) if gpu >= 0 and gpu != current_device() else contextlib.nullcontext():
+            counters = split_counters(x.device, t)
+            args = (x, weight, bias, logits, chosen, weights, counters, n, kdim, x.stride(0), weight.stride(0),
+                    float(scale))
+            consts = dict(TOPK=k, NORM=bool(norm), BLOCK_R=ROUTE_EXPERTS,
+                          BLOCK_K=min(ROUTE_BLOCK_K, max(next_power_of_2(kdim), 16)),
+                          BLOCK_E=max(next_power_of_2(n), 16), num_warps=4, **launch_options())
+            launch_cached(_route_kernel, (-(-n // ROUTE_EXPERTS), t), *args, **consts)
+    return logits, weights, chosen

@@ -140,6 +140,14 @@ def attention_kv(model: nn.Module) -> list[AttentionKV]:
 # Whether the pick kernel runs compiled (not in Triton's interpreter): fixed at import, and a
 # constant to code that torch.compile traces.
 _PICK_KERNEL = not interpreted(router_kernels._topk_gather_kernel)
+# Within `one_launch_routing`: the short forward runs the whole router as one launch
+# (`kernels.router.route`) for up to ROUTE_MAX_TOKENS rows on a GPU.
+_ONE_LAUNCH = False
+
+
+def _kernel_rows(x: torch.Tensor) -> bool:
+    """Whether the router's Triton kernels take these rows (on a GPU, compiled)."""
+    return x.is_cuda and _PICK_KERNEL
 
 
 def _one_group_route(router: nn.Module, hidden_states):
@@ -149,12 +157,22 @@ def _one_group_route(router: nn.Module, hidden_states):
     (unsorted), their plain scores gathered, normalised and scaled. The same operations on the
     same values as the full forward, so the same experts and weights, bit for bit. On a GPU the
     pick and the gather are one launch (`kernels.router.topk_gather`, torch's top-k order), and
-    the weight's fp32 copy is made once per `single_group_routing` block, not per call."""
+    the weight's fp32 copy is made once per `single_group_routing` block, not per call.
+
+    Within `one_launch_routing`, on a GPU and for up to ROUTE_MAX_TOKENS rows, the logits too are
+    in that launch (`kernels.router.route`): summed in another order than torch's matmul, so an
+    expert whose sum ties another's to about 1e-7 may be picked in its place."""
     x = hidden_states.view(-1, router.hidden_dim).to(torch.float32)
     weight = getattr(router, "_weight_fp32", None)
-    logits = F.linear(x, router.weight.to(torch.float32) if weight is None else weight)
+    weight = router.weight.to(torch.float32) if weight is None else weight
+    if _ONE_LAUNCH and _kernel_rows(x) and x.shape[0] <= router_kernels.ROUTE_MAX_TOKENS:
+        norm, scale = bool(router.norm_topk_prob), float(router.routed_scaling_factor)
+        if torch.compiler.is_compiling():
+            return kernel_ops.route(x, weight, router.e_score_correction_bias, router.top_k, norm, scale)
+        return router_kernels.route(x, weight, router.e_score_correction_bias, router.top_k, norm=norm, scale=scale)
+    logits = F.linear(x, weight)
     scores = logits.sigmoid()
-    if scores.is_cuda and _PICK_KERNEL:
+    if _kernel_rows(scores):
         if torch.compiler.is_compiling() or scores.requires_grad:  # one opaque operator, with a gradient
             chosen, weights = kernel_ops.topk_gather(scores, router.e_score_correction_bias, router.top_k)
         else:
@@ -165,6 +183,18 @@ def _one_group_route(router: nn.Module, hidden_states):
     if router.norm_topk_prob:
         weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
     return logits, weights * router.routed_scaling_factor, chosen
+
+
+@contextlib.contextmanager
+def one_launch_routing():
+    """Within the block, single-group routers on their short forward (`single_group_routing`)
+    run each call of up to ROUTE_MAX_TOKENS rows on a GPU as one launch (`_one_group_route`)."""
+    global _ONE_LAUNCH
+    saved, _ONE_LAUNCH = _ONE_LAUNCH, True
+    try:
+        yield
+    finally:
+        _ONE_LAUNCH = saved
 
 
 # Each router class's subclass with the short forward (one per class, so code compiled for it

@@ -124,11 +124,13 @@ def test_the_ssm_state_eval_replays_as_it_runs_eagerly(tiny):
     assert graphed["rows"][2]["buckets"]["0-512"]["state_rel_error"] > 0
 
 
-@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("batch", [1, 16, 64])
 def test_grouped_decode_attention_on_nano_shapes(batch):
     """The decode step's attention on Nemotron-3-Nano's shapes (32 query heads over 2 key/value
     heads of 128, a 1024-slot static cache, part of it closed): at most twice as far from float64
-    as the repeated form (transformers 5.18's) is."""
+    as the repeated form (transformers 5.18's) is; so is the one-launch kernel (step_ops
+    "triton"), which also stays within half a bf16 step of float64 and replays from a CUDA graph
+    what it computes eagerly."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
     from fp4kit.decode import grouped_decode_sdpa
@@ -151,3 +153,14 @@ def test_grouped_decode_attention_on_nano_shapes(batch):
     out, _ = grouped_decode_sdpa(Attention(), q, k, v, mask, scaling=128 ** -0.5)
     error = (out.double() - exact.transpose(1, 2)).abs().max().item()
     assert error <= 2 * (repeated.double() - exact).abs().max().item()
+
+    from fp4kit.kernels.attention import decode_attention
+
+    from .test_decode_kernels_gpu import graphed
+
+    kernel = decode_attention(q, k, v, mask, 128 ** -0.5)
+    distance = (kernel.double() - exact.transpose(1, 2)).abs()
+    assert distance.max().item() <= 2 * (repeated.double() - exact).abs().max().item()
+    assert (distance <= 2**-8 * exact.transpose(1, 2).abs() * (1 + 2**-8) + 1e-6).all()
+    first, replayed = graphed(lambda: decode_attention(q, k, v, mask, 128 ** -0.5))
+    assert torch.equal(first, kernel) and torch.equal(replayed, kernel)

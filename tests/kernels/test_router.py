@@ -160,3 +160,83 @@ def test_scores_on_another_gpu_than_the_current_one_launch_on_theirs(monkeypatch
     assert torch.equal(got[0], router.topk_gather_reference(s, torch.zeros(16), 3)[0])
     router.topk_gather(s, torch.zeros(16), 3)  # on the CPU (the interpreter): no device to make current
     assert launched_in == [[1], []]
+
+
+# The one-launch router: logits, sigmoid scores, the pick and the normalised weights
+
+def _router_inputs(t: int, e: int, kdim: int, seed: int, twins: int = 0):
+    """bf16 rows, an fp32 weight ([E, K]) whose first `twins` pairs of rows are equal (equal
+    logits: ties across the k-th place), an fp32 correction bias."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((t, kdim), generator=g).to(torch.bfloat16)
+    w = torch.randn((e, kdim), generator=g) * 0.05
+    for i in range(twins):
+        w[2 * i + 1] = w[2 * i]
+    return x, w, torch.zeros(e) if twins else torch.randn(e, generator=g) * 0.01
+
+
+@pytest.mark.parametrize("norm,scale", [(True, 2.5), (False, 1.0)])
+@pytest.mark.parametrize("t,e,kdim,k,twins", [(1, 128, 1100, 6, 0), (3, 60, 200, 4, 0), (5, 16, 64, 3, 8),
+                                               (2, 37, 96, 5, 18)])
+def test_the_one_launch_router_picks_by_the_rule_from_its_own_logits(t, e, kdim, k, twins, norm, scale):
+    x, w, bias = _router_inputs(t, e, kdim, seed=t * e + k, twins=twins)
+    logits, weights, chosen = router.route(x, w, bias, k, norm=norm, scale=scale)
+    want_logits, want_weights, want_chosen = router.route_reference(x, w, bias, k, norm=norm, scale=scale)
+    # fp32 sums of K products in another order: within a few fp32 ulps of the sum's magnitude
+    assert torch.allclose(logits, want_logits, rtol=0, atol=kdim * 2**-24 * (x.float().abs() @ w.abs().T).max().item())
+    # given its own logits, the experts, their order and the weights are the rule's
+    own = router.topk_gather_reference(logits.sigmoid(), bias, k)
+    assert torch.equal(chosen, own[0])
+    picked = own[1] / (own[1].sum(-1, keepdim=True) + 1e-20) if norm else own[1]
+    assert torch.allclose(weights, picked * scale, rtol=4 * 2**-24, atol=0)
+    if not twins:  # no sums within 1e-7 of each other here: the reference's experts
+        assert torch.equal(chosen, want_chosen) and torch.allclose(weights, want_weights, rtol=1e-6, atol=0)
+    else:  # equal logits across the k-th place: of two equal experts at the cut, the lower one
+        cut = [(i, i ^ 1) for row in chosen.tolist() for i in row if i < 2 * twins and i ^ 1 not in row]
+        assert cut and all(i < twin for i, twin in cut)
+
+
+def test_the_one_launch_router_leaves_its_counters_at_zero_and_repeats_itself():
+    from fp4kit.kernels.tiles import split_counters
+
+    x, w, bias = _router_inputs(4, 32, 128, seed=5)
+    first = router.route(x, w, bias, 3)
+    assert not split_counters(x.device, 4)[:4].any()
+    second = router.route(x, w, bias, 3)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_more_rows_than_one_launch_takes_run_the_matmul_and_the_pick(monkeypatch):
+    monkeypatch.setattr(router, "ROUTE_MAX_TOKENS", 2)
+    x, w, bias = _router_inputs(3, 20, 48, seed=6)
+    launched = []
+    real = router.launch_cached
+    monkeypatch.setattr(router, "launch_cached", lambda kernel, *a, **k: launched.append(kernel) or real(kernel, *a, **k))
+    got = router.route(x, w, bias, 4, norm=True, scale=2.5)
+    want = router.route_reference(x, w, bias, 4, norm=True, scale=2.5)
+    assert launched == [router._topk_gather_kernel]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_one_launch_routers_bad_inputs_are_named():
+    x, w, bias = _router_inputs(2, 16, 32, seed=7)
+    with pytest.raises(ValueError, match=r"x must be a float \[T, K\]"):
+        router.route(x[0], w, bias, 2)
+    with pytest.raises(ValueError, match=r"weight must be an fp32 \[E, 32\]"):
+        router.route(x, w.bfloat16(), bias, 2)
+    with pytest.raises(ValueError, match=r"weight must be an fp32 \[E, 32\]"):
+        router.route(x, w[:, :31], bias, 2)
+    with pytest.raises(ValueError, match=r"bias must be a float \[16\]"):
+        router.route(x, w, bias[:15], 2)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 16\]"):
+        router.route(x, w, bias, 0)
+
+
+def test_the_one_launch_router_operator_is_the_launcher():
+    from fp4kit.kernels import ops
+
+    x, w, bias = _router_inputs(3, 24, 64, seed=8)
+    args = (x, w, bias, 4, True, 2.5)
+    got, want = ops.route(*args), router.route(x, w, bias, 4, norm=True, scale=2.5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    torch.library.opcheck(torch.ops.fp4kit.route.default, args, test_utils=("test_faketensor",))

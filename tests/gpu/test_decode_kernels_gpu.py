@@ -1,0 +1,71 @@
+"""The decode step's one-launch kernels on a CUDA GPU, on Nemotron-3-Nano's shapes: the router
+(`kernels.router.route`: logits, sigmoid, pick, weights), eagerly and replayed from a CUDA graph,
+and `generate(step_ops="triton")` against the eager step; the attention kernel
+(`kernels.attention.decode_attention`) is in tests/gpu/test_generate_gpu.py beside the step's
+grouped sdpa.
+
+Run: python -m pytest -q tests/gpu   (skipped without CUDA)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from fp4kit.kernels import router  # noqa: E402
+from fp4kit.kernels.tiles import split_counters  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def graphed(fn):
+    """fn's outputs from a CUDA graph of it (captured after a warm-up), replayed twice."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    first = [t.clone() for t in out] if isinstance(out, tuple) else out.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    return first, out
+
+
+@pytest.mark.parametrize("t", [1, 7, 16, 64])
+def test_the_one_launch_router_on_nano_shapes(t):
+    g = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn((t, 2688), device="cuda", generator=g).bfloat16()
+    w = torch.randn((128, 2688), device="cuda", generator=g) * 0.02
+    bias = torch.randn(128, device="cuda", generator=g) * 0.01
+    logits, weights, chosen = router.route(x, w, bias, 6, norm=True, scale=2.5)
+    want = router.route_reference(x, w, bias, 6, norm=True, scale=2.5)
+    bound = 2688 * 2**-24 * (x.float().abs() @ w.abs().T).max().item()
+    assert (logits - want[0]).abs().max().item() <= bound
+    own = router.topk_gather_reference(logits.sigmoid(), bias, 6)
+    assert torch.equal(chosen, own[0])
+    picked = own[1] / (own[1].sum(-1, keepdim=True) + 1e-20) * 2.5
+    assert torch.allclose(weights, picked, rtol=1e-6, atol=0)
+    assert not split_counters(x.device, t)[:t].any()
+    first, replayed = graphed(lambda: router.route(x, w, bias, 6, norm=True, scale=2.5))
+    for a, b, c in zip(first, replayed, (logits, weights, chosen)):
+        assert torch.equal(a, c) and torch.equal(b, c)
+
+
+def test_the_triton_step_ops_give_the_eager_steps_tokens():
+    """generate(step_ops="triton") on the embedded model, graphed and compiled: the tokens of the
+    eager step with the "fp4kit" ops (the trained model's greedy margins are wide)."""
+    from fp4kit.decode import generate
+    from fp4kit.models.tiny import load_tiny_model
+
+    model, tok = load_tiny_model(device="cuda")
+    prompts = ["ROMEO:\nBut soft, what light", "KING HENRY:\nOnce more unto the breach, dear friends, once more"]
+    want = generate(model, tok, prompts, 24, graph=False).tokens
+    assert generate(model, tok, prompts, 24, graph=True, step_ops="triton").tokens == want
+    assert generate(model, tok, prompts, 24, graph=True, compile=True, step_ops="triton").tokens == want
