@@ -21,6 +21,11 @@ README = "README.md"
 BENCH = "benchmarks/README.md"
 
 
+# The four kernels of a compiled step's router (decode-profile-compiled-lightning-h200.json).
+_ROUTER_KERNELS = ("void dot_kernel<float", "void reduce_1Block_kernel<float", "triton_poi_fused_sigmoid_topk_gather",
+                   "_topk_gather_kernel")
+
+
 def _load(name: str):
     return json.loads((RESULTS / name).read_text())
 
@@ -680,6 +685,14 @@ FIGURES = [
        lambda b: f"{b['tokens_per_s_modelopt-lightning_graph'] / b['tokens_per_s_bf16_graph']:.2f}x")
       for text, name in (("decoded 806.1 tokens/s (1.80x BF16's 447.6", "decode-b1-shared-parts-h200.json"),
                          ("against 825.2 (1.84x of 447.9)", "decode-b1-side-stream-h200.json"))],
+    (README, "the pick): 82.5 us per step over 11 layers", "decode-profile-compiled-lightning-h200.json",
+     ("top_kernels_per_step", "modelopt-lightning"), lambda rows: "{:.1f} us per step over {:.0f} layers".format(
+         sum(r["us"] for r in rows if r["kernel"].startswith(_ROUTER_KERNELS)),
+         next(r["count"] for r in rows if r["kernel"] == "_topk_gather_kernel"))),
+    (README, "takes 71.5 us over 3\nlayers", "decode-profile-compiled-lightning-h200.json",
+     ("top_kernels_per_step", "modelopt-lightning"),
+     lambda rows: "{:.1f} us over {:.0f} layers".format(*next((r["us"], r["count"]) for r in rows
+                                                            if r["kernel"].startswith("cudnn_generated_fort_native_sdpa")))),
     (README, "The routed experts' 270.2 us per step", "decode-profile-compiled-lightning-h200.json",
      ("top_kernels_per_step", "modelopt-lightning", {"kernel": "_moe_small_kernel"}, "us"), _f(1)),
     *[(README, "stream one\ntoken's 33.7 MB at 1.5 TB/s", "kernels-sweeps-moe-gemv-h200.json",

@@ -13,6 +13,9 @@ bit patterns made order-preserving, so -0.0 ranks below +0.0 and any NaN above e
 largest k times (the lowest expert among equals), and writes the picks in that order. transformers'
 router runs three launches for this (the sum, top-k, the gather); under `torch.compile` the top-k
 stays an opaque library call, which the compiled step pays for at every layer.
+
+`route` runs a whole single-group sigmoid router in one launch (`_route_kernel`): the fp32 logits,
+the scores, this pick, and the picked scores normalised and scaled, for the decode step's few rows.
 """
 
 from __future__ import annotations

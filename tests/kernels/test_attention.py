@@ -1,6 +1,6 @@
 """fp4kit.kernels.attention: one query position of grouped-query attention over a static cache,
 split over the cache in one launch, in Triton's interpreter against float64 attention.
-tests/gpu/test_decode_attention_gpu.py runs it compiled on Nemotron-3-Nano's shapes."""
+tests/gpu/test_generate_gpu.py runs it compiled on Nemotron-3-Nano's shapes."""
 
 from __future__ import annotations
 
