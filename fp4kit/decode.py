@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .kernels import attention as attention_kernels, ops as kernel_ops
+from .kernels.backend import interpreted
 from .models import cache_argument
 from .models import mamba_step
 from .models.nemotron_h import one_launch_routing, single_group_routing
@@ -412,10 +414,7 @@ def grouped_decode_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tenso
 def _kernel_device(query: torch.Tensor) -> bool:
     """Whether the attention kernel runs where the query is: on a GPU, compiled (not in Triton's
     interpreter)."""
-    from .kernels.attention import _decode_attention_kernel
-    from .kernels.backend import interpreted
-
-    return query.is_cuda and not interpreted(_decode_attention_kernel)
+    return query.is_cuda and not interpreted(attention_kernels._decode_attention_kernel)
 
 
 def _kernel_takes(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
@@ -436,10 +435,8 @@ def kernel_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.T
     `grouped_decode_sdpa`."""
     if dropout or not _kernel_takes(query, key, attention_mask, kwargs):
         return grouped_decode_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    from .kernels import attention, ops
-
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    run = ops.decode_attention if torch.compiler.is_compiling() else attention.decode_attention
+    run = kernel_ops.decode_attention if torch.compiler.is_compiling() else attention_kernels.decode_attention
     return run(query, key, value, attention_mask, float(scale)), None
 
 

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .backend import check_backend, current_device, interpreted, launch_cached, launch_options, next_power_of_2
+from .tiles import split_counters
 
 _WHAT = "kernels.decode_attention"
 # Cache slots per program step and the slices the cache is cut into (at most: a slice holds at
@@ -164,8 +165,6 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     out = torch.empty((b, 1, heads, d), dtype=query.dtype, device=query.device)
     if b == 0 or slots == 0:
         return out.zero_()
-    from .tiles import split_counters
-
     group = heads // heads_kv
     block_g, block_d = max(next_power_of_2(group), 16), max(next_power_of_2(d), 16)
     per_split = -(-max(-(-slots // SPLITS), BLOCK_N) // BLOCK_N) * BLOCK_N  # whole steps of BLOCK_N slots

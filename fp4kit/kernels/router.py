@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .backend import check_backend, current_device, interpreted, launch_cached, launch_options, next_power_of_2
+from .tiles import split_counters
 
 _WHAT = "kernels.router_topk"
 _LOWEST = -(2**31)  # below every value's key: the padding past E, and a pick once taken
@@ -186,8 +187,14 @@ def route_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k
     [T, k] int64) in torch: fp32 logits of x's rows, sigmoid scores, the pick of
     `topk_gather_reference`, the picked scores normalised by their sum + 1e-20 where `norm`, then
     scaled."""
+    return _route_by(topk_gather_reference, x, weight, bias, k, norm, scale)
+
+
+def _route_by(pick, x, weight, bias, k, norm, scale):
+    """`route_reference`'s steps with `pick` (`topk_gather_reference`, or the kernel `topk_gather`,
+    which gives its picks bit for bit) for the top-k and the gather."""
     logits = torch.nn.functional.linear(x.float(), weight.float())
-    chosen, weights = topk_gather_reference(logits.sigmoid(), bias, k)
+    chosen, weights = pick(logits.sigmoid(), bias, k)
     if norm:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return logits, weights * scale, chosen
@@ -220,13 +227,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, *, 
     if backend == "torch":
         return route_reference(x, weight, bias, k, norm=norm, scale=scale)
     if t > ROUTE_MAX_TOKENS:
-        logits = torch.nn.functional.linear(x.float(), weight)
-        chosen, weights = topk_gather(logits.sigmoid(), bias, k)
-        if norm:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return logits, weights * scale, chosen
-    from .tiles import split_counters
-
+        return _route_by(topk_gather, x, weight, bias, k, norm, scale)
     if x.stride(1) != 1:
         x = x.contiguous()
     weight, bias = weight.contiguous(), bias.contiguous()
