@@ -50,8 +50,9 @@ WARMUP_STEPS = 2  # eager runs on a side stream before capture: lazy kernel comp
 MASKED_ATTENTION = ("sdpa", "eager")
 # What a decode step's attention, routers and Mamba mixers run: "fp4kit", the attention over
 # grouped query heads (`grouped_decode_sdpa`) and the mixers' element-wise decode functions
-# (`models.mamba_step`); "triton", those with the attention (`kernel_decode_attention`) and each
-# single-group router (`models.nemotron_h.one_launch_routing`) as one Triton launch on a GPU;
+# (`models.mamba_step`); "triton", those with the attention (`kernel_decode_attention`), each
+# single-group router (`models.nemotron_h.one_launch_routing`) and each Nemotron-H mixer's step
+# between its projections (`models.mamba_step.one_launch`) as one Triton launch on a GPU;
 # "transformers", the model's own.
 STEP_OPS = ("fp4kit", "transformers", "triton")
 
@@ -100,7 +101,8 @@ class _StaticStep:
     greedy: bool  # the pick (argmax) runs inside the step, and so inside its graph
     compiled: bool = False  # the forward runs through torch.compile
     ops: str = "fp4kit"  # STEP_OPS: the step's attention and Mamba functions
-    mamba_modules: list = field(default_factory=list)  # with ops "fp4kit": `mamba_step.mixer_modules(model)`
+    mamba_modules: list = field(default_factory=list)  # with ops "fp4kit" and "triton": `mamba_step.mixer_modules(model)`
+    mixers: list = field(default_factory=list)  # with ops "triton": `mamba_step.one_launch_mixers(model)`
     ssm: _StateFormat | None = None  # the SSM state held in fp16 (None: fp32, the model's own)
     after: Callable[[_StaticStep], None] | None = None  # runs after the forward in place of the greedy pick
     graph: torch.cuda.CUDAGraph | None = None
@@ -275,7 +277,8 @@ def _new_step(model, batch: int, max_len: int, device: torch.device, eos: list[i
         greedy=greedy,
         compiled=compiled,
         ops=ops,
-        mamba_modules=mamba_step.mixer_modules(model) if ops == "fp4kit" else [],
+        mamba_modules=mamba_step.mixer_modules(model) if ops in ("fp4kit", "triton") else [],
+        mixers=mamba_step.one_launch_mixers(model) if ops == "triton" else [],
     )
 
 
@@ -363,13 +366,13 @@ def _forward(model, s: _StaticStep) -> torch.Tensor:
 @contextlib.contextmanager
 def _step_ops(model, s: _StaticStep):
     """The step's own attention and Mamba decode functions in place (ops "fp4kit"), with the
-    one-launch attention and routers (ops "triton"), or the model's."""
+    one-launch attention, routers and Mamba steps (ops "triton"), or the model's."""
     if s.ops == "transformers":
         yield
         return
     kernels = s.ops == "triton"
     with grouped_attention(model, kernel=kernels), mamba_step.switched(s.mamba_modules), \
-            (one_launch_routing() if kernels else contextlib.nullcontext()):
+            mamba_step.one_launch(s.mixers), (one_launch_routing() if kernels else contextlib.nullcontext()):
         yield
 
 
@@ -586,9 +589,10 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
     step_ops: "fp4kit" (default): the step's sdpa attention runs over grouped query heads without
     copying the key/value cache per query head (`grouped_decode_sdpa`), and the Mamba mixers'
     decode functions run element-wise (`models.mamba_step`), for BF16 and quantized models alike;
-    "triton": those, with the attention (`kernel_decode_attention`) and each single-group router
-    (`models.nemotron_h.one_launch_routing`) as one Triton launch each on a GPU; their sums run in
-    other orders, so like compile=True its logits can differ from eager ones in the last bits;
+    "triton": those, with the attention (`kernel_decode_attention`), each single-group router
+    (`models.nemotron_h.one_launch_routing`) and each Nemotron-H Mamba mixer's step between its
+    projections (`models.mamba_step.one_launch`) as one Triton launch each on a GPU; their sums run
+    in other orders, so like compile=True its logits can differ from eager ones in the last bits;
     "transformers": the model's own functions, to compare with.
     """
     if step_ops not in STEP_OPS:

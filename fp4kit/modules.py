@@ -208,14 +208,19 @@ class FP8Linear(nn.Module):
         return e4m3.decode(self.weight) * self.weight_scale.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xs = self.input_scale.float()
-        xq = e4m3_cast(x.float() / xs)  # the quotient in fp32, saturating at +-448
+        xq = e4m3_cast(x.float() / self.input_scale.float())  # the quotient in fp32, saturating at +-448
+        return self.forward_fp8(xq, x.dtype)
+
+    def forward_fp8(self, xq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`forward` from its input already quantized (xq = e4m3(clamp(x / input_scale, +-448)),
+        float8_e4m3fn), the output in `dtype` (x's)."""
         if self.backend == "triton":
-            y = self._scaled_mm(xq, x.dtype)
+            y = self._scaled_mm(xq, dtype)
             return y if self.bias is None else y + self.bias
         # Both operands dequantized to fp32, one fp32 linear, rounded once to the activation dtype.
-        y = F.linear(xq.float() * xs, self.dequantized_weight(), None if self.bias is None else self.bias.float())
-        return y.to(x.dtype)
+        y = F.linear(xq.float() * self.input_scale.float(), self.dequantized_weight(),
+                     None if self.bias is None else self.bias.float())
+        return y.to(dtype)
 
     def _scaled_mm(self, xq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         from .kernels.fp8_gemm import fp8_matmul, use_gemv

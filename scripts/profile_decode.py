@@ -40,7 +40,7 @@ from fp4kit.recipe import load_recipe
 
 # Kernel (or, on the CPU, operator) names by kind; the first pattern that matches names the kind.
 KINDS = (
-    ("fp4kit kernels", r"^_(moe|gemv|mma|w4a16|packed|dequantize|fp8|round|route|decode_attention)"),
+    ("fp4kit kernels", r"^_(moe|gemv|mma|w4a16|packed|dequantize|fp8|round|route|decode_attention|mamba_step)"),
     ("bf16 matmul", r"nvjet|cutlass|gemm|cublas|grouped_mm|splitKreduce|aten::(mm|bmm|addmm|linear|_grouped_mm)$"),
     ("copy", r"copy|Memcpy|Memset|aten::(copy_|clone|contiguous|to|_to_copy)$"),
     ("top-k and sort", r"topk|[Ss]ort|aten::(topk|sort|argsort)$"),

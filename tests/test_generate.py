@@ -675,12 +675,13 @@ def test_tokens_read_a_step_late_are_the_same_tokens(monkeypatch, stop_at_eos):
         assert at_once.tokens == first and late.steps == at_once.steps == 11
 
 
-def test_the_triton_step_ops_run_attention_and_each_router_as_one_launch(monkeypatch):
-    """step_ops="triton": in every decode step (not the prefill) each attention layer and each
-    single-group router is one kernel launch, and the tokens are those of the "fp4kit" ops. The
-    kernels run on a GPU only; here the interpreter stands in for one."""
-    from fp4kit.kernels import attention, router
-    from fp4kit.models import nemotron_h
+def test_the_triton_step_ops_run_attention_each_router_and_mamba_step_as_one_launch(monkeypatch):
+    """step_ops="triton": in every decode step (not the prefill) each attention layer, each
+    single-group router and each Mamba mixer's step between its projections is one kernel launch,
+    and the tokens are those of the "fp4kit" ops. The kernels run on a GPU only; here the
+    interpreter stands in for one."""
+    from fp4kit.kernels import attention, mamba, router
+    from fp4kit.models import mamba_step, nemotron_h
 
     model = models.build_nemotron_h().to(torch.bfloat16)
     model.generation_config.eos_token_id = None
@@ -688,8 +689,9 @@ def test_the_triton_step_ops_run_attention_and_each_router_as_one_launch(monkeyp
     want = generate(model, None, ids, 6, step_ops="fp4kit")
     monkeypatch.setattr(generate_module, "_kernel_device", lambda query: True)
     monkeypatch.setattr(nemotron_h, "_kernel_rows", lambda x: True)
+    monkeypatch.setattr(mamba_step, "step_backend", lambda x: "triton")
     launched = []
-    for module in (attention, router):
+    for module in (attention, router, mamba):
         monkeypatch.setattr(module, "launch_cached",
                             lambda kernel, *a, _real=module.launch_cached, **k: launched.append(kernel) or _real(kernel, *a, **k))
     got = generate(model, None, ids, 6, step_ops="triton")
@@ -699,7 +701,9 @@ def test_the_triton_step_ops_run_attention_and_each_router_as_one_launch(monkeyp
     assert launched.count(router._route_kernel) == kinds.count("moe") * steps > 0
     assert launched.count(router._topk_gather_kernel) == kinds.count("moe")  # the prefill's routers
     assert launched.count(attention._decode_attention_kernel) == kinds.count("full_attention") * steps > 0
-    assert not nemotron_h._ONE_LAUNCH
+    assert launched.count(mamba._mamba_step_kernel) == len(mamba_step.one_launch_mixers(model)) * steps > 0
+    assert not nemotron_h._ONE_LAUNCH and all(type(m).forward is not mamba_step._one_launch_forward
+                                              for m in mamba_step.one_launch_mixers(model))
     launched.clear()
     assert generate(model, None, ids, 6, step_ops="fp4kit").tokens == want.tokens
-    assert router._route_kernel not in launched and attention._decode_attention_kernel not in launched
+    assert not {router._route_kernel, attention._decode_attention_kernel, mamba._mamba_step_kernel} & set(launched)

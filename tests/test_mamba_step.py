@@ -161,3 +161,126 @@ def test_state_update_writes_a_strided_state_in_place():
     out = mamba_step.state_update(strided, x, dt, A, B, C, D, dt_bias=dt_bias, dt_softplus=True)
     assert torch.equal(strided, ref_state)
     assert ((out.float() - ref.float()).abs() <= _ulp(ref)).all()
+
+
+@torch.inference_mode()
+def _one_step(model, ids: torch.Tensor, block):
+    """The logits of one decode step after a prefill of `ids`, run within `block`, and the cache's
+    state tensors after it."""
+    from fp4kit.models import cache_argument
+
+    out = model(input_ids=ids, use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    with block:
+        step = model(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **{cache_argument(model): cache})
+    return step.logits, _cache_tensors(cache)
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    """Copies of every tensor a cache's layers hold (states, key/values, token counts)."""
+    out = []
+    for layer in cache.layers:
+        for name, value in sorted(vars(layer).items()):
+            values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+            out.extend(t.clone() for t in values if isinstance(t, torch.Tensor))
+    return out
+
+
+def test_the_one_launch_step_is_the_element_wise_step_bit_for_bit(monkeypatch):
+    # With the torch backend the one-launch forward runs `kernels.mamba.mamba_step_reference`:
+    # the same logits and cache states as the mixer's own forward on the element-wise functions.
+    from fp4kit.kernels import mamba as mamba_kernels
+
+    model = models.build_nemotron_h(hybrid_override_pattern="ME*M").to(torch.bfloat16)
+    ids = torch.randint(3, 512, (3, 7), generator=torch.Generator().manual_seed(5))
+    want, want_states = _one_step(model, ids, mamba_step.switched(mamba_step.mixer_modules(model)))
+    calls = []
+    monkeypatch.setattr(mamba_step, "step_backend", lambda x: "torch")
+    monkeypatch.setattr(mamba_kernels, "mamba_step", lambda *a, _f=mamba_kernels.mamba_step, **k: calls.append(k) or _f(*a, **k))
+    mixers = mamba_step.one_launch_mixers(model)
+    got, got_states = _one_step(model, ids, mamba_step.one_launch(mixers))
+    assert len(mixers) == 2 and calls == [{"backend": "torch"}] * 2
+    assert torch.equal(got, want)
+    assert len(got_states) == len(want_states) and all(torch.equal(a, b) for a, b in zip(got_states, want_states))
+
+
+def test_an_fp8_out_proj_takes_its_input_from_the_one_launch_step_bit_for_bit(monkeypatch, tmp_path):
+    # A checkpoint of the default recipe (Mamba in_proj and out_proj FP8): the step quantizes
+    # out_proj's input itself, and the logits and cache states are the element-wise step's.
+    from fp4kit.export.load import load_quantized
+    from fp4kit.export.modelopt import export_checkpoint
+    from fp4kit.kernels import mamba as mamba_kernels
+    from fp4kit.quantize import quantize
+    from fp4kit.recipe import DEFAULT_RECIPE, load_recipe
+
+    calib = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    export_checkpoint(quantize(models.build_nemotron_h(hybrid_override_pattern="ME*M"), load_recipe(DEFAULT_RECIPE),
+                               calib, progress=False), tmp_path / "nvfp4", progress=False)
+    model = load_quantized(tmp_path / "nvfp4")
+    mixers = mamba_step.one_launch_mixers(model)
+    assert len(mixers) == 2 and all(callable(getattr(m.out_proj, "forward_fp8", None)) for m in mixers)
+    ids = torch.randint(3, 512, (2, 6), generator=torch.Generator().manual_seed(6))
+    want, want_states = _one_step(model, ids, mamba_step.switched(mamba_step.mixer_modules(model)))
+    scales = []
+    monkeypatch.setattr(mamba_step, "step_backend", lambda x: "torch")
+    monkeypatch.setattr(mamba_kernels, "mamba_step",
+                        lambda *a, _f=mamba_kernels.mamba_step, **k: scales.append(a[11]) or _f(*a, **k))
+    got, got_states = _one_step(model, ids, mamba_step.one_launch(mixers))
+    assert len(scales) == 2 and all(s is not None and s.dtype == torch.float32 for s in scales)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(got_states, want_states))
+
+
+def test_one_launch_switches_the_mixers_within_the_block_only(monkeypatch):
+    model = models.build_nemotron_h(hybrid_override_pattern="ME*M")
+    mixers = mamba_step.one_launch_mixers(model)
+    base = type(mixers[0])
+    with pytest.raises(RuntimeError, match="inside"):
+        with mamba_step.one_launch(mixers) as switched:
+            assert switched == 2 and all(type(m).forward is mamba_step._one_launch_forward for m in mixers)
+            raise RuntimeError("inside")
+    assert all(type(m) is base for m in mixers)
+    # Off a GPU the switched mixers run their own forward (the prefill always does).
+    calls = []
+    monkeypatch.setattr(base, "forward", lambda self, *a, _f=base.forward, **k: calls.append(1) or _f(self, *a, **k))
+    with mamba_step.one_launch(mixers):
+        model(input_ids=torch.tensor([[3, 4, 5]]))
+    assert len(calls) == 2
+    # A mixer with a forward of its own (accelerate's hooks) and other models are left alone.
+    mixers[0].forward = mixers[0].forward
+    assert mamba_step.one_launch_mixers(model) == mixers[1:]
+    assert mamba_step.one_launch_mixers(models.build_llama()) == []
+
+
+def test_decode_states_read_either_cache_layout():
+    from types import SimpleNamespace
+
+    conv, ssm = torch.zeros(1, 8, 4), torch.zeros(1, 2, 4, 8)
+
+    class Old:  # transformers 5.18: the layer's state lists, has_previous_state
+        def __init__(self, previous, record):
+            self.previous = previous
+            self.layers = [SimpleNamespace(conv_states={0: conv}, recurrent_states={0: ssm}, record_past=record)]
+
+        def has_previous_state(self, layer_idx):
+            return self.previous
+
+    class New:  # 5.2x: the cache's accessors
+        def __init__(self, previous, record):
+            self.previous, self.record = previous, record
+
+        def get_conv_state(self, layer_idx):
+            return conv if self.previous else None
+
+        def get_recurrent_state(self, layer_idx, state_idx=0):
+            return ssm
+
+        def is_recording_past(self, layer_idx):
+            return self.record
+
+    for kind, counts in ((Old, False), (New, True)):
+        got = mamba_step.decode_states(kind(True, False), 0)
+        assert got[0] is conv and got[1] is ssm and got[2] is counts
+        assert mamba_step.decode_states(kind(False, False), 0) is None  # the prefill
+        assert mamba_step.decode_states(kind(True, True), 0) is None  # recording its past
+    assert mamba_step.decode_states(None, 0) is None

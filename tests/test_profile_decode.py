@@ -22,6 +22,7 @@ _spec.loader.exec_module(profile_decode)
     ("_round_kernel", "fp4kit kernels"),
     ("_route_kernel", "fp4kit kernels"),
     ("_decode_attention_kernel", "fp4kit kernels"),
+    ("_mamba_step_kernel", "fp4kit kernels"),
     ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT", "bf16 matmul"),
     ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_s", "bf16 matmul"),
     ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "bf16 matmul"),

@@ -14,6 +14,8 @@ directly: the dispatcher adds host time to every call.
     topk_gather(scores, bias, k)                                  kernels.router.topk_gather
     route(x, weight, bias, k, norm, scale)                        kernels.router.route
     decode_attention(query, key, value, mask, scale)              kernels.attention.decode_attention
+    mamba_step(proj, conv_state!, ssm_state!, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
+               eps, groups, out_scale)                            kernels.mamba.mamba_step
     fp8_matmul(xq, weight, input_scale, weight_scale, out_dtype)  kernels.fp8_gemm.fp8_matmul
 
 Each runs the Triton backend (compiled on a GPU, interpreted on the CPU under TRITON_INTERPRET=1).
@@ -165,3 +167,19 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def _(query, key, value, mask, scale):
     b, heads, _, d = query.shape
     return query.new_empty((b, 1, heads, d))
+
+
+@torch.library.custom_op("fp4kit::mamba_step", mutates_args=("conv_state", "ssm_state"))
+def mamba_step(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, conv_weight: torch.Tensor,
+               conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor,
+               norm_weight: torch.Tensor, eps: float, groups: int, out_scale: torch.Tensor | None = None) -> torch.Tensor:
+    from .mamba import mamba_step as launch
+
+    return launch(proj, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, eps, groups,
+                  out_scale, backend="triton")
+
+
+@mamba_step.register_fake
+def _(proj, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, eps, groups, out_scale=None):
+    return proj.new_empty((proj.shape[0], ssm_state.shape[1] * ssm_state.shape[2]),
+                          dtype=proj.dtype if out_scale is None else torch.float8_e4m3fn)

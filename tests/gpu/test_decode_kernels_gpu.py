@@ -1,6 +1,7 @@
 """The decode step's one-launch kernels on a CUDA GPU, on Nemotron-3-Nano's shapes: the router
-(`kernels.router.route`: logits, sigmoid, pick, weights), eagerly and replayed from a CUDA graph,
-and `generate(step_ops="triton")` against the eager step; the attention kernel
+(`kernels.router.route`: logits, sigmoid, pick, weights) and the Mamba step between the
+projections (`kernels.mamba.mamba_step`), eagerly and replayed from a CUDA graph, and
+`generate(step_ops="triton")` against the eager step; the attention kernel
 (`kernels.attention.decode_attention`) is in tests/gpu/test_generate_gpu.py beside the step's
 grouped sdpa.
 
@@ -15,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from fp4kit.kernels import router  # noqa: E402
+from fp4kit.kernels import mamba, router  # noqa: E402
 from fp4kit.kernels.tiles import split_counters  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -56,6 +57,52 @@ def test_the_one_launch_router_on_nano_shapes(t):
     first, replayed = graphed(lambda: router.route(x, w, bias, 6, norm=True, scale=2.5))
     for a, b, c in zip(first, replayed, (logits, weights, chosen)):
         assert torch.equal(a, c) and torch.equal(b, c)
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_the_one_launch_mamba_step_on_nano_shapes(batch):
+    # Nemotron-3-Nano's mixer: 64 heads of 64, 8 groups, N = 128, 4 taps, bf16, fp32 parameters
+    # as a checkpoint stores them. libdevice's exp, log1p and rsqrt are the functions torch's CUDA
+    # operators call: both states equal the reference's bit for bit; the output is within one
+    # bf16 unit (the sums over N and over each group run in another order).
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    heads, head_dim, size, groups = 64, 64, 128, 8
+    inter = heads * head_dim
+    channels = inter + 2 * groups * size
+
+    def rand(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(shape, device="cuda", generator=g) * scale).to(dtype)
+
+    proj = rand(batch, inter + channels + heads, scale=2.0)
+    proj[:, -heads:] -= 3.0  # dt + bias around softplus's bend
+    args = (proj, rand(batch, channels, 4), rand(batch, heads, head_dim, size, dtype=torch.float32),
+            rand(channels, 4, scale=0.5), rand(channels, scale=0.1), rand(heads, dtype=torch.float32),
+            rand(heads, dtype=torch.float32), rand(heads, dtype=torch.float32), rand(inter, scale=0.1) + 1)
+    kernel = [a.clone() for a in args]
+    reference = [a.clone() for a in args]
+    out = mamba.mamba_step(*kernel, 1e-5, groups)
+    want = mamba.mamba_step_reference(*reference, 1e-5, groups)
+    assert torch.equal(kernel[1], reference[1]) and torch.equal(kernel[2], reference[2])
+    ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(2.0 ** -126))) - 7)
+    assert ((out.float() - want.float()).abs() <= ulp).all()
+    assert not split_counters(proj.device, batch * groups)[:batch * groups].any()
+    replay = [a.clone() for a in args]
+    states = [a.clone() for a in args[1:3]]
+
+    def step():
+        for t, s in zip(replay[1:3], states):
+            t.copy_(s)
+        return mamba.mamba_step(*replay, 1e-5, groups)
+
+    first, replayed = graphed(step)
+    assert torch.equal(first, out) and torch.equal(replayed, out)
+    assert torch.equal(replay[1], kernel[1]) and torch.equal(replay[2], kernel[2])
+    # out_proj's FP8 input from the same launch: FP8Linear's quantization of that output, bytes.
+    from fp4kit.modules import e4m3_cast
+
+    scale = (out.float().abs().amax() / 448).reshape(1)
+    q = mamba.mamba_step(*[a.clone() for a in args], 1e-5, groups, scale)
+    assert torch.equal(q.view(torch.uint8), e4m3_cast(out.float() / scale).view(torch.uint8))
 
 
 def test_the_triton_step_ops_give_the_eager_steps_tokens():
