@@ -708,6 +708,9 @@ FIGURES = [
      ("top_kernels_per_step", "modelopt-lightning"),
      lambda rows: "{:.1f} us over {:.0f} layers".format(*next((r["us"], r["count"]) for r in rows
                                                             if r["kernel"].startswith("cudnn_generated_fort_native_sdpa")))),
+    (README, "`_moe_combine_kernel` (23.3 us per step over 11 layers", "decode-profile-compiled-lightning-h200.json",
+     ("top_kernels_per_step", "modelopt-lightning"), lambda rows: "{:.1f} us per step over {:.0f} layers".format(
+         *next((r["us"], r["count"]) for r in rows if r["kernel"] == "_moe_combine_kernel"))),
     (README, "The routed experts' 270.2 us per step", "decode-profile-compiled-lightning-h200.json",
      ("top_kernels_per_step", "modelopt-lightning", {"kernel": "_moe_small_kernel"}, "us"), _f(1)),
     *[(README, "stream one\ntoken's 33.7 MB at 1.5 TB/s", "kernels-sweeps-moe-gemv-h200.json",

@@ -7,11 +7,12 @@ are rounded to the activation dtype where the reference rounds them (the linears
 relu^2); the k slots of a token are summed in fp32 in a fixed order.
 
 `moe_config` picks the path by rule from the launch table ("moe" in tuning/<gpu>.json):
-- up to SMALL["max_assignments"] (token, slot) assignments, `_moe_small`: three launches and no
+- up to SMALL["max_assignments"] (token, slot) assignments, `_moe_small`: two launches and no
   host-side routing. `_moe_small_kernel` finds each program's expert from the routed ids and
   compacts its assignments in order, for up_proj then down_proj (split-K partials in fp32, the
-  down kernel finishing relu^2 as it reads them); `_moe_combine_kernel` applies the routing
-  weights. Up to MOE_GEMV["max_assignments"] the projections run on the CUDA cores
+  down kernel finishing relu^2 as it reads them); in the down launch the last program to finish
+  a token's slice of output features applies the routing weights to it (`_combine_tile`; with
+  cfg "combine": False a third launch does, `_moe_combine_kernel`). Up to MOE_GEMV["max_assignments"] the projections run on the CUDA cores
   (`tiles.gemv_accumulate`; split-K by MOE_GEMV's own target, its AHEAD K tiles in flight per
   thread, 1 if absent), else on the matrix units (`tiles.accumulate`; split-K by SMALL's).
 - beyond, `_moe_sorted`: the assignments sorted by expert (`torch.sort`, stable; `offsets[e]`
@@ -37,7 +38,7 @@ from . import backend, launch
 from .backend import (ACT_DTYPES, cdiv, check_backend, check_weight, exact_dot, interpreted, launch_cached,
                       launch_options, next_power_of_2)
 from .mma import MMA_UNSCALE, mma_accumulate, mma_fragments, mma_lanes, mma_rows, mma_scales, mma_vec
-from .tiles import accumulate, gemv_accumulate, gemv_k_tile, int64_activations, lut_tile, relu2, use_lut
+from .tiles import accumulate, gemv_accumulate, gemv_k_tile, int64_activations, lut_tile, relu2, split_counters, use_lut
 
 _WHAT = "kernels.moe_experts"
 
@@ -227,13 +228,35 @@ def _expert_rows(ids, e, r0, BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
 
 
 @triton.jit
+def _combine_tile(part_ptr, ids_ptr, w_ptr, out_ptr, t, h, ok, A, E, H, parts, TOPK: tl.constexpr,
+                  ACT: tl.constexpr):
+    """out[t, h] = sum over slots j = 0 .. TOPK-1 (this order, fp32) of w[t, j] times the down
+    projection of assignment t*TOPK + j (its `parts` partials summed in order s = 0, 1, ...,
+    rounded to ACT as the linear's output); cast to out's dtype. An assignment whose expert id is
+    outside [0, E) adds nothing. The partials are read through L2 (.cg), where other programs of
+    the same launch store them."""
+    total = tl.zeros(h.shape, dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        a = t.to(tl.int64) * TOPK + j
+        e = tl.load(ids_ptr + a)
+        routed = (e >= 0) & (e < E)  # else no program wrote its partials
+        live = tl.where(routed, ok, False)
+        y = tl.load(part_ptr + a * H + h, mask=live, other=0.0, cache_modifier=".cg")
+        for s in range(1, parts):
+            y += tl.load(part_ptr + s * A.to(tl.int64) * H + a * H + h, mask=live, other=0.0, cache_modifier=".cg")
+        total += tl.where(routed, y.to(ACT).to(tl.float32) * tl.load(w_ptr + a), 0.0)
+    tl.store(out_ptr + t.to(tl.int64) * H + h, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _moe_small_kernel(
-    x_ptr, x4_ptr, ids_ptr, wq_ptr, ws_ptr, gs_ptr, part_ptr,
+    x_ptr, x4_ptr, ids_ptr, wq_ptr, ws_ptr, gs_ptr, part_ptr, w_ptr, out_ptr, cnt_ptr,
     A, E, N, K, TOPK, k_per_split, part_stride,
     A_PAD: tl.constexpr, BY_ASSIGNMENT: tl.constexpr, UP: tl.constexpr, X_PARTS: tl.constexpr,
     RELU2_OUT: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, LUT: tl.constexpr, EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr, GEMV: tl.constexpr, KB: tl.constexpr, AHEAD: tl.constexpr = 1,
+    COMBINE: tl.constexpr = False, TOPK_C: tl.constexpr = 1,
 ):
     """One projection for one expert, one N slice and one K split (grid: slots, N / BLOCK_N,
     splits); rows are stored by assignment index (no sort): fp32 partial sums
@@ -244,7 +267,11 @@ def _moe_small_kernel(
     GEMV: the expert's rows BLOCK_M at a time on the CUDA cores (`tiles.gemv_accumulate`;
     wq_ptr is then the packed bytes' int64 view, x4_ptr the 16-bit activations' one; KB = K / 16
     at compile time, the slice's blocks addressed from its first row; AHEAD K tiles in flight);
-    else on the matrix units (`tiles.accumulate`; wq_ptr the int32 view; KB and AHEAD unused)."""
+    else on the matrix units (`tiles.accumulate`; wq_ptr the int32 view; KB and AHEAD unused).
+    COMBINE (down, TOPK_C = TOPK): after its stores the program counts itself in at the counter of
+    each (token, N slice) it wrote; the last of the programs a token's slice waits for (its routed
+    assignments times the splits) applies the routing weights to that slice (`_combine_tile`,
+    w_ptr the weights, out_ptr [T, N]) and puts the counter back to 0 for the next launch."""
     slot = tl.program_id(0)
     pid_s = tl.program_id(2)
     e, ids, serves = _slot_expert(ids_ptr, A, E, slot, A_PAD, BY_ASSIGNMENT)
@@ -276,28 +303,38 @@ def _moe_small_kernel(
                 tl.store(part_ptr + a64[None, :] * N + n64[:, None], relu2(acc, ACT), mask=ok)
             else:
                 tl.store(part_ptr + pid_s.to(tl.int64) * A * N + a64[None, :] * N + n64[:, None], acc, mask=ok)
+        if COMBINE:
+            tl.debug_barrier()  # this program's partial stores come before its arrivals
+            a_idx = tl.arange(0, A_PAD)
+            mine = ids == e
+            rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+            routed = (ids >= 0) & (ids < E)
+            for r in range(0, count):
+                t = tl.sum(tl.where(mine & (rank == r), a_idx, 0), axis=0) // TOPK_C
+                waits = tl.sum((routed & (a_idx // TOPK_C == t)).to(tl.int32), axis=0) * tl.num_programs(2)
+                tile = t * tl.num_programs(1) + tl.program_id(1)
+                arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                if arrived == waits - 1:
+                    _combine_tile(part_ptr, ids_ptr, w_ptr, out_ptr, t, n64, n_ok, A, E, N, tl.num_programs(2), TOPK_C,
+                                  ACT)
+                    tl.store(cnt_ptr + tile, 0)
+    if COMBINE:
+        if (slot == 0) & (pid_s == 0):  # tokens no expert is routed for: zeros, as the separate launch writes
+            a_idx = tl.arange(0, A_PAD)
+            routed = (ids >= 0) & (ids < E)
+            h = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+            for t in range(0, A // TOPK_C):
+                if tl.sum((routed & (a_idx // TOPK_C == t)).to(tl.int32), axis=0) == 0:
+                    tl.store(out_ptr + t * N + h, tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=h < N)
 
 
 @triton.jit
 def _moe_combine_kernel(part_ptr, ids_ptr, w_ptr, out_ptr, A, E, H, PARTS: tl.constexpr,
                         TOPK: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum over slots j = 0 .. TOPK-1 (this order, fp32) of w[t, j] times the down
-    projection of assignment t*TOPK + j (its PARTS partials summed in order, rounded to ACT as
-    the linear's output); cast to out's dtype. An assignment whose expert id is outside [0, E)
-    adds nothing."""
-    t = tl.program_id(0)
+    """`_combine_tile` over program (t, h-block)'s slice: the routing weights applied in a launch of
+    their own (`_moe_small` with cfg "combine": False)."""
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = h < H
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        a = t.to(tl.int64) * TOPK + j
-        y = tl.load(part_ptr + a * H + h, mask=ok, other=0.0)
-        for s in tl.static_range(1, PARTS):
-            y += tl.load(part_ptr + s * A.to(tl.int64) * H + a * H + h, mask=ok, other=0.0)
-        e = tl.load(ids_ptr + a)
-        routed = (e >= 0) & (e < E)
-        total += tl.where(routed, y.to(ACT).to(tl.float32) * tl.load(w_ptr + a), 0.0)
-    tl.store(out_ptr + t.to(tl.int64) * H + h, total.to(out_ptr.dtype.element_ty), mask=ok)
+    _combine_tile(part_ptr, ids_ptr, w_ptr, out_ptr, tl.program_id(0), h, h < H, A, E, H, PARTS, TOPK, ACT)
 
 
 def _check_inputs(hidden, top_k_index, top_k_weights, up, down):
@@ -408,11 +445,12 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
 
     top_k_index: expert ids in [0, E) (as transformers requires; other ids are never used to
     address memory, and the output of their tokens is then unspecified).
-    backend: "triton" (three launches up to SMALL["max_assignments"] assignments, else the
-    sort and two grouped launches) or "torch" (`experts_reference` on `up_proj.dequantize()` /
+    backend: "triton" (two launches up to SMALL["max_assignments"] assignments, else the sort
+    and two grouped launches) or "torch" (`experts_reference` on `up_proj.dequantize()` /
     `down_proj.dequantize()` in the activation dtype).
     cfg: a `moe_config(...)` dict to force a launch shape; its optional "small" key forces the
-    path. tables: the launch table (default: the device's, `launch.table("moe", device)`).
+    path, "combine": False gives the small path's routing weights a launch of their own.
+    tables: the launch table (default: the device's, `launch.table("moe", device)`).
     """
     n_exp, inter, hid = _check_inputs(hidden_states, top_k_index, top_k_weights, up_proj, down_proj)
     check_backend(backend, _moe_up_kernel, hidden_states, top_k_index, top_k_weights, up_proj.packed.view(torch.int32),
@@ -436,9 +474,11 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     if cfg.get("mma") and (small or dtype == torch.float32):
         raise ValueError(f"{_WHAT}: the register-fed matrix units run on the sorted path only, for bf16/fp16 "
                          f"activations on a GPU (got {dtype} on {x.device}, small={small})")
-    run = _moe_small if small else _moe_sorted
-    return run(x, top_k_index, top_k_weights.reshape(-1).to(torch.float32).contiguous(), up_proj, down_proj,
-               cfg, lut, table)
+    combine = cfg.pop("combine", True)
+    weights = top_k_weights.reshape(-1).to(torch.float32).contiguous()
+    if small:
+        return _moe_small(x, top_k_index, weights, up_proj, down_proj, cfg, lut, table, combine)
+    return _moe_sorted(x, top_k_index, weights, up_proj, down_proj, cfg, lut, table)
 
 
 _SIDE_STREAMS: dict = {}  # device index -> the stream the shared expert runs on
@@ -490,9 +530,10 @@ def _split_k(programs: int, k: int, block_k: int, device: torch.device, small: M
     return cdiv(k, k_per_split), k_per_split
 
 
-def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
-    """Three launches, no host-side routing: up (fp32 split-K partials per assignment), down
-    (reading relu^2 of the up partials; fp32 partials), combine (routing weights, top-k sum).
+def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables, combine=True):
+    """Two launches, no host-side routing: up (fp32 split-K partials per assignment), down
+    (reading relu^2 of the up partials; fp32 partials; the routing weights and the top-k sum
+    applied by the last program of each token's slice). combine=False: those in a third launch.
     cfg["gemv"]: the projections on the CUDA cores (`gemv_accumulate`; split-K by cfg's
     programs_per_sm and max_parts, as MOE_GEMV gives them), else the matrix units (split-K by
     SMALL's)."""
@@ -530,17 +571,22 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables):
     x, x4 = int64_activations(x) if gemv else (x, x)
     launch_cached(_moe_small_kernel, (slots, cdiv(inter, bn), s_up),
         x, x4, ids, up.packed.view(view), up.block_scale.view(torch.uint8),
-        up.global_scale, part_up, a, n_exp, inter, hid, top_k, kps_up, 0, UP=True, X_PARTS=0, RELU2_OUT=s_up == 1,
+        up.global_scale, part_up, weights, part_up, ids, a, n_exp, inter, hid, top_k, kps_up, 0, UP=True, X_PARTS=0,
+        RELU2_OUT=s_up == 1,
         EVEN_N=inter % bn == 0, EVEN_K=hid % cfg_up["BLOCK_K"] == 0, KB=hid // 16 if gemv else 0, **cfg_up, **common)
     s_dn, kps_dn = _split_k(slots * cdiv(hid, bn), inter, cfg_dn["BLOCK_K"], device, split)
     part_dn = torch.empty((s_dn, a, hid), dtype=torch.float32, device=device)
     part_up, part_up4 = int64_activations(part_up) if gemv else (part_up, part_up)
+    out = torch.empty((t, hid), dtype=dtype, device=device)
+    counters = split_counters(device, t * cdiv(hid, bn)) if combine else ids
     launch_cached(_moe_small_kernel, (slots, cdiv(hid, bn), s_dn),
         part_up, part_up4, ids, down.packed.view(view),
-        down.block_scale.view(torch.uint8), down.global_scale, part_dn, a, n_exp, hid, inter, top_k, kps_dn,
-        a * inter, UP=False, X_PARTS=0 if s_up == 1 else s_up, RELU2_OUT=False, EVEN_N=hid % bn == 0,
-        EVEN_K=inter % cfg_dn["BLOCK_K"] == 0, KB=inter // 16 if gemv else 0, **cfg_dn, **common)
-    out = torch.empty((t, hid), dtype=dtype, device=device)
+        down.block_scale.view(torch.uint8), down.global_scale, part_dn, weights, out, counters, a, n_exp, hid, inter,
+        top_k, kps_dn, a * inter, UP=False, X_PARTS=0 if s_up == 1 else s_up, RELU2_OUT=False, EVEN_N=hid % bn == 0,
+        EVEN_K=inter % cfg_dn["BLOCK_K"] == 0, KB=inter // 16 if gemv else 0, COMBINE=combine, TOPK_C=top_k,
+        **cfg_dn, **common)
+    if combine:
+        return out
     block = min(1024, next_power_of_2(hid))
     launch_cached(_moe_combine_kernel, (t, cdiv(hid, block)),
         part_dn, ids, weights, out, a, n_exp, hid, PARTS=s_dn, TOPK=top_k, ACT=_TL_DTYPES[dtype], BLOCK=block,

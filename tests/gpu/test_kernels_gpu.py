@@ -311,6 +311,35 @@ def test_moe_gemv_tiles_in_flight_nano_shapes(tokens):
         assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), (n, k)
 
 
+@pytest.mark.parametrize("tokens,gemv", [(1, True), (4, True), (3, False), (16, False)])
+def test_moe_small_down_launch_combines_as_the_third_launch_does(tokens, gemv):
+    # The small path's down launch applies the routing weights itself (the last program of each
+    # token's slice): bit for bit the separate combine launch, eagerly and replayed from a CUDA
+    # graph, with the counters back at 0.
+    from fp4kit.kernels.tiles import split_counters
+
+    up, down, x, ids, weights = _nano_moe(tokens, seed=80)
+    cfg = dict(moe_gemm.moe_config(0, 128, x.device)) if gemv else \
+        dict(moe_gemm.matrix_unit_config(tokens * 6, 128, x.device), small=True)
+    separate = moe_gemm.moe_experts(x, ids, weights, up, down, cfg=dict(cfg, combine=False))
+    fused = moe_gemm.moe_experts(x, ids, weights, up, down, cfg=dict(cfg))
+    assert torch.equal(fused, separate)
+    assert not split_counters(x.device, tokens * 2688)[:tokens * 2688].any()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe_gemm.moe_experts(x, ids, weights, up, down, cfg=dict(cfg))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_gemm.moe_experts(x, ids, weights, up, down, cfg=dict(cfg))
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, separate)
+
+
 @pytest.mark.parametrize("launch", [(2, 2, 2), (1, 4, 0)])
 def test_moe_mma_fp16_ragged_shapes(launch):
     # The sorted path on the register-fed matrix units with fp16 activations, hidden and

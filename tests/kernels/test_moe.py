@@ -150,9 +150,45 @@ def test_moe_gemv_register_cap_from_its_launch_entry(cap, monkeypatch):
     monkeypatch.setattr(moe_gemm, "launch_cached", spy)
     got = moe_gemm.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE),
                                tables=tables).cpu()
-    assert seen["_moe_small_kernel"] == [cap, cap] and seen["_moe_combine_kernel"] == [None]
+    assert seen["_moe_small_kernel"] == [cap, cap] and "_moe_combine_kernel" not in seen
     ref = moe_gemm.experts_reference(x.double(), ids, weights.double(), up.dequantize().double(), down.dequantize().double())
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gemv", [True, False])
+@pytest.mark.parametrize("ids", [[[5, 0]], [[5, 0], [5, 2], [0, 5], [2, 0]], [[1, 2], [9, -1], [-3, 7]]])
+def test_the_down_launch_applies_the_routing_weights_as_their_own_launch_does(gemv, ids, monkeypatch):
+    # The small path's last program of each token's slice combines it: the output of the third
+    # launch bit for bit, with one split of down_proj and with several (the partials summed in
+    # order), repeated experts across tokens, and ids outside [0, E) (a token with none routed
+    # gets zeros); the counters are left at 0.
+    from fp4kit.kernels.tiles import split_counters
+
+    n_exp, hid, inter = 6, 64, 96
+    up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=60))
+    down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=61))
+    ids = torch.tensor(ids)
+    x = _rand(ids.shape[0], hid, seed=62)
+    weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(63))
+    cfg = moe_gemm.moe_config(ids.numel(), n_exp, torch.device(DEVICE)) if gemv else \
+        dict(moe_gemm.matrix_unit_config(ids.numel(), n_exp, torch.device(DEVICE)), small=True)
+    launches = []
+    monkeypatch.setattr(moe_gemm, "launch_cached",
+                        lambda k, grid, *a, _f=moe_gemm.launch_cached, **c: launches.append((k, grid)) or _f(k, grid, *a, **c))
+    for parts in (1, 2):
+        split = {"programs_per_sm": 10**6, "max_parts": parts}
+        tables = launch.freeze({**launch.thaw(MOE), "SMALL": dict(launch.thaw(MOE)["SMALL"], **split)})
+        shape = dict(cfg, **split) if gemv else dict(cfg)
+        args = (x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE))
+        launches.clear()
+        fused = moe_gemm.moe_experts(*args, cfg=dict(shape), tables=tables)
+        assert [k for k, _ in launches] == [moe_gemm._moe_small_kernel] * 2 and launches[1][1][2] == parts
+        separate = moe_gemm.moe_experts(*args, cfg=dict(shape, combine=False), tables=tables)
+        assert [k for k, _ in launches[2:]] == [moe_gemm._moe_small_kernel] * 2 + [moe_gemm._moe_combine_kernel]
+        assert torch.equal(fused, separate)
+        assert not split_counters(fused.device, 64)[:64].any()
+    routed = ((ids >= 0) & (ids < n_exp)).any(1)
+    assert (fused[routed] != 0).any(1).all() and not fused[~routed].any()
 
 
 def test_moe_mma_launch_defaults_to_the_sorted_path_when_small():
