@@ -54,37 +54,34 @@ _HALF = {torch.bfloat16: 1, torch.float16: 2}
 _PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@triton.jit
-def _exp(v, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        out = libdevice.exp(v)
-    else:
-        out = tl.exp(v)
-    return out
+EXP, LOG1P, RSQRT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
-def _log1p(v, LIBDEVICE: tl.constexpr):
+def _fn(v, FN: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """exp, log1p or rsqrt (FN) of fp32 v: libdevice's on a GPU, else the interpreter's stand-ins
+    (module docstring)."""
     if LIBDEVICE:
-        out = libdevice.log1p(v)
+        if FN == 0:
+            out = libdevice.exp(v)
+        elif FN == 1:
+            out = libdevice.log1p(v)
+        else:
+            out = libdevice.rsqrt(v)
     else:
-        out = tl.log(1.0 + v)
-    return out
-
-
-@triton.jit
-def _rsqrt(v, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        out = libdevice.rsqrt(v)
-    else:
-        out = tl.math.rsqrt(v)
+        if FN == 0:
+            out = tl.exp(v)
+        elif FN == 1:
+            out = tl.log(1.0 + v)
+        else:
+            out = tl.math.rsqrt(v)
     return out
 
 
 @triton.jit
 def _silu(v, LIBDEVICE: tl.constexpr):
     """fp32 v / (1 + exp(-v)), IEEE division (torch's SiLU in fp32)."""
-    return tl.math.div_rn(v, 1.0 + _exp(-v, LIBDEVICE))
+    return tl.math.div_rn(v, 1.0 + _fn(-v, EXP, LIBDEVICE))
 
 
 @triton.jit
@@ -153,9 +150,9 @@ def _mamba_step_kernel(proj_ptr, conv_ptr, ssm_ptr, cw_ptr, cb_ptr, dtb_ptr, alo
     # 2. the state update
     dt = _round_half(tl.load(row + I + CD + h).to(tl.float32) + _round_half(tl.load(dtb_ptr + h).to(tl.float32), HALF),
                      HALF)
-    dt = _round_half(tl.where(dt > 20.0, dt, _log1p(_exp(dt, LIBDEVICE), LIBDEVICE)), HALF)
-    a = -_exp(tl.load(alog_ptr + h).to(tl.float32), LIBDEVICE)
-    da = _exp(dt * a, LIBDEVICE)
+    dt = _round_half(tl.where(dt > 20.0, dt, _fn(_fn(dt, EXP, LIBDEVICE), LOG1P, LIBDEVICE)), HALF)
+    a = -_fn(tl.load(alog_ptr + h).to(tl.float32), EXP, LIBDEVICE)
+    da = _fn(dt * a, EXP, LIBDEVICE)
     dbx = _round_half(_round_half(dt * bv, HALF)[None, :] * x[:, None], HALF)
     offs = ((b * H + h) * P + p[:, None]) * N + n[None, :]
     st_ok = p_ok[:, None] & n_ok[None, :]
@@ -176,7 +173,7 @@ def _mamba_step_kernel(proj_ptr, conv_ptr, ssm_ptr, cw_ptr, cb_ptr, dtb_ptr, alo
         q = tl.arange(0, BLOCK_GS)
         q_ok = q < GS
         v = tl.load(gated_ptr + b * I + g * GS + q, mask=q_ok, other=0.0, cache_modifier=".cg")
-        r = _rsqrt(tl.sum(v * v, axis=0) * inv_group + eps, LIBDEVICE)
+        r = _fn(tl.sum(v * v, axis=0) * inv_group + eps, RSQRT, LIBDEVICE)
         w = tl.load(nw_ptr + g * GS + q, mask=q_ok, other=0.0).to(tl.float32)
         normed = _round_half(w * _round_half(v * r, HALF), HALF)
         if OUT_FP8:  # e4m3(clamp(normed / scale, +-448)), as FP8Linear quantizes its input
