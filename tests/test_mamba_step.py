@@ -252,6 +252,23 @@ def test_one_launch_switches_the_mixers_within_the_block_only(monkeypatch):
     assert mamba_step.one_launch_mixers(models.build_llama()) == []
 
 
+def test_an_in_proj_that_changes_the_dtype_leaves_the_step_to_the_mixer(monkeypatch):
+    from fp4kit.kernels import mamba as mamba_kernels
+
+    model = models.build_nemotron_h(hybrid_override_pattern="ME*M").to(torch.bfloat16)
+    for m in mamba_step.one_launch_mixers(model):
+        linear = m.in_proj
+        m.in_proj = torch.nn.Sequential(linear, type("StepToFloat", (torch.nn.Module,), {  # the prefill fills a bf16 cache
+            "forward": lambda self, x: x.float() if x.shape[1] == 1 else x})())
+    ids = torch.randint(3, 512, (2, 5), generator=torch.Generator().manual_seed(8))
+    want, _ = _one_step(model, ids, mamba_step.switched(mamba_step.mixer_modules(model)))
+    calls = []
+    monkeypatch.setattr(mamba_step, "step_backend", lambda x: "torch")
+    monkeypatch.setattr(mamba_kernels, "mamba_step", lambda *a, **k: calls.append(1))
+    got, _ = _one_step(model, ids, mamba_step.one_launch(mamba_step.one_launch_mixers(model)))
+    assert calls == [] and torch.equal(got, want)
+
+
 def test_decode_states_read_either_cache_layout():
     from types import SimpleNamespace
 

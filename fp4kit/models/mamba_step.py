@@ -149,7 +149,8 @@ def _fits(mixer: nn.Module, hidden_states: torch.Tensor, conv_state: torch.Tenso
     """Whether `kernels.mamba.mamba_step` computes this mixer's step (its checks would pass)."""
     dtype = hidden_states.dtype
     inter = mixer.num_heads * mixer.head_dim
-    params = (mixer.dt_bias, mixer.A_log, mixer.D, mixer.norm.weight)
+    params = (mixer.dt_bias, mixer.A_log, mixer.D, mixer.norm.weight) + (
+        () if mixer.conv1d.bias is None else (mixer.conv1d.bias,))
     return (dtype in (torch.bfloat16, torch.float16) and mixer.conv1d.weight.dtype == dtype
             and isinstance(conv_state, torch.Tensor) and conv_state.dtype == dtype and conv_state.is_contiguous()
             and isinstance(ssm_state, torch.Tensor) and ssm_state.dtype == torch.float32 and ssm_state.is_contiguous()
@@ -173,6 +174,8 @@ def _one_launch_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> t
     conv_state, ssm_state, counted = states
     batch = hidden_states.shape[0]
     proj = self.in_proj(hidden_states).view(batch, -1)
+    if proj.dtype != hidden_states.dtype:  # a projection that changes the dtype: the mixer's own step
+        return base.forward(self, hidden_states, *args, **kwargs)
     # An FP8 out_proj (fp4kit.modules.FP8Linear) takes its input quantized by the same launch.
     fp8 = callable(getattr(self.out_proj, "forward_fp8", None))
     args = (proj, conv_state, ssm_state, self.conv1d.weight.view(self.conv1d.weight.shape[0], -1), self.conv1d.bias,
