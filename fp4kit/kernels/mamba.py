@@ -197,7 +197,7 @@ def conv_update(hidden_states: torch.Tensor, conv_state: torch.Tensor, weight: t
     """transformers' `causal_conv1d_update` for one new column: hidden_states [B, C, 1],
     conv_state [B, C, S] (updated in place), weight [C, K] (K <= S + 1); returns [B, C, 1] in
     hidden_states' dtype. act: the activation's function in place of transformers' for the name
-    `activation` (`kernels.mamba`'s reference passes the functions its kernel computes)."""
+    `activation` (`mamba_step_reference` passes the functions its kernel computes)."""
     from transformers.activations import ACT2FN
 
     if hidden_states.shape[-1] != 1:

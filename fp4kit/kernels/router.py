@@ -174,10 +174,13 @@ def topk_gather(scores: torch.Tensor, bias: torch.Tensor, k: int, *, backend: st
     return chosen, gathered
 
 
-# The one-launch router (`route`): experts per program, weight columns per loop step, and the
-# most tokens it takes (more: the logits by torch's matmul, then `topk_gather`).
+# The one-launch router (`route`): experts per program, weight columns per loop step, warps, and
+# the most tokens it takes (more: the logits by torch's matmul, then `topk_gather`). A loop step
+# takes a whole row up to 4096 columns (Nemotron-H's 2688 in one): the steps' loads issue in
+# order, each waiting for the one before, so fewer steps are fewer round trips to memory.
 ROUTE_EXPERTS = 4
-ROUTE_BLOCK_K = 512
+ROUTE_BLOCK_K = 4096
+ROUTE_WARPS = 8
 ROUTE_MAX_TOKENS = 64
 
 
@@ -242,6 +245,6 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, *, 
                     float(scale))
             consts = dict(TOPK=k, NORM=bool(norm), BLOCK_R=ROUTE_EXPERTS,
                           BLOCK_K=min(ROUTE_BLOCK_K, max(next_power_of_2(kdim), 16)),
-                          BLOCK_E=max(next_power_of_2(n), 16), num_warps=4, **launch_options())
+                          BLOCK_E=max(next_power_of_2(n), 16), num_warps=ROUTE_WARPS, **launch_options())
             launch_cached(_route_kernel, (-(-n // ROUTE_EXPERTS), t), *args, **consts)
     return logits, weights, chosen

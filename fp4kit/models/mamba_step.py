@@ -178,13 +178,13 @@ def _one_launch_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> t
         return base.forward(self, hidden_states, *args, **kwargs)
     # An FP8 out_proj (fp4kit.modules.FP8Linear) takes its input quantized by the same launch.
     fp8 = callable(getattr(self.out_proj, "forward_fp8", None))
-    args = (proj, conv_state, ssm_state, self.conv1d.weight.view(self.conv1d.weight.shape[0], -1), self.conv1d.bias,
+    step = (proj, conv_state, ssm_state, self.conv1d.weight.view(self.conv1d.weight.shape[0], -1), self.conv1d.bias,
             self.dt_bias, self.A_log, self.D, self.norm.weight, float(self.norm.variance_epsilon), self.n_groups,
             self.out_proj.input_scale.float().reshape(1) if fp8 else None)
     if backend == "triton" and torch.compiler.is_compiling():
-        out = kernel_ops.mamba_step(*args)
+        out = kernel_ops.mamba_step(*step)
     else:
-        out = mamba_kernels.mamba_step(*args, backend=backend)
+        out = mamba_kernels.mamba_step(*step, backend=backend)
     if counted:
         cache.increase_count(self.layer_idx, 0)
     out = out.view(batch, 1, -1)
