@@ -135,6 +135,15 @@ def _mamba_step_kernel(proj_ptr, conv_ptr, ssm_ptr, cw_ptr, cb_ptr, dtb_ptr, alo
     p_ok = p < P
     n = tl.arange(0, BLOCK_N)
     n_ok = n < N
+    # Loads that depend on nothing computed here first: their round trips overlap the others'.
+    offs = ((b * H + h) * P + p[:, None]) * N + n[None, :]
+    st_ok = p_ok[:, None] & n_ok[None, :]
+    state = tl.load(ssm_ptr + offs, mask=st_ok, other=0.0)
+    dt = tl.load(row + I + CD + h).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    a = -_fn(tl.load(alog_ptr + h).to(tl.float32), EXP, LIBDEVICE)
+    skip = tl.load(d_ptr + h).to(tl.float32)
+    gate = tl.load(row + h * P + p, mask=p_ok, other=0.0).to(tl.float32)
     # 1. the convolution: this block's x channels, the group's B and C channels
     cx = h * P + p
     cb = I + g * N + n
@@ -148,24 +157,19 @@ def _mamba_step_kernel(proj_ptr, conv_ptr, ssm_ptr, cw_ptr, cb_ptr, dtb_ptr, alo
     tl.debug_barrier()  # every thread's reads of these rows come before any thread's writes
     tl.store(ptrs, shifted, mask=s_ok)
     # 2. the state update
-    dt = _round_half(tl.load(row + I + CD + h).to(tl.float32) + _round_half(tl.load(dtb_ptr + h).to(tl.float32), HALF),
-                     HALF)
+    dt = _round_half(dt + _round_half(dt_bias, HALF), HALF)
     dt = _round_half(tl.where(dt > 20.0, dt, _fn(_fn(dt, EXP, LIBDEVICE), LOG1P, LIBDEVICE)), HALF)
-    a = -_fn(tl.load(alog_ptr + h).to(tl.float32), EXP, LIBDEVICE)
     da = _fn(dt * a, EXP, LIBDEVICE)
     dbx = _round_half(_round_half(dt * bv, HALF)[None, :] * x[:, None], HALF)
-    offs = ((b * H + h) * P + p[:, None]) * N + n[None, :]
-    st_ok = p_ok[:, None] & n_ok[None, :]
-    state = tl.load(ssm_ptr + offs, mask=st_ok, other=0.0) * da + dbx
+    state = state * da + dbx
     tl.store(ssm_ptr + offs, state, mask=st_ok)
     y = _round_half(tl.sum(_round_half(state, HALF) * cv[None, :], axis=1), HALF)
-    skip = tl.load(d_ptr + h).to(tl.float32)
     if D_WIDE:
         y = _round_half(y + x * skip, HALF)
     else:
         y = _round_half(y + _round_half(x * skip, HALF), HALF)
     # 3. the gate; the group's last program normalises the group
-    gated = y * _silu(tl.load(row + cx, mask=p_ok, other=0.0).to(tl.float32), LIBDEVICE)
+    gated = y * _silu(gate, LIBDEVICE)
     tl.store(gated_ptr + b * I + cx, gated, mask=p_ok)
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + b * G + g, 1, sem="acq_rel", scope="gpu")
