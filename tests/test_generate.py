@@ -485,6 +485,23 @@ def test_the_command_compiles_the_step_when_asked():
     assert "4 tokens in" in run.stderr and "(eager, compiled, batch 1)" in run.stderr
 
 
+def test_the_command_runs_the_step_ops_asked_for(monkeypatch, capsys):
+    from fp4kit import cli
+    from fp4kit.models.tiny import tiny_model_path
+
+    seen = []
+    real = generate_module.generate
+    monkeypatch.setattr(generate_module, "generate", lambda *a, **k: seen.append(k["step_ops"]) or real(*a, **k))
+    base = ["generate", "--model", str(tiny_model_path()), "--prompt", "ROMEO:", "--max-new-tokens", "2", "--device", "cpu"]
+    assert cli.main(base + ["--step-ops", "triton"]) == 0
+    assert "(eager, step ops triton, batch 1)" in capsys.readouterr().err
+    assert cli.main(base) == 0
+    assert "(eager, batch 1)" in capsys.readouterr().err and seen == ["triton", "fp4kit"]
+    with pytest.raises(SystemExit):
+        cli.main(base + ["--step-ops", "fast"])
+    assert "invalid choice: 'fast'" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------------------------
 # Single-group routing: the router without its group step
 # --------------------------------------------------------------------------------------------
