@@ -149,10 +149,10 @@ def _mamba_step_kernel(proj_ptr, conv_ptr, ssm_ptr, cw_ptr, cb_ptr, dtb_ptr, alo
     cb = I + g * N + n
     x_new = tl.load(row + I + cx, mask=p_ok, other=0.0)
     x = _conv(x_new, conv_row, cw_ptr, cb_ptr, cx, p_ok, S, K, BIAS, HALF, LIBDEVICE)
-    bv = _conv(tl.load(row + I + cb, mask=n_ok, other=0.0), conv_row, cw_ptr, cb_ptr, cb, n_ok, S, K, BIAS, HALF,
-               LIBDEVICE)
-    cv = _conv(tl.load(row + I + G * N + cb, mask=n_ok, other=0.0), conv_row, cw_ptr, cb_ptr, cb + G * N, n_ok, S,
-               K, BIAS, HALF, LIBDEVICE)
+    b_new = tl.load(row + I + cb, mask=n_ok, other=0.0)
+    c_new = tl.load(row + I + G * N + cb, mask=n_ok, other=0.0)
+    bv = _conv(b_new, conv_row, cw_ptr, cb_ptr, cb, n_ok, S, K, BIAS, HALF, LIBDEVICE)
+    cv = _conv(c_new, conv_row, cw_ptr, cb_ptr, cb + G * N, n_ok, S, K, BIAS, HALF, LIBDEVICE)
     ptrs, shifted, s_ok = _shifted(x_new, conv_row, cx, p_ok, S, S_PAD)
     tl.debug_barrier()  # every thread's reads of these rows come before any thread's writes
     tl.store(ptrs, shifted, mask=s_ok)
@@ -186,8 +186,6 @@ def _mamba_step_kernel(proj_ptr, conv_ptr, ssm_ptr, cw_ptr, cb_ptr, dtb_ptr, alo
             tl.store(out_ptr + b * I + g * GS + q, _e4m3_signed(fp8)[1].to(tl.uint8), mask=q_ok)
         else:
             tl.store(out_ptr + b * I + g * GS + q, normed.to(out_ptr.dtype.element_ty), mask=q_ok)
-        b_new = tl.load(row + I + cb, mask=n_ok, other=0.0)
-        c_new = tl.load(row + I + G * N + cb, mask=n_ok, other=0.0)
         b_ptrs, b_rows, b_ok = _shifted(b_new, conv_row, cb, n_ok, S, S_PAD)
         c_ptrs, c_rows, c_ok = _shifted(c_new, conv_row, cb + G * N, n_ok, S, S_PAD)
         tl.debug_barrier()
