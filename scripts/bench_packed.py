@@ -9,7 +9,11 @@ the packed weight. Writes JSON (default benchmarks/results/packed-gemm-<gpu>.jso
 table.
 
     PYTHONPATH=. python scripts/bench_packed.py [--out PATH] [--no-sweep] [--ms 1,4,16,64,256,1024] [--pipeline]
-        [--shapes 3712x2688,2688x3712]
+        [--shapes 3712x2688,2688x3712] [--overlap]
+
+--overlap times only the Gluon kernel with overlapped K tiles (fp4kit.kernels.packed_overlap)
+against torch.matmul and packed_matmul, checking its bytes against packed_matmul's (sweeps/packed.py's
+sweep_overlap; default JSON packed-gemm-overlap-<gpu>.json).
 """
 
 from __future__ import annotations
@@ -91,7 +95,27 @@ def main() -> None:
     ap.add_argument("--pipeline", action="store_true",
                     help="only time the software-pipelined and TMA variants against the plain loop "
                          "(sweeps/packed.py's sweep_pipeline; default JSON packed-gemm-pipeline-<gpu>.json)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="only time the Gluon kernel with overlapped K tiles against torch.matmul and packed_matmul")
     args = ap.parse_args()
+    if args.overlap:
+        path, result = run_record("packed-gemm-overlap", args.out)
+        kw = {"problems": tuple((n, k, m) for n, k in args.shapes for m in (16, 64))} if args.shapes else {}
+        result["sweep_overlap"] = rows = sweeps.sweep_overlap(**kw)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"{'N':>6} {'K':>5} {'M':>4} {'bf16 us':>8} {'packed us':>10} {'overlap us':>11} {'vs bf16':>8}  best launch")
+        for n, k, m in sorted({(r["N"], r["K"], r["M"]) for r in rows}):
+            mine = [r for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)]
+            ms = {r["kernel"]: r["ms"] for r in mine if r["kernel"] != "overlap"}
+            best = min((r for r in mine if r["kernel"] == "overlap"), key=lambda r: r["ms"])
+            print(f"{n:>6} {k:>5} {m:>4} {ms['bf16'] * 1e3:>8.1f} {ms['packed'] * 1e3:>10.1f} {best['ms'] * 1e3:>11.1f} "
+                  f"{ms['bf16'] / best['ms']:>7.2f}x  STAGES {best['STAGES']} split {best['SPLIT']} AHEAD {best['AHEAD']} "
+                  f"PREFETCH {best['PREFETCH']} "
+                  f"equal {all(r['equal'] for r in mine if r['kernel'] == 'overlap')}")
+        print(f"wrote {path}")
+        return
     if args.pipeline:
         path, result = run_record("packed-gemm-pipeline", args.out)
         result["sweep_pipeline"] = sweeps.sweep_pipeline()

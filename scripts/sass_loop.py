@@ -1,6 +1,6 @@
 """Counts the instructions of a Triton kernel's innermost loop on sm_90, without a GPU.
 
-    python scripts/sass_loop.py fp8-gemv|moe-gemv|packed [--out benchmarks/results/<kernel>-sass.json]
+    python scripts/sass_loop.py fp8-gemv|moe-gemv|packed|packed-overlap [--out benchmarks/results/<kernel>-sass.json]
 
 Triton compiles the kernel ahead of time for sm_90 (its bundled ptxas), cuobjdump (bundled too)
 disassembles it, and the loop is the last innermost one (a backward branch's range that holds no
@@ -30,10 +30,11 @@ _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 _BRA = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)|(0x[0-9a-f]+))")
 
 
-def loop_ops(sass: str) -> dict:
+def loop_ops(sass: str, containing: str | None = None) -> dict:
     """Opcode counts of the innermost loop in a cuobjdump listing: of the backward branches whose
-    range (from the branch's target to the branch) holds no other backward branch, the last one;
-    {} where there is none."""
+    range (from the branch's target to the branch) holds no other backward branch, the last one
+    (with `containing`, the last one that holds that opcode: not a wait's spin loop); {} where
+    there is none."""
     lines = [ln for ln in sass.splitlines() if _OP.search(ln)]
     addr = [int(_ADDR.search(ln).group(1), 16) for ln in lines]
     loops = []
@@ -42,6 +43,9 @@ def loop_ops(sass: str) -> dict:
         if m and m.group(1) and int(m.group(1), 16) < here:
             loops.append((int(m.group(1), 16), here))
     inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    if containing is not None:
+        inner = [(a, b) for a, b in inner
+                 if any(a <= here <= b and _OP.search(ln).group(1) == containing for ln, here in zip(lines, addr))]
     if not inner:
         return {}
     start, end = inner[-1]
@@ -68,7 +72,10 @@ def compile_sm90(fn, signature: dict, constants: dict, num_warps: int, divisible
         raise RuntimeError("sass_loop compiles kernels for sm_90: run it without TRITON_INTERPRET=1")
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in divisible}
     options = {"num_warps": num_warps, **launch_options(), **({"maxnreg": maxnreg} if maxnreg else {})}
-    kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel (its layouts are its own)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    kernel = triton.compile(source(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                             options=options)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
@@ -163,7 +170,36 @@ def packed(launches=((16, 1), (32, 1), (64, 1), (32, 2), (64, 2))) -> list:
     return _rows(pg._packed_kernel, sig, divisible, rows)
 
 
-KERNELS = {"fp8-gemv": fp8_gemv, "moe-gemv": moe_gemv, "packed": packed}
+def packed_overlap(launches=((16, 3, 2, 0), (32, 3, 2, 0), (64, 2, 2, 0), (64, 3, 2, 0), (64, 3, 3, 0), (64, 3, 3, 4))) -> list:
+    """`packed_overlap._overlap_kernel`'s K loop (Gluon) per (BLOCK_M, STAGES, AHEAD, PREFETCH), split-K, bf16: per
+    K tile a thread decodes the next tile's 64 weights while the warpgroup's eight wgmma of this
+    one run. "wgmma_waits": the loop's waits for its wgmma by the number left in flight (a
+    pipelined loop waits with one in flight; a serialized one with none)."""
+    from triton.experimental.gluon import language as gl
+
+    from fp4kit.kernels import packed_overlap as po
+
+    rows = []
+    for bm, stages, ahead, prefetch in launches:
+        layout = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
+        sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{layout!r}>", "w_ptr": "*i16", "s_ptr": "*bf16",
+               "gs_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
+               "N16": "i32", "KT": "i32", "kt_per_split": "i32", "BLOCK_M": "constexpr", "SPLIT": "constexpr",
+               "STAGES": "constexpr", "F16": "constexpr", "AHEAD": "constexpr", "PREFETCH": "constexpr"}
+        divisible = ("w_ptr", "s_ptr", "gs_ptr", "out_ptr", "part_ptr", "cnt_ptr")
+        regs, sass, stack = compile_sm90(po._overlap_kernel, sig, dict(BLOCK_M=bm, SPLIT=3, STAGES=stages, F16=False,
+                                                                       AHEAD=ahead, PREFETCH=prefetch), 4, divisible)
+        ops = loop_ops(sass, containing="HGMMA")
+        waits: dict = {}
+        for left in re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", sass):
+            waits[int(left, 16)] = waits.get(int(left, 16), 0) + 1
+        rows.append({"BLOCK_M": bm, "STAGES": stages, "AHEAD": ahead, "PREFETCH": prefetch, "registers": regs, "stack": stack,
+                     "loop_instructions": sum(ops.values()), "per_weight": round(sum(ops.values()) / 64, 3),
+                     "ops": ops, "wgmma_waits": {str(k): v for k, v in sorted(waits.items())}})
+    return rows
+
+
+KERNELS = {"fp8-gemv": fp8_gemv, "moe-gemv": moe_gemv, "packed": packed, "packed-overlap": packed_overlap}
 
 
 def main(argv=None) -> int:

@@ -77,3 +77,14 @@ def test_an_interpreted_kernel_is_refused():
         pytest.skip("the kernels are compiled in this process")
     with pytest.raises(RuntimeError, match="without TRITON_INTERPRET=1"):
         sass_loop.compile_sm90(fp8_gemm._fp8_gemv_kernel, {}, {}, 4, ())
+
+
+def test_the_overlapped_gemm_keeps_a_tiles_wgmma_in_flight_while_it_decodes_the_next():
+    # Gluon, compiled for sm_90: the A tile's conversion to the wgmma fragment layout moves no data
+    # (the kernel asserts it, so a compile is the check), no spills, the loop issues one tile's
+    # eight wgmma and waits with one group left in flight (0 only after the loop); the next tile's
+    # decoding sits between the first wgmma and that wait.
+    for row in _compiled_rows("packed_overlap(launches=((64, 3, 2, 0), (64, 3, 3, 4)))"):
+        assert row["stack"] == 0 and row["ops"]["HGMMA"] == 8
+        assert row["wgmma_waits"] == {"0": 1, "1": 1}
+        assert row["ops"]["HMUL2"] == 32 and row["ops"]["LOP3"] + row["ops"]["SHF"] >= 64  # 8 words: 4 multiplies each

@@ -83,6 +83,41 @@ def sweep_pipeline(shapes=PIPELINE_SHAPES, classes=(16, 64), programs_per_sm=(1,
     return rows
 
 
+OVERLAP_PROBLEMS = ((3712, 2688, 16), (3712, 2688, 64), (2688, 3712, 16), (2688, 3712, 64), (8192, 8192, 64))
+
+
+def sweep_overlap(problems=OVERLAP_PROBLEMS, stages=(2, 3), programs_per_sm=(1, 2, 4), ahead=(2, 3),
+                  prefetch=(0, 4)) -> list:
+    """CUDA-graph times of `packed_overlap.packed_matmul_overlapped` (Gluon: K tiles overlapped)
+    against torch.matmul on the bf16 weight and `packed_matmul` with its launch table, for each
+    problem (N, K, M) and launch shape (activation stages, split-K target, tiles of codes loaded
+    ahead, L2 prefetch distance). Each overlapped row records whether its output equals
+    `packed_matmul`'s with the same BLOCK_M and split, 4 warps, byte for byte."""
+    from fp4kit.kernels import packed_overlap as po
+
+    rows = []
+    for n, k in dict.fromkeys((n, k) for n, k, _ in problems):
+        wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+        w = pg.pack(quantize(wb))
+        for m in [m for n2, k2, m in problems if (n2, k2) == (n, k)]:
+            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+            base = {"N": n, "K": k, "M": m}
+            rows.append({**base, "kernel": "bf16", "ms": time_graph(lambda: torch.matmul(x, wb.T))})
+            rows.append({**base, "kernel": "packed", **pg.config(m, n, k, x.device),
+                         "ms": time_graph(lambda: pg.packed_matmul(x, w))})
+            print(json.dumps(rows[-2]), json.dumps(rows[-1]), flush=True)
+            for st, pps, a, pf in itertools.product(stages, programs_per_sm, ahead, prefetch):
+                cfg = {"STAGES": st, "programs_per_sm": pps, "AHEAD": a, "PREFETCH": pf}
+                c = po.config(m, n, k, x.device, cfg)
+                want = pg.packed_matmul(x, w, cfg={"BLOCK_M": c["BLOCK_M"], "num_warps": 4, "SPLIT": c["SPLIT"]})
+                got = po.packed_matmul_overlapped(x, w, cfg=cfg)
+                rows.append({**base, "kernel": "overlap", **c, "programs_per_sm": pps,
+                             "equal": bool(torch.equal(got, want)),
+                             "ms": time_graph(lambda: po.packed_matmul_overlapped(x, w, cfg=cfg))})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def pick(rows, tables=None) -> dict:
     """PACKED: per row class and weight size, the launch shape with the smallest sum over the
     swept problems of its time over the problem's best (relative, so that large weights do not
