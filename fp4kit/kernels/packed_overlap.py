@@ -170,6 +170,11 @@ def _overlap_kernel(x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M,
         q0, q1, q2, q3 = _tile_load(w_ptr, s_ptr, woff, soff, kt0 + gl.minimum(2, last))
     acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=mma_layout)
     for i in range(n_k):
+        # The codes of tile i + AHEAD, loaded first: their latency runs under this whole step.
+        # Past the last tile the loads and the decoding repeat the last tile; nothing uses them.
+        n0, n1, n2, n3 = _tile_load(w_ptr, s_ptr, woff, soff, kt0 + gl.minimum(i + AHEAD, last))
+        if PREFETCH > 0:
+            _prefetch(w_ptr, s_ptr, woff, soff, kt0 + i + PREFETCH, i + PREFETCH < n_k)
         stage = i % STAGES
         mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
         acc = warpgroup_mma(a, xs.index(stage).permute((1, 0)), acc, is_async=True)
@@ -181,10 +186,6 @@ def _overlap_kernel(x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M,
         mbarrier.expect(bars.index(back % STAGES), x_desc.block_type.nbytes, pred=refill)
         _tma_load(x_desc, [row0, (kt0 + back + STAGES) * 128], bars.index(back % STAGES), xs.index(back % STAGES),
                   pred=refill)
-        if PREFETCH > 0:
-            _prefetch(w_ptr, s_ptr, woff, soff, kt0 + i + PREFETCH, i + PREFETCH < n_k)
-        # Past the last tile the loads and the decoding repeat the last tile; nothing uses them.
-        n0, n1, n2, n3 = _tile_load(w_ptr, s_ptr, woff, soff, kt0 + gl.minimum(i + AHEAD, last))
         a_old = a
         a = _tile_decode(p0, p1, p2, p3, a_layout, W, F16)  # the next tile, while this one's wgmma run
         if AHEAD == 3:
