@@ -129,8 +129,10 @@ def test_grouped_decode_attention_on_nano_shapes(batch):
     """The decode step's attention on Nemotron-3-Nano's shapes (32 query heads over 2 key/value
     heads of 128, a 1024-slot static cache, part of it closed): at most twice as far from float64
     as the repeated form (transformers 5.18's) is; so is the one-launch kernel (step_ops
-    "triton"), which also stays within half a bf16 step of float64 and replays from a CUDA graph
-    what it computes eagerly."""
+    "triton"), which also stays within half a bf16 step of float64 plus the rounding of its tf32
+    probabilities and values (each cut to 11 significant bits, so each product within 2^-9 of its
+    own size: at most 2^-9 of sum p |v| / sum p), and replays from a CUDA graph what it computes
+    eagerly."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
     from fp4kit.decode import grouped_decode_sdpa
@@ -161,6 +163,9 @@ def test_grouped_decode_attention_on_nano_shapes(batch):
     kernel = decode_attention(q, k, v, mask, 128 ** -0.5)
     distance = (kernel.double() - exact.transpose(1, 2)).abs()
     assert distance.max().item() <= 2 * (repeated.double() - exact).abs().max().item()
-    assert (distance <= 2**-8 * exact.transpose(1, 2).abs() * (1 + 2**-8) + 1e-6).all()
+    tf32 = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), repeat_kv(k.double(), 16), repeat_kv(v.double().abs(), 16), attn_mask=mask, scale=128 ** -0.5)
+    bound = (2**-8 * exact.abs() + 2**-9 * tf32) * (1 + 2**-8) + 1e-6
+    assert (distance <= bound.transpose(1, 2)).all()
     first, replayed = graphed(lambda: decode_attention(q, k, v, mask, 128 ** -0.5))
     assert torch.equal(first, kernel) and torch.equal(replayed, kernel)
