@@ -198,6 +198,17 @@ def _decode_cells(*labels: str) -> tuple:
 
 
 _CKPTS = ("nemotron-h-w4a16-4o6_graph", "modelopt-lightning_graph")
+
+
+def _overlap_row(n: int, k: int, m: int):
+    """benchmarks/README.md's row of the overlapped GEMM's table: bf16, packed_matmul and the best
+    overlapped launch, us."""
+    def row(d):
+        mine = [r for r in d["sweep_overlap"] if (r["N"], r["K"], r["M"]) == (n, k, m)]
+        ms = {r["kernel"]: r["ms"] for r in mine if r["kernel"] != "overlap"}
+        best = min(r["ms"] for r in mine if r["kernel"] == "overlap")
+        return f"| {n} x {k}, {m} | {ms['bf16'] * 1e3:.1f} | {ms['packed'] * 1e3:.1f} | {best * 1e3:.1f} |"
+    return row
 DECODE_ROWS = (
     ("1", "| 1 | 38.0 | 240.6 | 284.5 (1.18x) | 294.8 (1.23x) |", _decode_cells("bf16_eager", "bf16_graph", *_CKPTS)),
     ("16", "| 16 | - | 1540.4 | 2016.9 (1.31x) | 2032.6 (1.32x) |", _decode_cells("bf16_graph", *_CKPTS)),
@@ -652,6 +663,23 @@ FIGURES = [
       for name in ("decode-b1-ahead-h200.json", "decode-b1-fp8-fix-h200.json")],
     *[(README, "the default recipe\n754.9-756.7", name, ("batches", "1", "tokens_per_s_nemotron-h-w4a16-4o6_graph"), _f(1))
       for name in ("decode-b1-fp8-fix-h200.json", "decode-b1-moe-tile-h200.json")],
+    *[(README, text, "decode-b1-one-launch-h200.json", ("batches", "1", *key), fmt)
+      for text, labels in (("batch 1 with \"triton\" gives BF16 486.7, the default recipe 876.5 (1.80x) and `modelopt-lightning`\n"
+                            "916.5 tokens/s (1.88x)", tuple(c + "_triton-ops" for c in ("bf16_graph", *_CKPTS))),
+                           ("against 453.5, 763.4 (1.68x) and 826.7 (1.82x)", ("bf16_graph", *_CKPTS)))
+      for key, fmt in _decode_cells(*labels)],
+    (README, "1.88x with `step_ops=\"triton\"` for both (decode-b1-one-launch-h200.json)", "decode-b1-one-launch-h200.json",
+     ("batches", "1", "speedup_over_bf16_graph", "modelopt-lightning_graph_triton-ops"), _f(2)),
+    *[(BENCH, text, "packed-gemm-overlap-h200.json", (), _overlap_row(*p)) for text, p in (
+        ("| 3712 x 2688, 16 | 6.9 | 6.1 | 7.1 |", (3712, 2688, 16)), ("| 3712 x 2688, 64 | 6.5 | 9.3 | 10.2 |", (3712, 2688, 64)),
+        ("| 2688 x 3712, 16 | 7.5 | 5.8 | 6.6 |", (2688, 3712, 16)), ("| 2688 x 3712, 64 | 8.0 | 9.4 | 10.4 |", (2688, 3712, 64)),
+        ("| 8192 x 8192, 64 | 36.7 | 30.5 | 31.9 |", (8192, 8192, 64)))],
+    (BENCH, "split in all 120 timed launches", "packed-gemm-overlap-h200.json", ("sweep_overlap",),
+     lambda rows: f"split in all {sum(r['equal'] for r in rows if r['kernel'] == 'overlap')} timed launches"),
+    (README, "10.2 / 10.4 against bf16's 6.5 / 8.0 us (packed-gemm-overlap-h200.json", "packed-gemm-overlap-h200.json", (),
+     lambda d: "{} / {} against bf16's {} / {} us (packed-gemm-overlap-h200.json".format(
+         *[_overlap_row(n, k, 64)(d).split(" | ")[3].rstrip(" |") for n, k in ((3712, 2688), (2688, 3712))],
+         *[_overlap_row(n, k, 64)(d).split(" | ")[1] for n, k in ((3712, 2688), (2688, 3712))])),
     (README, "| over BF16's eager `generate`, batch 1 | 19.7x (decode-b1-moe-tile-h200.json)", "decode-b1-moe-tile-h200.json",
      ("batches", "1", "speedup_over_bf16_eager", "nemotron-h-w4a16-4o6_graph"), _f(1)),
     (README, "at BF16's 445.0 tokens/s that is 979\ntokens/s, a step of 1.02 ms against 1.22 ms now", "decode-b1-moe-tile-h200.json",
