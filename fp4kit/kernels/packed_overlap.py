@@ -16,7 +16,7 @@ states the overlap itself, for one warpgroup (64 weight rows) per program:
 
 The weight layout, the decoding (`packed_gemm.decode_asm`) and the order of every sum are those of
 `_packed_kernel`: K tiles in order, eight K-16 wgmma per tile, split-K partials summed in a fixed
-order in the same launch. So with the same BLOCK_M and split the two kernels give the same bytes
+order in the same launch (`tiles.store_split`). So with the same BLOCK_M and split the two kernels give the same bytes
 (tests/gpu). The decoded A tile must be the wgmma fragment layout without data movement: the
 kernel asserts that at compile time (`convert_layout(..., assert_trivial=True)`).
 
@@ -39,8 +39,9 @@ from fp4kit.formats.errors import FormatError
 
 from . import backend
 from .backend import cdiv, check_activations, launch_options
+from .mma import _PREFETCH_ASM
 from .packed_gemm import SLAB, TILE_K, PackedNVFP4, decode_asm
-from .tiles import activation_rows, split_counters
+from .tiles import activation_rows, split_counters, store_split
 
 _WHAT = "kernels.packed_matmul_overlapped"
 WARPS = 4  # one warpgroup: 64 weight rows per program, 16 per warp
@@ -49,8 +50,6 @@ _DECODE_F16 = gl.constexpr(decode_asm("f16"))
 _UNSCALE = gl.constexpr(128.0)  # the fragments are E2M1 * scale * 2^-7
 # The TMA copy into shared memory: `async_load` from Triton 3.7 on, `async_copy_global_to_shared` before.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-# The barrier across the program's warps: `barrier` from Triton 3.7 on, `thread_barrier` before.
-_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.jit
@@ -67,16 +66,6 @@ def _offsets(pid_n, N16, KT, W: gl.constexpr):
     return wline[:, None] + e[None, :], sline[:, None] + e[None, :]
 
 
-_PREFETCH = gl.constexpr("""
-{
-.reg .pred p;
-setp.ne.u32 p, $2, 0;
-@p prefetch.global.L2 [$1];
-mov.u32 $0, 0;
-}
-""")
-
-
 @gluon.jit
 def _prefetch(w_ptr, s_ptr, woff, soff, kt, ok):
     """An L2 prefetch of K tile kt's words and scales where ok (no register written): one
@@ -84,9 +73,9 @@ def _prefetch(w_ptr, s_ptr, woff, soff, kt, ok):
     line_w = gl.max(woff, axis=1) - 7  # the thread's first half (its row of woff: 8 consecutive)
     line_s = gl.max(soff, axis=1) - 7
     flag = (line_w * 0 + ok).to(gl.int32)
-    gl.inline_asm_elementwise(_PREFETCH, "=r,l,r", [w_ptr + line_w + kt * 512, flag], dtype=gl.int32,
+    gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [w_ptr + line_w + kt * 512, flag], dtype=gl.int32,
                               is_pure=False, pack=1)
-    gl.inline_asm_elementwise(_PREFETCH, "=r,l,r", [s_ptr + line_s + kt * 128, flag], dtype=gl.int32,
+    gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [s_ptr + line_s + kt * 128, flag], dtype=gl.int32,
                               is_pure=False, pack=1)
 
 
@@ -204,19 +193,8 @@ def _overlap_kernel(x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M,
     ok = (toks < M)[None, :] & (rows < N)[:, None]
     if SPLIT == 1:
         gl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=ok)
-    else:  # `tiles.store_split`: partials summed in the order s = 0, 1, ... by the tile's last program
-        mn = M * N
-        gl.store(part_ptr + pid_s.to(gl.int64) * mn + off, y, mask=ok)
-        _barrier()
-        tile = pid_m * gl.num_programs(0) + pid_n
-        arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            total = gl.load(part_ptr + off, mask=ok, other=0.0, cache_modifier=".cg")
-            for s in gl.static_range(1, SPLIT):
-                total += gl.load(part_ptr + s * mn.to(gl.int64) + off, mask=ok, other=0.0, cache_modifier=".cg")
-            gl.store(out_ptr + off, total.to(out_ptr.dtype.element_ty), mask=ok)
-            gl.store(cnt_ptr + tile, 0)
-
+    else:
+        store_split(y, part_ptr, out_ptr, cnt_ptr, pid_m * gl.num_programs(0) + pid_n, off, ok, M * N, pid_s, SPLIT)
 
 LAUNCH_KEYS = ("BLOCK_M", "STAGES", "AHEAD", "PREFETCH", "SPLIT", "programs_per_sm")
 BLOCK_MS = (16, 32, 64)  # 128 rows' accumulator and two tiles' fragments spill
