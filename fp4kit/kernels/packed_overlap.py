@@ -2,27 +2,28 @@
 
 `packed_gemm._packed_kernel` runs each K tile as a chain: load the tile's codes and scales, decode
 them in registers, copy the activation tile to shared memory, wait for every warp at a barrier,
-run the tile's eight wgmma and wait for them. On the decode problems (tens of rows, weights of a
-few million elements) a program has only a handful of K tiles and each multiprocessor one or two
-programs, so that chain is the kernel's time. Triton's own pipeliner does not overlap it (it
-gives each K-16 slice of a register-operand dot its own wait). This kernel, written in Gluon,
-states the overlap itself, for one warpgroup (64 weight rows) per program:
+run the tile's eight wgmma and wait for them; Triton's own pipeliner does not overlap that chain
+across tiles (it gives each K-16 slice of a register-operand dot its own wait). This kernel,
+written in Gluon, states the overlap itself, for one warpgroup (64 weight rows) per program:
 
 - the activation tiles [BLOCK_M, 128] come by TMA into a ring of STAGES shared-memory buffers,
-  each with its own mbarrier: no barrier across the warps, and the copies run STAGES tiles ahead;
-- a tile's codes and scales are loaded into registers two tiles ahead of its wgmma;
-- the eight wgmma of tile i are issued asynchronously, the codes of tile i + 1 are decoded while
-  they run (into other registers: tile i's fragments stay live until the wait), then the wait.
+  each with its own mbarrier: no barrier across the warps for them, each copy issued STAGES - 1
+  tiles ahead of its use;
+- a tile's codes and scales are loaded into registers AHEAD (2 or 3) tiles before its wgmma, and
+  optionally prefetched to L2 PREFETCH tiles before;
+- the eight wgmma of tile i are issued asynchronously and the codes of tile i + 1 decoded while
+  they run (into other registers: tile i's fragments stay live until the wait that retires them).
 
 The weight layout, the decoding (`packed_gemm.decode_asm`) and the order of every sum are those of
 `_packed_kernel`: K tiles in order, eight K-16 wgmma per tile, split-K partials summed in a fixed
-order in the same launch (`tiles.store_split`). So with the same BLOCK_M and split the two kernels give the same bytes
-(tests/gpu). The decoded A tile must be the wgmma fragment layout without data movement: the
-kernel asserts that at compile time (`convert_layout(..., assert_trivial=True)`).
+order in the same launch (`tiles.store_split`). So with the same BLOCK_M and split the two kernels
+give the same bytes (tests/gpu/test_packed_overlap_gpu.py). The decoded A tile must be the wgmma
+fragment layout without data movement: the kernel asserts that when it compiles
+(`convert_layout(..., assert_trivial=True)`).
 
-Gluon compiles for NVIDIA GPUs only (Triton's interpreter does not run it): on a CPU the launcher
-refuses, and `packed_gemm.packed_matmul` is the reference path there. Measured times:
-benchmarks/README.md.
+Measured on an H200 it is slower than `packed_matmul` on every timed problem, so nothing calls it
+by default (benchmarks/README.md, results/packed-gemm-overlap-h200.json). Gluon compiles for
+NVIDIA GPUs only (Triton's interpreter does not run it): on a CPU the launcher refuses.
 """
 
 from __future__ import annotations
