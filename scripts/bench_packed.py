@@ -23,7 +23,7 @@ import json
 import os
 
 import torch
-from bench_kernels import run_record
+from bench_kernels import run_record, write
 from benchlib.packed import bench
 from sweeps import packed as sweeps
 
@@ -102,9 +102,7 @@ def main() -> None:
         path, result = run_record("packed-gemm-overlap", args.out)
         kw = {"problems": tuple((n, k, m) for n, k in args.shapes for m in (16, 64))} if args.shapes else {}
         result["sweep_overlap"] = rows = sweeps.sweep_overlap(**kw)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        write(path, result)
         print(f"{'N':>6} {'K':>5} {'M':>4} {'bf16 us':>8} {'packed us':>10} {'overlap us':>11} {'vs bf16':>8}  best launch")
         for n, k, m in sorted({(r["N"], r["K"], r["M"]) for r in rows}):
             mine = [r for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)]

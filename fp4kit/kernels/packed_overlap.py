@@ -39,16 +39,15 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from fp4kit.formats.errors import FormatError
 
 from . import backend
-from .backend import cdiv, check_activations, launch_options
-from .mma import _PREFETCH_ASM
-from .packed_gemm import SLAB, TILE_K, PackedNVFP4, decode_asm
+from .backend import cdiv, check_activations, launch_options, next_power_of_2
+from .mma import _PREFETCH_ASM, MMA_UNSCALE
+from .packed_gemm import SLAB, TILE_K, PackedNVFP4, decode_asm, tma_ready
 from .tiles import activation_rows, split_counters, store_split
 
 _WHAT = "kernels.packed_matmul_overlapped"
 WARPS = 4  # one warpgroup: 64 weight rows per program, 16 per warp
 _DECODE_BF16 = gl.constexpr(decode_asm("bf16"))
 _DECODE_F16 = gl.constexpr(decode_asm("f16"))
-_UNSCALE = gl.constexpr(128.0)  # the fragments are E2M1 * scale * 2^-7
 # The TMA copy into shared memory: `async_load` from Triton 3.7 on, `async_copy_global_to_shared` before.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
@@ -187,7 +186,7 @@ def _overlap_kernel(x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M,
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(j))
 
-    y = acc * (gl.load(gs_ptr) * _UNSCALE)
+    y = acc * (gl.load(gs_ptr) * MMA_UNSCALE)  # the fragments are E2M1 * scale * 2^-7
     rows = pid_n * (16 * W) + gl.arange(0, 16 * W, layout=gl.SliceLayout(1, mma_layout))
     toks = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
     off = toks.to(gl.int64)[None, :] * N + rows[:, None]
@@ -196,6 +195,7 @@ def _overlap_kernel(x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M,
         gl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=ok)
     else:
         store_split(y, part_ptr, out_ptr, cnt_ptr, pid_m * gl.num_programs(0) + pid_n, off, ok, M * N, pid_s, SPLIT)
+
 
 LAUNCH_KEYS = ("BLOCK_M", "STAGES", "AHEAD", "PREFETCH", "SPLIT", "programs_per_sm")
 BLOCK_MS = (16, 32, 64)  # 128 rows' accumulator and two tiles' fragments spill
@@ -212,7 +212,7 @@ def config(m: int, n: int, k: int, device: torch.device, cfg: dict | None = None
     unknown = set(c) - set(LAUNCH_KEYS)
     if unknown:
         raise ValueError(f"{_WHAT}: unknown launch keys {sorted(unknown)}; expected some of {LAUNCH_KEYS}")
-    bm = c.get("BLOCK_M") or min(max(16, 1 << (max(m, 1) - 1).bit_length()), 64)
+    bm = c.get("BLOCK_M") or min(max(16, next_power_of_2(m)), 64)
     stages, ahead, prefetch = c.get("STAGES", 3), c.get("AHEAD", 2), c.get("PREFETCH", 0)
     if bm not in BLOCK_MS or stages not in (2, 3, 4) or ahead not in (2, 3) or prefetch not in range(9):
         raise ValueError(f"{_WHAT}: BLOCK_M must be one of {BLOCK_MS}, STAGES 2 to 4, AHEAD 2 or 3 and PREFETCH "
@@ -252,9 +252,9 @@ def packed_matmul_overlapped(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | Non
     m = x2.shape[0]
     if m == 0:
         return out.reshape(*lead, n)
-    if x2.data_ptr() % 16 or (x2.stride(0) * x2.element_size()) % 16:
+    if not tma_ready(x2):
         x2 = x2.clone(memory_format=torch.contiguous_format)
-        if (x2.stride(0) * x2.element_size()) % 16:
+        if not tma_ready(x2):
             raise FormatError(f"{_WHAT}: the activations' rows must be 16-byte multiples for TMA, got K={k}")
     c = config(m, n, k, x.device, cfg)
     n16, kt = w.words.shape[:2]
@@ -267,7 +267,6 @@ def packed_matmul_overlapped(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | Non
         counters = split_counters(x.device, grid[0] * grid[1])
     _overlap_kernel[grid](desc, w.words, w.scales, w.global_scale, out, part, counters, m, n, n16, kt,
                           c["kt_per_split"], BLOCK_M=c["BLOCK_M"], SPLIT=c["SPLIT"], STAGES=c["STAGES"], F16=f16,
-                          AHEAD=c["AHEAD"], PREFETCH=c["PREFETCH"],
-                          num_warps=WARPS, **launch_options())
+                          AHEAD=c["AHEAD"], PREFETCH=c["PREFETCH"], num_warps=WARPS, **launch_options())
     return out.reshape(*lead, n)
 
