@@ -570,10 +570,10 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the decode step with torch.compile first (fuses its small kernels: faster steps, "
                         "a compile of a minute or more at the start)")
-    p.add_argument("--step-ops", choices=("fp4kit", "triton", "transformers"), default="fp4kit",
+    p.add_argument("--step-ops", choices=("fp4kit", "triton", "transformers"), default="triton",
                    help="what a decode step's attention, routers and Mamba mixers run (fp4kit.generate's step_ops): "
-                        "fp4kit's (default); triton, those with each attention layer, single-group router and Mamba "
-                        "step as one Triton launch on a GPU; transformers, the model's own")
+                        "fp4kit's; triton (default), those with each attention layer, single-group router and Mamba "
+                        "step as one Triton launch on a GPU (elsewhere fp4kit's); transformers, the model's own")
     p.add_argument("--ssm-state", choices=("fp32", "fp16", "fp16-sr"), default="fp32",
                    help="hold the Mamba SSM state between steps in fp32 (the model's own), fp16, or fp16 with "
                         "stochastic rounding, as engines' --mamba-ssm-cache-dtype float16 do (default fp32)")
@@ -653,7 +653,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         for prompt, text in zip(args.prompt, result.text):
             print(f"{prompt}{text}\n")
     how = ("CUDA graph" if result.graph else "eager") + (", compiled" if args.compile else "") + (
-        "" if args.step_ops == "fp4kit" else f", step ops {args.step_ops}")
+        "" if args.step_ops == "triton" else f", step ops {args.step_ops}")
     state = "" if args.ssm_state == "fp32" else f", SSM state {args.ssm_state}" + (
         f" R={args.philox_rounds}" if args.ssm_state == "fp16-sr" else "")
     print(f"{sum(map(len, result.tokens))} tokens in {result.seconds:.2f}s: {result.tokens_per_s:.1f} tokens/s with the "

@@ -55,6 +55,7 @@ MASKED_ATTENTION = ("sdpa", "eager")
 # between its projections (`models.mamba_step.one_launch`) as one Triton launch on a GPU;
 # "transformers", the model's own.
 STEP_OPS = ("fp4kit", "transformers", "triton")
+DEFAULT_STEP_OPS = "triton"
 
 
 @dataclass
@@ -100,7 +101,7 @@ class _StaticStep:
     pad: torch.Tensor  # 0-d: the token finished rows are given
     greedy: bool  # the pick (argmax) runs inside the step, and so inside its graph
     compiled: bool = False  # the forward runs through torch.compile
-    ops: str = "fp4kit"  # STEP_OPS: the step's attention and Mamba functions
+    ops: str = DEFAULT_STEP_OPS  # STEP_OPS: the step's attention and Mamba functions
     mamba_modules: list = field(default_factory=list)  # with ops "fp4kit" and "triton": `mamba_step.mixer_modules(model)`
     mixers: list = field(default_factory=list)  # with ops "triton": `mamba_step.one_launch_mixers(model)`
     ssm: _StateFormat | None = None  # the SSM state held in fp16 (None: fp32, the model's own)
@@ -252,7 +253,7 @@ def _eos_ids(model) -> list[int]:
 
 
 def _new_step(model, batch: int, max_len: int, device: torch.device, eos: list[int], pad: int,
-              greedy: bool, compiled: bool = False, ops: str = "fp4kit") -> _StaticStep:
+              greedy: bool, compiled: bool = False, ops: str = DEFAULT_STEP_OPS) -> _StaticStep:
     from transformers import StaticCache
 
     impl = model.config._attn_implementation
@@ -567,7 +568,7 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
              stream: Callable[[list[int | None]], None] | None = None,
              generator: torch.Generator | None = None, ssm_state: str | Sequence[str] = "fp32",
              philox_rounds: int | Sequence[int] = 5, ssm_seed: int = 0, stop_at_eos: bool = True,
-             compile: bool = False, step_ops: str = "fp4kit") -> Generation:
+             compile: bool = False, step_ops: str = DEFAULT_STEP_OPS) -> Generation:
     """Continue each prompt by up to `max_new_tokens` tokens; a row stops at the model's EOS.
 
     prompts: text (with a tokenizer) or lists of token ids; rows of different lengths are
@@ -586,14 +587,15 @@ def generate(model: nn.Module, tokenizer, prompts, max_new_tokens: int, *, greed
     compile: run the decode step's forward through `torch.compile` (see the module docstring); the
     first call for a model and batch bucket compiles it (minutes for a large model), later calls
     reuse it. The prefill runs eagerly.
-    step_ops: "fp4kit" (default): the step's sdpa attention runs over grouped query heads without
-    copying the key/value cache per query head (`grouped_decode_sdpa`), and the Mamba mixers'
-    decode functions run element-wise (`models.mamba_step`), for BF16 and quantized models alike;
-    "triton": those, with the attention (`kernel_decode_attention`), each single-group router
-    (`models.nemotron_h.one_launch_routing`) and each Nemotron-H Mamba mixer's step between its
-    projections (`models.mamba_step.one_launch`) as one Triton launch each on a GPU; their sums run
-    in other orders, so like compile=True its logits can differ from eager ones in the last bits;
-    "transformers": the model's own functions, to compare with.
+    step_ops: "fp4kit": the step's sdpa attention runs over grouped query heads without copying
+    the key/value cache per query head (`grouped_decode_sdpa`), and the Mamba mixers' decode
+    functions run element-wise (`models.mamba_step`), for BF16 and quantized models alike;
+    "triton" (default): those, with the attention (`kernel_decode_attention`), each single-group
+    router (`models.nemotron_h.one_launch_routing`) and each Nemotron-H Mamba mixer's step between
+    its projections (`models.mamba_step.one_launch`) as one Triton launch each on a GPU (elsewhere
+    it is "fp4kit"); their sums run in other orders, so like compile=True its logits can differ
+    from the "fp4kit" ones in the last bits; "transformers": the model's own functions, to
+    compare with.
     """
     if step_ops not in STEP_OPS:
         raise ValueError(f"step_ops must be one of {', '.join(STEP_OPS)}, got {step_ops!r}")

@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 from benchlib.record import run_record, write_results
 
-from fp4kit.decode import STEP_OPS, generate as fp4kit_generate
+from fp4kit.decode import DEFAULT_STEP_OPS, STEP_OPS, generate as fp4kit_generate
 from fp4kit.export.load import load_quantized
 from fp4kit.export.modelopt import export_checkpoint
 from fp4kit.models.nemotron_h import NANO_WIDTHS, mamba_kernels, shared_experts_after_routed
@@ -217,10 +217,10 @@ def main() -> None:
     ap.add_argument("--out", help="JSON file (default: benchmarks/results/decode-graph-<gpu>.json; --tiny: a temporary file)")
     ap.add_argument("--compile", action="store_true",
                     help="fp4kit.generate compiles its decode step (torch.compile) for every model alike")
-    ap.add_argument("--step-ops", default="fp4kit",
+    ap.add_argument("--step-ops", default=DEFAULT_STEP_OPS,
                     help=f"comma-separated, of {', '.join(STEP_OPS)}: what the decode step's attention, routers "
                          "and Mamba mixers run (fp4kit.generate's step_ops), every model under each; labels of the others "
-                         "than the first end in _<ops>-ops (default fp4kit)")
+                         f"than the first end in _<ops>-ops (default {DEFAULT_STEP_OPS})")
     ap.add_argument("--sequential-shared", action="store_true",
                     help="time each checkpoint also with its MoE blocks' shared expert after the routed experts "
                          "on one stream (labels ending in _sequential-shared)")

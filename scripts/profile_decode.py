@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from benchlib.record import run_record, write_results
 
-from fp4kit.decode import STEP_OPS, generate
+from fp4kit.decode import DEFAULT_STEP_OPS, STEP_OPS, generate
 from fp4kit.export.load import load_quantized
 from fp4kit.export.modelopt import export_checkpoint
 from fp4kit.quantize import DEFAULT_RECIPE, quantize
@@ -60,7 +60,7 @@ def kind_of(name: str) -> str:
 
 
 def profiled(model, prompt: list[list[int]], new: int, device: torch.device,
-             compile: bool = False, step_ops: str = "fp4kit") -> dict[str, dict[str, float]]:
+             compile: bool = False, step_ops: str = DEFAULT_STEP_OPS) -> dict[str, dict[str, float]]:
     """{kernel name: {"us": time, "count": launches}} over one generate of `new` tokens."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -87,7 +87,7 @@ def profiled(model, prompt: list[list[int]], new: int, device: torch.device,
 
 
 def wall_per_step(model, prompt: list[list[int]], steps: int, device: torch.device, compile: bool = False,
-                  step_ops: str = "fp4kit", reps: int = 3) -> float:
+                  step_ops: str = DEFAULT_STEP_OPS, reps: int = 3) -> float:
     """Microseconds of host clock per decode step: `Generation.decode_seconds` of a generate of
     `steps` + 1 tokens over its `steps` steps, the median of `reps` generates (after the profiled
     runs: kernels compiled, graphs warm)."""
@@ -130,10 +130,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (for a CPU smoke run)")
     ap.add_argument("--compile", action="store_true", help="generate compiles its decode step (torch.compile)")
-    ap.add_argument("--step-ops", default="fp4kit",
+    ap.add_argument("--step-ops", default=DEFAULT_STEP_OPS,
                     help=f"comma-separated, of {', '.join(STEP_OPS)}: what the step's attention, routers and Mamba mixers run "
                          "(generate's step_ops), each model profiled under each; the names of the others than the "
-                         "first end in ' (<ops> ops)' (default fp4kit)")
+                         f"first end in ' (<ops> ops)' (default {DEFAULT_STEP_OPS})")
     ap.add_argument("--reps", type=int, default=3, help="timed generates per model for the wall time per step")
     ap.add_argument("--out", help="JSON file (default benchmarks/results/decode-profile-<gpu>.json)")
     args = ap.parse_args()

@@ -5,6 +5,7 @@ buffer it reads or writes at one address."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from pathlib import Path
 
 import pytest
@@ -493,10 +494,11 @@ def test_the_command_runs_the_step_ops_asked_for(monkeypatch, capsys):
     real = generate_module.generate
     monkeypatch.setattr(generate_module, "generate", lambda *a, **k: seen.append(k["step_ops"]) or real(*a, **k))
     base = ["generate", "--model", str(tiny_model_path()), "--prompt", "ROMEO:", "--max-new-tokens", "2", "--device", "cpu"]
-    assert cli.main(base + ["--step-ops", "triton"]) == 0
-    assert "(eager, step ops triton, batch 1)" in capsys.readouterr().err
-    assert cli.main(base) == 0
-    assert "(eager, batch 1)" in capsys.readouterr().err and seen == ["triton", "fp4kit"]
+    assert cli.main(base + ["--step-ops", "fp4kit"]) == 0
+    assert "(eager, step ops fp4kit, batch 1)" in capsys.readouterr().err
+    assert cli.main(base) == 0  # the default: generate's
+    assert "(eager, batch 1)" in capsys.readouterr().err and seen == ["fp4kit", "triton"]
+    assert inspect.signature(real).parameters["step_ops"].default == "triton"
     with pytest.raises(SystemExit):
         cli.main(base + ["--step-ops", "fast"])
     assert "invalid choice: 'fast'" in capsys.readouterr().err

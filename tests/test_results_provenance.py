@@ -668,6 +668,47 @@ FIGURES = [
                             "916.5 tokens/s (1.88x)", tuple(c + "_triton-ops" for c in ("bf16_graph", *_CKPTS))),
                            ("against 453.5, 763.4 (1.68x) and 826.7 (1.82x)", ("bf16_graph", *_CKPTS)))
       for key, fmt in _decode_cells(*labels)],
+    *[(README, "\"triton\" gives BF16 2650.4 and 6472.0, the default recipe 4676.2\n(1.76x) and 9463.8 tokens/s (1.46x), "
+       "against 2493.9 and 5803.5, 4158.4 (1.67x) and 8077.8 (1.39x)", name, ("batches", b), fmt)
+      for name, b, fmt in (
+          *[("decode-b16-one-launch-h100.json", "16", lambda d, k=k: f"{d[k]:.1f}")
+            for k in ("tokens_per_s_bf16_graph_triton-ops", "tokens_per_s_nemotron-h-w4a16-4o6_graph_triton-ops",
+                      "tokens_per_s_bf16_graph", "tokens_per_s_nemotron-h-w4a16-4o6_graph")],
+          *[("decode-b16-one-launch-h100.json", "16", lambda d, k=k: f"({d['speedup_over_bf16_graph'][k]:.2f}x)")
+            for k in ("nemotron-h-w4a16-4o6_graph_triton-ops", "nemotron-h-w4a16-4o6_graph")],
+          # batch 64: the decode steps' own times (the file's provenance says why)
+          *[("decode-b64-one-launch-h100.json", "64", lambda d, k=k: f"{d['steps_tokens_per_s_' + k]:.1f}")
+            for k in ("bf16_graph_triton-ops", "nemotron-h-w4a16-4o6_graph_triton-ops", "bf16_graph",
+                      "nemotron-h-w4a16-4o6_graph")],
+          *[("decode-b64-one-launch-h100.json", "64",
+             lambda d, q=q, b=b: f"({d['steps_tokens_per_s_' + q] / d['steps_tokens_per_s_' + b]:.2f}x)")
+            for q, b in (("nemotron-h-w4a16-4o6_graph_triton-ops", "bf16_graph_triton-ops"),
+                         ("nemotron-h-w4a16-4o6_graph", "bf16_graph"))])],
+    *[(README, "with `step_ops=\"triton\"` for both, on an H100, 1.76x / 1.46x", name, ("batches", b), fmt)
+      for name, b, fmt in (("decode-b16-one-launch-h100.json", "16",
+                            lambda d: f"{d['speedup_over_bf16_graph']['nemotron-h-w4a16-4o6_graph_triton-ops']:.2f}x"),
+                           ("decode-b64-one-launch-h100.json", "64",
+                            lambda d: f"{d['steps_tokens_per_s_nemotron-h-w4a16-4o6_graph_triton-ops'] / d['steps_tokens_per_s_bf16_graph_triton-ops']:.2f}x"))],
+    *[(README, text, "decode-profile-compiled-lightning-one-launch-h100.json", path, fmt) for text, path, fmt in (
+        ("1161.3 us per step against BF16's 2321.6", ("per_step_wall_us", "modelopt-lightning"), _f(1)),
+        ("1161.3 us per step against BF16's 2321.6", ("per_step_wall_us", "bf16"), _f(1)),
+        *[(f"{us} us ({n})", ("top_kernels_per_step", "modelopt-lightning", {"kernel": k}),
+           lambda r: f"{r['us']:.1f} us ({r['count']:.0f})")
+          for us, n, k in (("319.0", 22, "_moe_small_kernel"), ("77.1", 11, "_route_kernel"), ("74.3", 12, "_mamba_step_kernel"),
+                           ("48.7", 3, "_decode_attention_kernel"))],
+        ("in_proj and out_proj in cuBLAS 233.3 us (24)", ("top_kernels_per_step", "modelopt-lightning"),
+         lambda rows: "{:.1f} us ({:.0f})".format(*[sum(r[f] for r in rows if "qqtst" in r["kernel"]) for f in ("us", "count")])),
+        ("GEMVs 133.3 us", ("top_kernels_per_step", "modelopt-lightning", {"kernel": "_gemv_kernel"}), lambda r: f"{r['us']:.1f} us"),
+        ("lm_head 92.8 us", ("top_kernels_per_step", "modelopt-lightning", {"kernel": "_mma_kernel"}), lambda r: f"{r['us']:.1f} us"))],
+    *[(README, "take 13.07 us for in_proj and 7.78 us for out_proj at one row\nagainst cuBLAS's 12.88 and 6.91",
+       "kernels-sweeps-fp8-mma-h100.json", ("rows", {"N": n, "K": k, "M": 1, "kernel": kernel, **tile}),
+       lambda r: f"{r['ms'] * 1e3:.2f}")
+      for n, k in ((10304, 2688), (2688, 4096))
+      for kernel, tile in (("_scaled_mm", {}), ("mma", {"tile": [64, 128, 4, 5, 2]}))],
+    *[(README, "4 warps instead of 8 warps take 11.45 us at 16 tokens and 28.56 us at 64 against 15.25 and 40.89,\n"
+       "and 7.23 against 7.10 us at one token", "kernels-sweeps-router-route-h100.json",
+       ("rows", {"T": t, "experts": 4, "num_warps": w}), lambda r: f"{r['ms'] * 1e3:.2f}")
+      for t in (1, 16, 64) for w in (4, 8)],
     (README, "1.88x with `step_ops=\"triton\"` for both (decode-b1-one-launch-h200.json)", "decode-b1-one-launch-h200.json",
      ("batches", "1", "speedup_over_bf16_graph", "modelopt-lightning_graph_triton-ops"), _f(2)),
     *[(BENCH, text, "packed-gemm-overlap-h200.json", (), _overlap_row(*p)) for text, p in (

@@ -14,7 +14,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT / "scripts"))
 
 import tune_kernels  # noqa: E402
-from sweeps import Sweep, fp8 as sf, moe as sm, packed as sp, w4a16 as sw  # noqa: E402
+from sweeps import Sweep, fp8 as sf, moe as sm, packed as sp, router as sr, w4a16 as sw  # noqa: E402
 from sweeps.common import updated, with_maxnreg  # noqa: E402
 
 from fp4kit.kernels import launch  # noqa: E402
@@ -23,7 +23,7 @@ from fp4kit.kernels import launch  # noqa: E402
 def test_every_sweep_names_a_table_of_its_kernel():
     known = tune_kernels.sweeps()
     assert {"w4a16.gemv", "w4a16.mma", "w4a16.mma_wide", "w4a16.row_mma", "w4a16.decode", "w4a16.mid", "moe.decode",
-            "moe.small", "moe.gemv", "moe.mma", "packed.launch", "fp8.gemv"} <= set(known)
+            "moe.small", "moe.gemv", "moe.mma", "packed.launch", "fp8.gemv", "fp8.mma", "router.route"} <= set(known)
     for name, sweep in known.items():
         assert isinstance(sweep, Sweep) and name.split(".")[0] == sweep.kernel
         assert sweep.table in launch.table(sweep.kernel), name
@@ -71,7 +71,7 @@ def test_later_sweeps_of_one_run_see_the_earlier_picks(tmp_path, monkeypatch):
 
 def test_every_table_says_who_chose_it():
     doc = json.loads(launch.tuning_path("h200").read_text())
-    for kernel in ("w4a16", "moe", "packed", "fp8"):
+    for kernel in ("w4a16", "moe", "packed", "fp8", "router"):
         entry = doc["kernels"][kernel]
         assert set(entry["chosen_by"]) == set(entry["tables"]), kernel
         for name, by in entry["chosen_by"].items():
@@ -161,6 +161,37 @@ def test_pick_fp8_gemv_tiles_per_row_class_and_max_m_against_the_library():
     slower = [dict(r, ms=0.5) if r["kernel"] == "_scaled_mm" and r["M"] == 2 and r["N"] == 2688 else r for r in rows]
     assert sf.pick_gemv(slower)["max_m"] == 1  # the library wins at 2 rows on one shape
     assert sf.pick_gemv([dict(r, ms=0.01) if r["kernel"] == "_scaled_mm" else r for r in rows])["max_m"] == 0
+
+
+def test_pick_fp8_mma_one_tile_and_max_m_against_the_library():
+    def mma(n, m, tile, t):
+        return {"N": n, "K": 2688, "M": m, "kernel": "mma", "tile": list(tile), "ms": t}
+
+    def lib(n, m, t):
+        return {"N": n, "K": 2688, "M": m, "kernel": "_scaled_mm", "ms": t}
+
+    a, b = (64, 128, 4, 5, 2), (128, 256, 8, 3, 1)
+    rows = []
+    for n, big in ((10304, 1.0), (2688, 0.1)):  # each problem counts alike, whatever its size
+        rows += [mma(n, 1, a, 5.0 * big), mma(n, 1, b, 5.5 * big)]
+        rows += [mma(n, 4, a, 6.0 * big), mma(n, 4, b, 5.8 * big)]
+        rows += [mma(n, 16, a, 9.0 * big), mma(n, 16, b, None)]  # a failed launch is never picked
+        rows += [lib(n, m, 7.0 * big) for m in (1, 4, 16)]
+    got = sf.pick_mma(rows)
+    assert got == {"max_m": 4, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 5, "programs_per_sm": 2,
+                   "max_parts": 4}  # a: the smaller sum; it loses to the library at 16 rows
+    assert sf.pick_mma([dict(r, ms=0.01) if r["kernel"] == "_scaled_mm" else r for r in rows])["max_m"] == 0
+
+
+def test_pick_route_sums_relative_times_over_token_counts():
+    def row(t, per, warps, ms):
+        return {"T": t, "experts": per, "num_warps": warps, "ms": ms}
+
+    rows = [row(1, 4, 8, 7.1), row(1, 4, 4, 7.2), row(1, 1, 1, 6.1),
+            row(16, 4, 8, 15.3), row(16, 4, 4, 11.5), row(16, 1, 1, 15.3),
+            row(64, 4, 8, 40.9), row(64, 4, 4, 28.6), row(64, 1, 1, None)]  # a failed launch is never picked
+    assert sr.pick_route(rows) == {"experts": 4, "num_warps": 4}
+    assert sr.pick_route([r for r in rows if r["T"] == 1]) == {"experts": 1, "num_warps": 1}
 
 
 def test_pick_mma_sums_relative_times_over_problems():

@@ -1,5 +1,5 @@
 """W8A8 FP8 GEMV for a few activation rows: y = (xq @ wq^T) * (input_scale * weight_scale), on the
-CUDA cores.
+CUDA cores or on the FP8 matrix units.
 
 xq [M, K] and wq [N, K] are float8_e4m3fn (the activations already quantized with the static input
 scale, the weight as stored); input_scale and weight_scale are the per-tensor fp32 scales. Every
@@ -10,6 +10,17 @@ kernels for Nemotron-H's Mamba projections read the weight well below the memory
 (benchmarks/results/decode-profile-compiled-h200.json); `_fp8_gemv_kernel` streams it, one program
 per BLOCK_N weight rows (and up to four activation rows) over the whole of K, each thread holding
 per (activation row, weight row, column) an fp32 partial sum that one fma per weight extends.
+
+`_fp8_mma_kernel` runs the same product on Hopper's FP8 matrix units for up to 16 activation rows:
+the weight rows are the wgmma's 64-row side and the activation rows its 16-column side, the
+weight streamed through shared memory in num_stages tiles, split-K where the weight's rows fill too
+few programs (fp32 partials added in a fixed order in the same launch). The units sum an
+instruction's 32 products with fewer bits than fp32 (as `torch._scaled_mm`'s do), so each
+instruction's sums are added to an fp32 accumulator before the next; on integer operands whose
+32-product sums fit 10 bits the result is exact (tests/gpu/test_fp8_gemm_gpu.py). The launch
+table's MMA entry (`mma_config`) gives its launch shape and the rows up to which it runs
+(`use_mma`; 0: never), which `python scripts/tune_kernels.py fp8.mma` picks from timings beside
+`torch._scaled_mm`.
 
 Reference (`fp8_matmul(..., backend="torch")`): both operands decoded to fp64, one matmul (the
 exact sums of the exact products, up to fp64 rounding, which 53 bits leave far below fp32's), the
@@ -29,13 +40,15 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch
+from . import backend, launch
 from .backend import Constants, cdiv, check_backend, interpreted, launch_cached, launch_options, next_power_of_2
-from .tiles import e4m3_decode
+from .tiles import e4m3_decode, split_counters, store_split
 
 _WHAT = "kernels.fp8_matmul"
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LAUNCH_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
+MMA_ROWS = 16  # the matrix-unit kernel's activation rows: the N side of its dot
+MMA_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "programs_per_sm", "max_parts")
 
 
 @triton.jit
@@ -111,6 +124,52 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, 
         _row_out(acc3, scale, out_ptr, 3 * stride_om, n, N)
 
 
+@triton.jit
+def _fp8_mma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_om,
+                    k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr):
+    """out[m, n] = sum_k x[m, k] * w[n, k] (fp32) * (xs * ws) on the matrix units, for up to
+    BLOCK_M activation rows (grid: N / BLOCK_N, SPLIT). acc [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T:
+    the weight rows are the dot's M side, so BLOCK_N fills the 64 rows of a warpgroup's wgmma and
+    the few activation rows its N side. The E4M3 products are exact and each wgmma's (K 32) sums
+    are added to the fp32 accumulator before the next (max_num_imprecise_acc=32: Hopper's FP8
+    matrix units sum with fewer bits than fp32 within an instruction's K). With SPLIT > 1, each
+    program sums its K slice and `tiles.store_split` adds the slices in order, then scales.
+    Weight rows past N read row N - 1 (not stored); activation rows past M and columns past K
+    read as zeros. EMULATE (the interpreter): both operands decoded to fp32, an fp32 dot."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = tl.minimum(n, N - 1).to(tl.int64) * K
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    x_rows = m.to(tl.int64) * stride_xm
+    kk = tl.arange(0, BLOCK_K)
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + kk
+        if EVEN_K:
+            wb = tl.load(w_ptr + w_rows[:, None] + k[None, :])
+            xb = tl.load(x_ptr + x_rows[None, :] + k[:, None], mask=m_ok[None, :], other=0)
+        else:
+            wb = tl.load(w_ptr + w_rows[:, None] + k[None, :], mask=(k < k_end)[None, :], other=0)
+            xb = tl.load(x_ptr + x_rows[None, :] + k[:, None], mask=m_ok[None, :] & (k < k_end)[:, None], other=0)
+        if EMULATE:
+            acc = tl.dot(_e4m3(wb, False), _e4m3(xb, False), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(wb.to(tl.float8e4nv, bitcast=True), xb.to(tl.float8e4nv, bitcast=True), acc,
+                         max_num_imprecise_acc=32)
+    scale = tl.load(xs_ptr) * tl.load(ws_ptr)
+    off = m[None, :].to(tl.int64) * stride_om + n[:, None]
+    ok = m_ok[None, :] & (n < N)[:, None]
+    if SPLIT == 1:
+        tl.store(out_ptr + off, (acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        store_split(acc, part_ptr, out_ptr, cnt_ptr, pid_n, off, ok, M * stride_om, pid_s, SPLIT, scale)
+
+
 def row_class(m: int) -> int:
     """M rounded up to a power of two, at most 4: the activation rows of one program (BLOCK_M) and
     the key of the GEMV table's launch shapes."""
@@ -122,13 +181,26 @@ def _table_max_m() -> int:
     """The launch table's GEMV max_m (one table for every device, `launch.gpu_of`). A constant to
     code that torch.compile traces: the table is read here, not traced (reading it is a file read
     dynamo cannot follow, which broke the compiled graph at every FP8 linear)."""
-    return int(launch.table("fp8")["GEMV"]["max_m"])
+    return _max_m(launch.table("fp8"))
+
+
+def _max_m(tables: Mapping) -> int:
+    """The most rows `fp8_matmul` takes in place of the library: the larger of the GEMV's and the
+    matrix-unit kernel's max_m (a table without an MMA entry has only the GEMV)."""
+    return max(int(tables["GEMV"]["max_m"]), int(tables.get("MMA", {}).get("max_m", 0)))
 
 
 def use_gemv(m: int, device: torch.device, tables: Mapping | None = None) -> bool:
-    """Whether `fp8_matmul` is the launch for M activation rows (up to the table's max_m)."""
-    max_m = _table_max_m() if tables is None else tables["GEMV"]["max_m"]
+    """Whether `fp8_matmul` is the launch for M activation rows (up to the table's max_m, of
+    either kernel)."""
+    max_m = _table_max_m() if tables is None else _max_m(tables)
     return 1 <= m <= max_m
+
+
+def use_mma(m: int, tables: Mapping) -> bool:
+    """Whether M rows run on the matrix units (`_fp8_mma_kernel`, up to the table's MMA max_m, at
+    most MMA_ROWS) rather than the CUDA cores (`_fp8_gemv_kernel`)."""
+    return 1 <= m <= min(MMA_ROWS, int(tables.get("MMA", {}).get("max_m", 0)))
 
 
 def config(m: int, k: int, device: torch.device, cfg: dict | None = None, tables: Mapping | None = None) -> dict:
@@ -147,6 +219,35 @@ def config(m: int, k: int, device: torch.device, cfg: dict | None = None, tables
         raise ValueError(f"{_WHAT}: BLOCK_N, BLOCK_K (>= 16) and num_warps (<= 16) must be powers of two, got "
                          f"BLOCK_N={bn}, BLOCK_K={bk}, num_warps={nw}")
     return {"BLOCK_N": bn, "BLOCK_K": min(bk, max(16, next_power_of_2(k))), "num_warps": nw}
+
+
+def mma_config(m: int, n: int, k: int, device: torch.device, cfg: dict | None = None,
+               tables: Mapping | None = None) -> dict:
+    """The matrix-unit kernel's launch for an [m, k] @ [n, k]^T problem: the table's MMA entry
+    overridden by cfg (any of MMA_KEYS), BLOCK_K at most K rounded up to a power of two (and at
+    least 32, one FP8 wgmma), and split-K while there are fewer than programs_per_sm programs per
+    multiprocessor, at most max_parts ways, never below one K tile. By rule; no autotuning."""
+    unknown = set(cfg or {}) - set(MMA_KEYS)
+    if unknown:
+        raise ValueError(f"{_WHAT}: unknown launch keys {sorted(unknown)}; expected some of {MMA_KEYS}")
+    t = (launch.table("fp8", device) if tables is None else tables).get("MMA")
+    if t is None:
+        raise ValueError(f"{_WHAT}: the launch table has no MMA entry")
+    c = {key: t[key] for key in MMA_KEYS} | dict(cfg or {})
+    bn, bk, nw = c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]
+    if any(v < 1 or v & (v - 1) for v in (bn, bk, nw)) or bn < 16 or bk < 32 or nw > 8:
+        raise ValueError(f"{_WHAT}: BLOCK_N (>= 16), BLOCK_K (>= 32) and num_warps (<= 8) must be powers of two, "
+                         f"got BLOCK_N={bn}, BLOCK_K={bk}, num_warps={nw}")
+    if c["num_stages"] < 1 or c["programs_per_sm"] < 1 or c["max_parts"] < 1:
+        raise ValueError(f"{_WHAT}: num_stages, programs_per_sm and max_parts must be >= 1, got {c}")
+    bk = min(bk, max(32, next_power_of_2(k)))
+    k_tiles = cdiv(k, bk)
+    tiles = cdiv(n, bn)
+    want = c["programs_per_sm"] * backend.sm_count(device)
+    split = 1 if tiles >= want else max(1, min(k_tiles, want // tiles, c["max_parts"]))
+    k_per_split = cdiv(k_tiles, split) * bk
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": c["num_stages"],
+            "SPLIT": cdiv(k, k_per_split), "k_per_split": k_per_split}
 
 
 def _check(xq, weight, input_scale, weight_scale, out_dtype) -> None:
@@ -181,9 +282,10 @@ def fp8_matmul(xq: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor
     exact E4M3 products, then one fp32 product with the scales' product, rounded once.
 
     xq: [..., K] float8_e4m3fn; weight: [N, K] float8_e4m3fn (contiguous); scales: one-element
-    fp32. backend: "triton" (`_fp8_gemv_kernel`, any M; it is the fast launch up to the table's
-    max_m, see `use_gemv`) or "torch" (`fp8_matmul_reference`). cfg: launch-shape overrides (any
-    of LAUNCH_KEYS); tables: the launch table (default: the device's)."""
+    fp32. backend: "triton" (`_fp8_mma_kernel` up to the table's MMA max_m, `use_mma`, else
+    `_fp8_gemv_kernel`, any M; they are the fast launch up to the tables' max_m, see `use_gemv`)
+    or "torch" (`fp8_matmul_reference`). cfg: launch-shape overrides (any
+    of LAUNCH_KEYS for the GEMV, of MMA_KEYS for the matrix units); tables: the launch table (default: the device's)."""
     _check(xq, weight, input_scale, weight_scale, out_dtype)
     check_backend(backend, _fp8_gemv_kernel, xq, weight, input_scale, weight_scale, what=_WHAT)
     n, k = weight.shape
@@ -198,19 +300,35 @@ def fp8_matmul(xq: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor
     m = x2.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if cfg is None and tables is None:
-        grid, consts = _default_plan(m, n, k, xq.device)
+        kernel, grid, consts, per = _default_plan(m, n, k, xq.device)
     else:
-        grid, consts = _plan(m, n, k, xq.device, cfg, tables)
-    launch_cached(_fp8_gemv_kernel, grid, x2.view(torch.uint8), weight.view(torch.uint8),
-                  input_scale, weight_scale, out, m, n, k, x2.stride(0), out.stride(0), constants=consts)
+        kernel, grid, consts, per = _plan(m, n, k, xq.device, cfg, tables)
+    if kernel is _fp8_mma_kernel:
+        split = grid[1]
+        part = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else out
+        counters = split_counters(xq.device, grid[0]) if split > 1 else out
+        launch_cached(_fp8_mma_kernel, grid, x2.view(torch.uint8), weight.view(torch.uint8), input_scale,
+                      weight_scale, out, part, counters, m, n, k, x2.stride(0), out.stride(0), per, constants=consts)
+    else:
+        launch_cached(_fp8_gemv_kernel, grid, x2.view(torch.uint8), weight.view(torch.uint8),
+                      input_scale, weight_scale, out, m, n, k, x2.stride(0), out.stride(0), constants=consts)
     return out.reshape(*lead, n)
 
 
 def _plan(m: int, n: int, k: int, device: torch.device, cfg: dict | None, tables: Mapping | None) -> tuple:
-    c = config(m, k, device, cfg, tables)
+    """(kernel, grid, constants, K per split): the matrix-unit kernel up to the table's MMA max_m
+    (`use_mma`), else the GEMV (any M)."""
+    t = launch.table("fp8", device) if tables is None else tables
+    if use_mma(m, t):
+        c = mma_config(m, n, k, device, cfg, t)
+        consts = Constants(BLOCK_M=MMA_ROWS, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT=c["SPLIT"],
+                           EVEN_K=k % c["BLOCK_K"] == 0, EMULATE=interpreted(_fp8_mma_kernel), num_warps=c["num_warps"],
+                           num_stages=c["num_stages"], **launch_options())
+        return _fp8_mma_kernel, (cdiv(n, c["BLOCK_N"]), c["SPLIT"]), consts, c["k_per_split"]
+    c = config(m, k, device, cfg, t)
     consts = Constants(BLOCK_M=row_class(m), BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], EVEN_K=k % c["BLOCK_K"] == 0,
                        NATIVE=not interpreted(_fp8_gemv_kernel), num_warps=c["num_warps"], **launch_options())
-    return (cdiv(n, c["BLOCK_N"]), cdiv(m, row_class(m))), consts
+    return _fp8_gemv_kernel, (cdiv(n, c["BLOCK_N"]), cdiv(m, row_class(m))), consts, 0
 
 
 @functools.lru_cache(maxsize=4096)

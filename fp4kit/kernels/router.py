@@ -21,11 +21,13 @@ the scores, this pick, and the picked scores normalised and scaled, for the deco
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import torch
 import triton
 import triton.language as tl
 
+from . import launch
 from .backend import check_backend, current_device, interpreted, launch_cached, launch_options, next_power_of_2
 from .tiles import split_counters
 
@@ -174,13 +176,12 @@ def topk_gather(scores: torch.Tensor, bias: torch.Tensor, k: int, *, backend: st
     return chosen, gathered
 
 
-# The one-launch router (`route`): experts per program, weight columns per loop step, warps, and
-# the most tokens it takes (more: the logits by torch's matmul, then `topk_gather`). A loop step
-# takes a whole row up to 4096 columns (Nemotron-H's 2688 in one): the steps' loads issue in
-# order, each waiting for the one before, so fewer steps are fewer round trips to memory.
-ROUTE_EXPERTS = 4
+# The one-launch router (`route`): weight columns per loop step and the most tokens it takes (more:
+# the logits by torch's matmul, then `topk_gather`). A loop step takes a whole row up to 4096
+# columns (Nemotron-H's 2688 in one): the steps' loads issue in order, each waiting for the one
+# before, so fewer steps are fewer round trips to memory. The experts per program and the warps
+# come from the launch table ("router" in tuning/<gpu>.json, ROUTE: `experts`, `num_warps`).
 ROUTE_BLOCK_K = 4096
-ROUTE_WARPS = 8
 ROUTE_MAX_TOKENS = 64
 
 
@@ -204,7 +205,8 @@ def _route_by(pick, x, weight, bias, k, norm, scale):
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, *, norm: bool = True,
-          scale: float = 1.0, backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          scale: float = 1.0, backend: str = "triton", tables: Mapping | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`route_reference`'s router in one launch (`_route_kernel`) for up to ROUTE_MAX_TOKENS rows:
     (logits, weights, chosen). The logits are summed in another order than torch's matmul (and
     the sigmoid's exp may differ from torch's in the last bit), so a pick can differ from
@@ -213,7 +215,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, *, 
 
     x: [T, K] (any float dtype, made fp32 exactly); weight: [E, K] fp32; bias: [E] any float.
     More rows than ROUTE_MAX_TOKENS: torch's fp32 matmul and sigmoid, then `topk_gather`.
-    backend: "triton" or "torch" (`route_reference`)."""
+    backend: "triton" or "torch" (`route_reference`). tables: the launch table (default: the
+    device's "router" table), whose ROUTE entry gives the experts per program and the warps."""
     what = "kernels.route"
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"{what}: x must be a float [T, K] tensor, got {tuple(getattr(x, 'shape', ()))}")
@@ -243,8 +246,13 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, *, 
             counters = split_counters(x.device, t)
             args = (x, weight, bias, logits, chosen, weights, counters, n, kdim, x.stride(0), weight.stride(0),
                     float(scale))
-            consts = dict(TOPK=k, NORM=bool(norm), BLOCK_R=ROUTE_EXPERTS,
+            c = (launch.table("router", x.device) if tables is None else tables)["ROUTE"]
+            per, warps = int(c["experts"]), int(c["num_warps"])
+            if per < 1 or per & (per - 1) or warps < 1 or warps & (warps - 1) or warps > 16:
+                raise ValueError(f"{what}: the ROUTE table's experts and num_warps (<= 16) must be powers of two, "
+                                 f"got experts={per}, num_warps={warps}")
+            consts = dict(TOPK=k, NORM=bool(norm), BLOCK_R=per,
                           BLOCK_K=min(ROUTE_BLOCK_K, max(next_power_of_2(kdim), 16)),
-                          BLOCK_E=max(next_power_of_2(n), 16), num_warps=ROUTE_WARPS, **launch_options())
-            launch_cached(_route_kernel, (-(-n // ROUTE_EXPERTS), t), *args, **consts)
+                          BLOCK_E=max(next_power_of_2(n), 16), num_warps=warps, **launch_options())
+            launch_cached(_route_kernel, (-(-n // per), t), *args, **consts)
     return logits, weights, chosen

@@ -278,12 +278,12 @@ def accumulate(acc, x_ptr, x_row, m_ok, wq_ptr, ws_ptr, gs, n64, n_ok, K, k_star
 
 
 @triton.jit
-def store_split(acc, part_ptr, out_ptr, cnt_ptr, tile, off, ok, MN, pid_s, SPLIT: tl.constexpr):
+def store_split(acc, part_ptr, out_ptr, cnt_ptr, tile, off, ok, MN, pid_s, SPLIT: tl.constexpr, scale=None):
     """Split-K epilogue in the same launch: every program stores its fp32 partial and counts
     itself in at its tile's counter (one atomic); the last of the tile's SPLIT programs to arrive
     sums the SPLIT partials in the fixed order s = 0, 1, ... (the result does not depend on which
-    program was last), writes the output in its dtype and puts the counter back to 0 for the
-    next launch. The barrier orders the program's partial stores before its release; the partials
+    program was last), multiplies the sum by `scale` (fp32) where one is given, writes the output
+    in its dtype and puts the counter back to 0 for the next launch. The barrier orders the program's partial stores before its release; the partials
     are read through L2 (.cg), where the other programs' stores are."""
     tl.store(part_ptr + pid_s.to(tl.int64) * MN + off, acc, mask=ok)
     tl.debug_barrier()
@@ -292,6 +292,8 @@ def store_split(acc, part_ptr, out_ptr, cnt_ptr, tile, off, ok, MN, pid_s, SPLIT
         total = tl.load(part_ptr + off, mask=ok, other=0.0, cache_modifier=".cg")
         for s in tl.static_range(1, SPLIT):
             total += tl.load(part_ptr + s * MN.to(tl.int64) + off, mask=ok, other=0.0, cache_modifier=".cg")
+        if scale is not None:
+            total = total * scale
         tl.store(out_ptr + off, total.to(out_ptr.dtype.element_ty), mask=ok)
         tl.store(cnt_ptr + tile, 0)
 

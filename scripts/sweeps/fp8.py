@@ -3,7 +3,8 @@
 `sweep_gemv` times the GEMV's launch shapes on Nemotron-3-Nano's Mamba projections (in_proj
 10304 x 2688, out_proj 2688 x 4096) at 1-8 activation rows, and `torch._scaled_mm` (the launch
 FP8Linear makes past the GEMV's rows) on the same problems; `pick_gemv` turns the rows into the
-"fp8" table's GEMV entry.
+"fp8" table's GEMV entry. `sweep_mma` times the matrix-unit kernel's launch shapes on the same
+problems at 1-16 rows beside `torch._scaled_mm`, and `pick_mma` turns them into the MMA entry.
 """
 
 from __future__ import annotations
@@ -100,7 +101,67 @@ def pick_gemv(rows) -> dict:
     return out
 
 
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, programs_per_sm) of the matrix-unit kernel
+MMA_TILES = tuple((bn, bk, 4 if bn == 64 else 8, st, pps) for bn, bk, st, pps in
+                  itertools.product((64, 128), (128, 256), (3, 5), (1, 2)))
+
+
+def sweep_mma(shapes=SHAPES, ms=(1, 4, 16), tiles=MMA_TILES) -> list:
+    """Rows {N, K, M, kernel ("mma" with tile [BLOCK_N, BLOCK_K, num_warps, num_stages,
+    programs_per_sm], or "_scaled_mm"), weight_copies, ms}, checked and timed as `sweep_gemv`'s."""
+    rows = []
+    dev = torch.device("cuda")
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    for n, k in shapes:
+        w = (torch.randn((n, k), device=dev) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        copies = [w] + [w.clone() for _ in range(max(1, -(-4 * l2 // w.numel())) - 1)]
+        ws = torch.tensor(0.0123, device=dev)
+        for m in ms:
+            xq = (torch.randn((m, k), device=dev) * 32).clamp(-448, 448).to(torch.float8_e4m3fn)
+            xs = torch.tensor(0.0317, device=dev)
+            ref = fg.fp8_matmul_reference(xq, w, xs, ws, torch.float32).float()
+            base = {"N": n, "K": k, "M": m, "weight_copies": len(copies)}
+            rows.append({**base, "kernel": "_scaled_mm", **_timed(lambda c: _scaled_mm(xq, c, xs, ws), ref, copies)})
+            for bn, bk, nw, st, pps in tiles:
+                table = {"GEMV": {"max_m": 0}, "MMA": {"max_m": fg.MMA_ROWS, "BLOCK_N": bn, "BLOCK_K": bk,
+                                                       "num_warps": nw, "num_stages": st, "programs_per_sm": pps,
+                                                       "max_parts": 4}}
+                rows.append({**base, "kernel": "mma", "tile": [bn, bk, nw, st, pps],
+                             **_timed(lambda c, t=table: fg.fp8_matmul(xq, c, xs, ws, tables=t), ref, copies)})
+        del w, copies
+    return rows
+
+
+def pick_mma(rows) -> dict:
+    """The MMA entry: the tile with the smallest sum over the swept (shape, M) of its time relative
+    to that problem's best matrix-unit time; max_m: the largest swept M up to which that tile beats
+    `torch._scaled_mm` on every swept shape (0 if not at M = 1: then the kernel is not used)."""
+    def ms(r):
+        return r["ms"] if r["ms"] is not None else math.inf
+
+    mma = [r for r in rows if r["kernel"] == "mma"]
+    best = {}
+    for r in mma:
+        p = (r["N"], r["K"], r["M"])
+        best[p] = min(best.get(p, math.inf), ms(r))
+    totals = {}
+    for r in mma:
+        totals[tuple(r["tile"])] = totals.get(tuple(r["tile"]), 0.0) + ms(r) / best[r["N"], r["K"], r["M"]]
+    tile = min(totals, key=totals.get)
+    picked = {(r["N"], r["K"], r["M"]): ms(r) for r in mma if tuple(r["tile"]) == tile}
+    library = {(r["N"], r["K"], r["M"]): ms(r) for r in rows if r["kernel"] == "_scaled_mm"}
+    max_m = 0
+    for m in sorted({p[2] for p in library}):
+        if not all(picked.get(p, math.inf) < t for p, t in library.items() if p[2] == m):
+            break
+        max_m = m
+    return {"max_m": max_m, "BLOCK_N": tile[0], "BLOCK_K": tile[1], "num_warps": tile[2], "num_stages": tile[3],
+            "programs_per_sm": tile[4], "max_parts": 4}
+
+
 SWEEPS = {
+    "mma": Sweep("fp8", "MMA", sweep_mma, pick_mma,
+                 "the FP8 matrix-unit kernel's launch shape and the rows up to which it beats torch._scaled_mm"),
     "gemv": Sweep("fp8", "GEMV", sweep_gemv, pick_gemv,
                   "the FP8 GEMV's tiles per row class and the rows up to which it beats torch._scaled_mm"),
 }

@@ -1,6 +1,7 @@
 """fp4kit.kernels.fp8_gemm on a CUDA GPU: the hardware E4M3 conversion decodes every byte exactly,
 the GEMV on Nemotron-3-Nano's Mamba projection shapes is within fp32 summation error of the exact
-sums and close to torch._scaled_mm, and FP8Linear compiled (the operator) computes what it does
+sums and close to torch._scaled_mm, the matrix-unit kernel is exact on small integers and close
+to the exact sums on full-range operands, and FP8Linear compiled (the operator) computes what it does
 eagerly (the launcher).
 
 Run: python -m pytest -q tests/gpu   (skipped without CUDA)
@@ -72,3 +73,31 @@ def test_fp8_linear_compiled_calls_the_operator_with_the_same_result():
     if fg.use_gemv(rows, x.device):  # the GEMV's values, not the library's
         xq = (x.float() / _scale(0.05)).clamp(-448, 448).to(torch.float8_e4m3fn)
         assert torch.equal(layer(x), fg.fp8_matmul(xq, w, _scale(0.05), _scale(0.0123), torch.bfloat16))
+
+
+MMA_TABLE = launch.freeze({"GEMV": {"max_m": 0}, "MMA": {"max_m": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
+                                                          "num_stages": 3, "programs_per_sm": 1, "max_parts": 4}})
+
+
+@pytest.mark.parametrize("n,k", [(10304, 2688), (2688, 4096), (1000, 200)])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_matrix_unit_kernel_on_mamba_shapes(n, k, m):
+    # Small integers (|x|, |w| <= 4): every sum of 32 products fits 10 bits, so the FP8 matrix units'
+    # narrow in-instruction sums are exact, and so are the fp32 sums across instructions: the output
+    # is the exact product, bit for bit, with or without split-K.
+    g = torch.Generator(device="cuda").manual_seed(m)
+    xi = torch.randint(-4, 5, (m, k), device="cuda", generator=g).float().to(torch.float8_e4m3fn)
+    wi = torch.randint(-4, 5, (n, k), device="cuda", generator=g).float().to(torch.float8_e4m3fn)
+    for cfg in ({}, {"max_parts": 1}):
+        got = fg.fp8_matmul(xi, wi, _scale(0.5), _scale(0.25), torch.float32, tables=MMA_TABLE, cfg=cfg)
+        assert torch.equal(got, (xi.double() @ wi.double().t() * 0.125).float())
+    # Full-range operands: within the matrix units' sums (1e-3 of the magnitudes, loose against the
+    # 2^-13 seen) of the exact sums, and as close to torch._scaled_mm as the GEMV is.
+    xq, w = _e4m3(m, k, seed=m, spread=32.0), _e4m3(n, k, seed=n, spread=64.0)
+    xs, ws = _scale(0.0317), _scale(0.0123)
+    got = fg.fp8_matmul(xq, w, xs, ws, torch.float32, tables=MMA_TABLE).double()
+    exact = (xq.double() @ w.double().t()) * float(xs * ws)
+    mags = (xq.double().abs() @ w.double().abs().t()) * float(xs * ws)
+    assert bool(((got - exact).abs() <= mags * 1e-3 + exact.abs() * 2.0**-22).all())
+    assert float((got - exact).norm() / exact.norm()) < 5e-4
+    assert torch.equal(fg.fp8_matmul(xq, w, xs, ws, torch.bfloat16, tables=MMA_TABLE), got.float().to(torch.bfloat16))

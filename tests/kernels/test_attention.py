@@ -47,8 +47,14 @@ def test_the_kernel_is_attention_rounded_once(b, heads, heads_kv, slots, d, mask
     assert out.shape == (b, 1, heads, d) and out.dtype == q.dtype and out.is_contiguous()
     exact = _exact(q, k, v, m, scale)
     assert ((out.double() - exact).abs() <= 2**-11 * exact.abs() * (1 + 2**-8) + 2**-24).all()
+    # The reference is torch's fp32 attention rounded once: its fp16 output is its fp32 output
+    # rounded, and that fp32 output is within a few fp32 roundings of the largest value from the
+    # exact one (how few depends on the CPU's kernel: rounding it can then land past half a step
+    # where the exact value sits near a midpoint, so it is not held to the kernel's bound above).
     ref = attention.decode_attention_reference(q, k, v, m, scale)
-    assert ((ref.double() - exact).abs() <= 2**-11 * exact.abs() * (1 + 2**-8) + 2**-24).all()
+    ref32 = attention.decode_attention_reference(q.float(), k.float(), v.float(), m, scale)
+    assert torch.equal(ref, ref32.to(torch.float16))
+    assert ((ref32.double() - exact).abs() <= 2**-21 * v.double().abs().max()).all()
 
 
 @pytest.mark.parametrize("b,heads,heads_kv,slots,d", [(1, 32, 2, 1024, 128), (2, 6, 2, 300, 80)])

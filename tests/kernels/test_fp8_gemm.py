@@ -1,5 +1,5 @@
-"""fp4kit.kernels.fp8_gemm: the FP8 GEMV in Triton's interpreter against its fp64 reference, every
-E4M3 byte decoded exactly, the launch rule, and FP8Linear's use of it.
+"""fp4kit.kernels.fp8_gemm: the FP8 GEMV and the matrix-unit kernel in Triton's interpreter against
+their fp64 reference, every E4M3 byte decoded exactly, the launch rule, and FP8Linear's use of it.
 tests/gpu/test_kernels_gpu.py runs it compiled on real shapes."""
 
 from __future__ import annotations
@@ -51,6 +51,45 @@ def test_integer_sums_equal_the_reference_exactly(m, n, k):
         assert torch.equal(got, exact)
 
 
+MMA = launch.freeze({"GEMV": {"max_m": 4, "1": {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1}},
+                     "MMA": {"max_m": 8, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 1, "num_stages": 1,
+                             "programs_per_sm": 1, "max_parts": 3}})
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 13, 96), (3, 40, 200), (8, 20, 64), (5, 5, 40)])
+def test_matrix_unit_kernel_sums_equal_the_reference_exactly(m, n, k):
+    # The matrix-unit kernel (here emulated: fp32 operands, an fp32 dot) on integer operands, with
+    # and without split-K (the slices' partials added in order, then scaled), ragged N and K.
+    xq, w = _ints(m, k, seed=m), _ints(n, k, seed=10 + n)
+    assert fg.use_mma(m, MMA)
+    for cfg in ({}, {"max_parts": 1}):
+        got = fg.fp8_matmul(xq, w, _scale(0.25), _scale(8.0), torch.float32, tables=MMA, cfg=cfg)
+        assert torch.equal(got, (xq.double() @ w.double().t() * 2.0).float())
+    assert fg.mma_config(m, n, k, torch.device("cpu"), tables=MMA)["SPLIT"] > 1 or n > 16
+
+
+def test_matrix_unit_launch_rule():
+    cpu = torch.device("cpu")
+    # the rows it takes: up to its max_m (at most 16, its dot's N side), the GEMV's beyond
+    assert [fg.use_mma(m, MMA) for m in (0, 1, 8, 9)] == [False, True, True, False]
+    assert [fg.use_gemv(m, cpu, MMA) for m in (1, 8, 9)] == [True, True, False]
+    assert not fg.use_mma(1, TABLE) and fg.use_mma(16, launch.freeze({**MMA, "MMA": {**MMA["MMA"], "max_m": 64}}))
+    assert not fg.use_mma(17, launch.freeze({**MMA, "MMA": {**MMA["MMA"], "max_m": 64}}))
+    # split-K: up to programs_per_sm programs per multiprocessor (4 on the CPU), at most max_parts
+    c = fg.mma_config(1, 16, 320, cpu, tables=MMA)
+    assert (c["SPLIT"], c["k_per_split"]) == (3, 128)  # one N tile: 4 wanted, 3 allowed; 10 K tiles in 3 slices
+    assert fg.mma_config(1, 64, 320, cpu, tables=MMA)["SPLIT"] == 1  # four N tiles fill the four
+    assert fg.mma_config(1, 16, 20, cpu, {"BLOCK_K": 256}, MMA)["BLOCK_K"] == 32  # at least one FP8 wgmma's K
+    with pytest.raises(ValueError, match="unknown launch keys"):
+        fg.mma_config(1, 16, 64, cpu, {"BLOCK_M": 16}, MMA)
+    with pytest.raises(ValueError, match="powers of two"):
+        fg.mma_config(1, 16, 64, cpu, {"BLOCK_N": 8}, MMA)
+    with pytest.raises(ValueError, match="no MMA entry"):
+        fg.mma_config(1, 16, 64, cpu, tables=TABLE)
+    live = launch.table("fp8")
+    assert 0 <= live["MMA"]["max_m"] <= fg.MMA_ROWS or not fg.use_mma(fg.MMA_ROWS + 1, live)
+
+
 def test_every_e4m3_byte_is_decoded_exactly():
     # Weight row n holds byte n at column 0 (and zeros elsewhere); x is one at column 0: output n
     # is byte n's value, exactly, NaN for 0x7F and 0xFF. The activations' decoding: the same with
@@ -63,6 +102,9 @@ def test_every_e4m3_byte_is_decoded_exactly():
     one[0, 0] = 1.0
     values = e4m3.decode(codes.view(torch.float8_e4m3fn)).float()
     got = fg.fp8_matmul(one, w.view(torch.float8_e4m3fn), _scale(1.0), _scale(1.0), torch.float32, tables=TABLE)[0]
+    assert torch.equal(got.isnan(), values.isnan())
+    assert torch.equal(got[~values.isnan()], values[~values.isnan()])
+    got = fg.fp8_matmul(one, w.view(torch.float8_e4m3fn), _scale(1.0), _scale(1.0), torch.float32, tables=MMA)[0]
     assert torch.equal(got.isnan(), values.isnan())
     assert torch.equal(got[~values.isnan()], values[~values.isnan()])
     table = launch.freeze({"GEMV": {"max_m": 256, "256": {"BLOCK_N": 1, "BLOCK_K": 32, "num_warps": 1}}})

@@ -11,7 +11,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from fp4kit.kernels import router  # noqa: E402
+from fp4kit.kernels import launch, router  # noqa: E402
 
 
 def _rule(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[list, list]:
@@ -204,6 +204,19 @@ def test_the_one_launch_router_leaves_its_counters_at_zero_and_repeats_itself():
     assert not split_counters(x.device, 4)[:4].any()
     second = router.route(x, w, bias, 3)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_the_launch_tables_experts_per_program_and_warps_change_no_result():
+    # The grid (experts per program) and the warps come from the ROUTE table; every shape gives
+    # the same logits, picks and weights (each logit is one program's sum, whatever the grid).
+    x, w, bias = _router_inputs(3, 20, 64, seed=8)
+    want = router.route(x, w, bias, 4)
+    assert dict(launch.table("router")["ROUTE"]).keys() == {"experts", "num_warps"}
+    for per, warps in ((1, 1), (2, 4), (8, 2), (32, 1)):
+        got = router.route(x, w, bias, 4, tables={"ROUTE": {"experts": per, "num_warps": warps}})
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (per, warps)
+    with pytest.raises(ValueError, match="experts and num_warps"):
+        router.route(x, w, bias, 4, tables={"ROUTE": {"experts": 3, "num_warps": 1}})
 
 
 def test_more_rows_than_one_launch_takes_run_the_matmul_and_the_pick(monkeypatch):

@@ -1,0 +1,75 @@
+"""Launch-shape sweep of the one-launch MoE router (fp4kit.kernels.router.route) on a GPU.
+
+`sweep_route` times the router's experts per program and warps on Nemotron-3-Nano's router (128
+experts over 2688 columns, top 6) at 1, 16 and 64 tokens, each launch's pick checked against
+`route_reference` first; `pick_route` turns the rows into the "router" table's ROUTE entry.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from fp4kit.kernels import router
+
+from . import Sweep
+
+# (experts per program, warps)
+SHAPES = tuple(itertools.product((1, 2, 4, 8), (1, 2, 4, 8)))
+
+
+def sweep_route(e=128, kdim=2688, k=6, tokens=(1, 16, 64), shapes=SHAPES) -> list:
+    """Rows {T, experts, num_warps, ms}: the CUDA-graph median time of one `route` call (its weight
+    read from memory: the graph runs it over copies of the router's weight that together exceed
+    four times the L2 cache, as a model's step reads its layers' routers), where its picks equal
+    the reference's on the same logits; ms None with an error otherwise."""
+    from triton.testing import do_bench_cudagraph
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    w = torch.randn((e, kdim), device=dev, generator=g) * 0.02
+    copies = [w] + [w.clone() for _ in range(max(1, -(-4 * l2 // (w.numel() * 4))) - 1)]
+    bias = torch.randn(e, device=dev, generator=g) * 0.01
+    rows = []
+    for t in tokens:
+        x = torch.randn((t, kdim), device=dev, generator=g).to(torch.bfloat16)
+        for per, warps in shapes:
+            table = {"ROUTE": {"experts": per, "num_warps": warps}}
+            row = {"T": t, "experts": per, "num_warps": warps, "weight_copies": len(copies)}
+            try:
+                logits, weights, chosen = router.route(x, w, bias, k, tables=table)
+                want, _ = router.topk_gather(logits.sigmoid(), bias, k)
+                if not torch.equal(chosen, want):
+                    raise ArithmeticError("picks differ from topk_gather's on the kernel's logits")
+                calls = [lambda c=c: router.route(x, c, bias, k, tables=table) for c in copies]
+                row["ms"] = do_bench_cudagraph(lambda: [f() for f in calls], rep=30, return_mode="median") / len(calls)
+            except Exception as exc:  # noqa: BLE001 -- e.g. out of registers
+                row.update(ms=None, error=f"{type(exc).__name__}: {exc}"[:160])
+            rows.append(row)
+    return rows
+
+
+def pick_route(rows) -> dict:
+    """The ROUTE entry: the shape with the smallest sum over the swept token counts of its time
+    relative to the best time at that count (each count weighs alike)."""
+    def ms(r):
+        return r["ms"] if r["ms"] is not None else math.inf
+
+    best = {}
+    for r in rows:
+        best[r["T"]] = min(best.get(r["T"], math.inf), ms(r))
+    totals = {}
+    for r in rows:
+        key = (r["experts"], r["num_warps"])
+        totals[key] = totals.get(key, 0.0) + ms(r) / best[r["T"]]
+    per, warps = min(totals, key=totals.get)
+    return {"experts": per, "num_warps": warps}
+
+
+SWEEPS = {
+    "route": Sweep("router", "ROUTE", sweep_route, pick_route,
+                   "the one-launch router's experts per program and warps"),
+}
