@@ -35,81 +35,11 @@ def _timed(fn, ref, copies) -> dict:
     return time_if_right(lambda: fn(copies[0]), ref, [lambda c=c: fn(c) for c in copies[1:]])
 
 
-def sweep_gemv(shapes=SHAPES, ms=(1, 2, 4, 8), tiles=TILES, max_acc=64) -> list:
-    """Rows {N, K, M, kernel ("gemv" with tile [BLOCK_N, BLOCK_K, num_warps], or "_scaled_mm"),
-    weight_copies, ms}: each launch checked against the fp64 reference first (bf16 output within
-    1e-2 relative), then timed from a CUDA graph over copies of the weight that together exceed
-    four times the L2 cache (each call reads its weight from memory, as a model's step does). Tiles with more than max_acc fp32
-    partial sums per thread at a row class are skipped (they spill)."""
-    rows = []
-    dev = torch.device("cuda")
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-    for n, k in shapes:
-        w = (torch.randn((n, k), device=dev) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-        copies = [w] + [w.clone() for _ in range(max(1, -(-4 * l2 // w.numel())) - 1)]
-        ws = torch.tensor(0.0123, device=dev)
-        for m in ms:
-            xq = (torch.randn((m, k), device=dev) * 32).clamp(-448, 448).to(torch.float8_e4m3fn)
-            xs = torch.tensor(0.0317, device=dev)
-            ref = fg.fp8_matmul_reference(xq, w, xs, ws, torch.float32).float()
-            base = {"N": n, "K": k, "M": m, "weight_copies": len(copies)}
-            rows.append({**base, "kernel": "_scaled_mm",
-                         **_timed(lambda c: _scaled_mm(xq, c, xs, ws), ref, copies)})
-            bm = fg.row_class(m)
-            for bn, bk, nw in tiles:
-                if bm * bn * bk > max_acc * 32 * nw or bk > k:
-                    continue
-                cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
-                rows.append({**base, "kernel": "gemv", "tile": [bn, bk, nw],
-                             **_timed(lambda c, cfg=cfg: fg.fp8_matmul(xq, c, xs, ws, cfg=cfg), ref, copies)})
-        del w, copies
-    return rows
-
-
-def pick_gemv(rows) -> dict:
-    """The GEMV entry: per row class c (1, 2, 4: the activation rows of one program), the tile with
-    the smallest sum over the swept shapes of its time relative to the shape's best GEMV time, at
-    the swept M of class c nearest to c (each shape counts alike); max_m: the largest swept M up
-    to which the GEMV with its class's tile beats `torch._scaled_mm` on every swept shape (0 if
-    not at M = 1: FP8Linear then always calls the library)."""
-    def ms(r):
-        return r["ms"] if r["ms"] is not None else math.inf
-
-    gemv = [r for r in rows if r["kernel"] == "gemv"]
-    best = {}
-    for r in gemv:
-        p = (r["N"], r["K"], r["M"])
-        best[p] = min(best.get(p, math.inf), ms(r))
-    out = {}
-    for c in sorted({fg.row_class(r["M"]) for r in gemv}):
-        m = min((r["M"] for r in gemv if fg.row_class(r["M"]) == c), key=lambda v: abs(v - c))
-        totals = {}
-        for r in gemv:
-            if r["M"] == m:
-                totals[tuple(r["tile"])] = totals.get(tuple(r["tile"]), 0.0) + ms(r) / best[r["N"], r["K"], m]
-        tile = min(totals, key=totals.get)
-        out[str(c)] = {"BLOCK_N": tile[0], "BLOCK_K": tile[1], "num_warps": tile[2]}
-    picked = {(r["N"], r["K"], r["M"]): ms(r) for r in gemv
-              if [r["tile"][0], r["tile"][1], r["tile"][2]] == list(out[str(fg.row_class(r["M"]))].values())}
-    library = {(r["N"], r["K"], r["M"]): ms(r) for r in rows if r["kernel"] == "_scaled_mm"}
-    max_m = 0
-    for m in sorted({p[2] for p in library}):
-        if not all(picked.get(p, math.inf) < t for p, t in library.items() if p[2] == m):
-            break
-        max_m = m
-    out["max_m"] = max_m
-    return out
-
-
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, programs_per_sm) of the matrix-unit kernel
-MMA_TILES = tuple((bn, bk, 4 if bn == 64 else 8, st, pps) for bn, bk, st, pps in
-                  itertools.product((64, 128), (128, 256), (3, 5), (1, 2)))
-
-
-def sweep_mma(shapes=SHAPES, ms=(1, 4, 16), tiles=MMA_TILES) -> list:
-    """Rows {N, K, M, kernel ("mma" with tile [BLOCK_N, BLOCK_K, num_warps, num_stages,
-    programs_per_sm], or "_scaled_mm"), weight_copies, ms}, checked and timed as `sweep_gemv`'s."""
-    rows = []
+def _problems(shapes, ms, rows: list):
+    """Per shape and row count: (xq, xs, ws, the weight's copies, the fp64 reference, the row's base
+    fields), after appending `torch._scaled_mm`'s row on the problem to `rows`. The copies of the
+    weight together exceed four times the L2 cache (each call reads its weight from memory, as a
+    model's step does)."""
     dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     for n, k in shapes:
@@ -122,13 +52,90 @@ def sweep_mma(shapes=SHAPES, ms=(1, 4, 16), tiles=MMA_TILES) -> list:
             ref = fg.fp8_matmul_reference(xq, w, xs, ws, torch.float32).float()
             base = {"N": n, "K": k, "M": m, "weight_copies": len(copies)}
             rows.append({**base, "kernel": "_scaled_mm", **_timed(lambda c: _scaled_mm(xq, c, xs, ws), ref, copies)})
-            for bn, bk, nw, st, pps in tiles:
-                table = {"GEMV": {"max_m": 0}, "MMA": {"max_m": fg.MMA_ROWS, "BLOCK_N": bn, "BLOCK_K": bk,
-                                                       "num_warps": nw, "num_stages": st, "programs_per_sm": pps,
-                                                       "max_parts": 4}}
-                rows.append({**base, "kernel": "mma", "tile": [bn, bk, nw, st, pps],
-                             **_timed(lambda c, t=table: fg.fp8_matmul(xq, c, xs, ws, tables=t), ref, copies)})
+            yield xq, xs, ws, copies, ref, base
         del w, copies
+
+
+def sweep_gemv(shapes=SHAPES, ms=(1, 2, 4, 8), tiles=TILES, max_acc=64) -> list:
+    """Rows {N, K, M, kernel ("gemv" with tile [BLOCK_N, BLOCK_K, num_warps], or "_scaled_mm"),
+    weight_copies, ms}: each launch checked against the fp64 reference first (bf16 output within
+    1e-2 relative), then timed from a CUDA graph over copies of the weight (`_problems`). Tiles
+    with more than max_acc fp32 partial sums per thread at a row class are skipped (they spill)."""
+    rows = []
+    for xq, xs, ws, copies, ref, base in _problems(shapes, ms, rows):
+        bm = fg.row_class(base["M"])
+        for bn, bk, nw in tiles:
+            if bm * bn * bk > max_acc * 32 * nw or bk > base["K"]:
+                continue
+            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
+            rows.append({**base, "kernel": "gemv", "tile": [bn, bk, nw],
+                         **_timed(lambda c, cfg=cfg: fg.fp8_matmul(xq, c, xs, ws, cfg=cfg), ref, copies)})
+    return rows
+
+
+def _ms(r) -> float:
+    return r["ms"] if r["ms"] is not None else math.inf
+
+
+def _best(rows) -> dict:
+    """{(N, K, M): the fastest of these rows' times on that problem}."""
+    best = {}
+    for r in rows:
+        p = (r["N"], r["K"], r["M"])
+        best[p] = min(best.get(p, math.inf), _ms(r))
+    return best
+
+
+def _reach(picked: dict, rows) -> int:
+    """The largest swept M up to which the picked launches' times ({(N, K, M): ms}) beat
+    `torch._scaled_mm`'s on every swept shape (0 if not at the first M)."""
+    library = {(r["N"], r["K"], r["M"]): _ms(r) for r in rows if r["kernel"] == "_scaled_mm"}
+    max_m = 0
+    for m in sorted({p[2] for p in library}):
+        if not all(picked.get(p, math.inf) < t for p, t in library.items() if p[2] == m):
+            break
+        max_m = m
+    return max_m
+
+
+def pick_gemv(rows) -> dict:
+    """The GEMV entry: per row class c (1, 2, 4: the activation rows of one program), the tile with
+    the smallest sum over the swept shapes of its time relative to the shape's best GEMV time, at
+    the swept M of class c nearest to c (each shape counts alike); max_m: the largest swept M up
+    to which the GEMV with its class's tile beats `torch._scaled_mm` on every swept shape (0 if
+    not at M = 1: FP8Linear then always calls the library)."""
+    gemv = [r for r in rows if r["kernel"] == "gemv"]
+    best = _best(gemv)
+    out = {}
+    for c in sorted({fg.row_class(r["M"]) for r in gemv}):
+        m = min((r["M"] for r in gemv if fg.row_class(r["M"]) == c), key=lambda v: abs(v - c))
+        totals = {}
+        for r in gemv:
+            if r["M"] == m:
+                totals[tuple(r["tile"])] = totals.get(tuple(r["tile"]), 0.0) + _ms(r) / best[r["N"], r["K"], m]
+        tile = min(totals, key=totals.get)
+        out[str(c)] = {"BLOCK_N": tile[0], "BLOCK_K": tile[1], "num_warps": tile[2]}
+    picked = {(r["N"], r["K"], r["M"]): _ms(r) for r in gemv
+              if [r["tile"][0], r["tile"][1], r["tile"][2]] == list(out[str(fg.row_class(r["M"]))].values())}
+    out["max_m"] = _reach(picked, rows)
+    return out
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, programs_per_sm) of the matrix-unit kernel
+MMA_TILES = tuple((bn, bk, 4 if bn == 64 else 8, st, pps) for bn, bk, st, pps in
+                  itertools.product((64, 128), (128, 256), (3, 5), (1, 2)))
+
+
+def sweep_mma(shapes=SHAPES, ms=(1, 4, 16), tiles=MMA_TILES) -> list:
+    """Rows {N, K, M, kernel ("mma" with tile [BLOCK_N, BLOCK_K, num_warps, num_stages,
+    programs_per_sm], or "_scaled_mm"), weight_copies, ms}, checked and timed as `sweep_gemv`'s."""
+    rows = []
+    for xq, xs, ws, copies, ref, base in _problems(shapes, ms, rows):
+        for bn, bk, nw, st, pps in tiles:
+            table = {"GEMV": {"max_m": 0}, "MMA": {"max_m": fg.MMA_ROWS, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw,
+                                                   "num_stages": st, "programs_per_sm": pps, "max_parts": 4}}
+            rows.append({**base, "kernel": "mma", "tile": [bn, bk, nw, st, pps],
+                         **_timed(lambda c, t=table: fg.fp8_matmul(xq, c, xs, ws, tables=t), ref, copies)})
     return rows
 
 
@@ -136,25 +143,13 @@ def pick_mma(rows) -> dict:
     """The MMA entry: the tile with the smallest sum over the swept (shape, M) of its time relative
     to that problem's best matrix-unit time; max_m: the largest swept M up to which that tile beats
     `torch._scaled_mm` on every swept shape (0 if not at M = 1: then the kernel is not used)."""
-    def ms(r):
-        return r["ms"] if r["ms"] is not None else math.inf
-
     mma = [r for r in rows if r["kernel"] == "mma"]
-    best = {}
-    for r in mma:
-        p = (r["N"], r["K"], r["M"])
-        best[p] = min(best.get(p, math.inf), ms(r))
+    best = _best(mma)
     totals = {}
     for r in mma:
-        totals[tuple(r["tile"])] = totals.get(tuple(r["tile"]), 0.0) + ms(r) / best[r["N"], r["K"], r["M"]]
+        totals[tuple(r["tile"])] = totals.get(tuple(r["tile"]), 0.0) + _ms(r) / best[r["N"], r["K"], r["M"]]
     tile = min(totals, key=totals.get)
-    picked = {(r["N"], r["K"], r["M"]): ms(r) for r in mma if tuple(r["tile"]) == tile}
-    library = {(r["N"], r["K"], r["M"]): ms(r) for r in rows if r["kernel"] == "_scaled_mm"}
-    max_m = 0
-    for m in sorted({p[2] for p in library}):
-        if not all(picked.get(p, math.inf) < t for p, t in library.items() if p[2] == m):
-            break
-        max_m = m
+    max_m = _reach({(r["N"], r["K"], r["M"]): _ms(r) for r in mma if tuple(r["tile"]) == tile}, rows)
     return {"max_m": max_m, "BLOCK_N": tile[0], "BLOCK_K": tile[1], "num_warps": tile[2], "num_stages": tile[3],
             "programs_per_sm": tile[4], "max_parts": 4}
 
