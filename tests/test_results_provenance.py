@@ -107,6 +107,9 @@ def _commands(command: str) -> list[list[str]]:
     return [words for words in out if words]
 
 
+_PROFILERS = ("ncu", "nsys", "compute-sanitizer")
+
+
 def _programs(command: str) -> list[str]:
     """What each part of a command runs, as a repository path or an `fp4kit <subcommand>`."""
     out = []
@@ -115,6 +118,8 @@ def _programs(command: str) -> list[str]:
             words.pop(0)
         if not words or words[0] == "cd":
             continue
+        if words[0] in _PROFILERS:  # a profiler's options, then the program it runs
+            words = words[next((i for i, w in enumerate(words) if w in ("python", "python3")), len(words)):] or words[:1]
         if words[0] == "fp4kit":
             out.append(f"fp4kit {words[1]}")
         elif words[0] in ("python", "python3") and words[1] == "-m":
@@ -150,6 +155,8 @@ def test_command_parsing_finds_each_program():
     assert _programs("python -c 'from fp4kit.kernels import quantize as q; q.f()'") == ["fp4kit/kernels"]
     assert _programs("cd <checkout> && python -m fp4kit.cli verify CKPT") == ["fp4kit/cli.py"]
     assert _programs("python scripts/x.py --sweep (the whole run; its pick's table)") == ["scripts/x.py"]
+    assert _programs("ncu --section Occupancy --kernel-name regex:'_k|nvjet' python scripts/y.py > r.txt") == ["scripts/y.py"]
+    assert _programs("ncu --version") == ["ncu"]
 
 
 RESULT_FILES = sorted(p.relative_to(RESULTS).as_posix() for p in RESULTS.rglob("*") if p.is_file())
