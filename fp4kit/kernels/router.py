@@ -21,6 +21,7 @@ the scores, this pick, and the picked scores normalised and scaled, for the deco
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 
 from . import launch
-from .backend import check_backend, current_device, interpreted, launch_cached, launch_options, next_power_of_2
+from .backend import Constants, check_backend, current_device, interpreted, launch_cached, launch_options, next_power_of_2
 from .tiles import split_counters
 
 _WHAT = "kernels.router_topk"
@@ -246,13 +247,28 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, *, 
             counters = split_counters(x.device, t)
             args = (x, weight, bias, logits, chosen, weights, counters, n, kdim, x.stride(0), weight.stride(0),
                     float(scale))
-            c = (launch.table("router", x.device) if tables is None else tables)["ROUTE"]
-            per, warps = int(c["experts"]), int(c["num_warps"])
-            if per < 1 or per & (per - 1) or warps < 1 or warps & (warps - 1) or warps > 16:
-                raise ValueError(f"{what}: the ROUTE table's experts and num_warps (<= 16) must be powers of two, "
-                                 f"got experts={per}, num_warps={warps}")
-            consts = dict(TOPK=k, NORM=bool(norm), BLOCK_R=per,
-                          BLOCK_K=min(ROUTE_BLOCK_K, max(next_power_of_2(kdim), 16)),
-                          BLOCK_E=max(next_power_of_2(n), 16), num_warps=warps, **launch_options())
-            launch_cached(_route_kernel, (-(-n // per), t), *args, **consts)
+            if tables is None:
+                programs, consts = _default_route_plan(n, kdim, k, bool(norm), x.device)
+            else:
+                programs, consts = _route_plan(n, kdim, k, bool(norm), tables)
+            launch_cached(_route_kernel, (programs, t), *args, constants=consts)
     return logits, weights, chosen
+
+
+def _route_plan(n: int, kdim: int, k: int, norm: bool, tables: Mapping) -> tuple[int, Constants]:
+    """(programs per token, the kernel's constants) for E = n experts over kdim columns, from the
+    ROUTE table's experts per program and warps."""
+    c = tables["ROUTE"]
+    per, warps = int(c["experts"]), int(c["num_warps"])
+    if per < 1 or per & (per - 1) or warps < 1 or warps & (warps - 1) or warps > 16:
+        raise ValueError(f"kernels.route: the ROUTE table's experts and num_warps (<= 16) must be powers of two, "
+                         f"got experts={per}, num_warps={warps}")
+    consts = Constants(TOPK=k, NORM=norm, BLOCK_R=per, BLOCK_K=min(ROUTE_BLOCK_K, max(next_power_of_2(kdim), 16)),
+                       BLOCK_E=max(next_power_of_2(n), 16), num_warps=warps, **launch_options())
+    return -(-n // per), consts
+
+
+@functools.lru_cache(maxsize=256)
+def _default_route_plan(n: int, kdim: int, k: int, norm: bool, device: torch.device) -> tuple[int, Constants]:
+    """`_route_plan` under the device's own launch table (frozen for the process), kept per shape."""
+    return _route_plan(n, kdim, k, norm, launch.table("router", device))
