@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Mapping
 
 import torch
 
@@ -90,6 +91,17 @@ def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+def split_k(programs: int, k: int, block_k: int, device: torch.device, rule: Mapping) -> tuple[int, int]:
+    """(splits, K per split) for a launch of `programs` programs over K: split K while there are
+    fewer than rule["programs_per_sm"] programs per multiprocessor, at most rule["max_parts"] ways,
+    never below one K tile of block_k."""
+    k_blocks = cdiv(k, block_k)
+    want = rule["programs_per_sm"] * sm_count(device)
+    split = 1 if programs >= want else max(1, min(k_blocks, want // max(programs, 1), rule["max_parts"]))
+    k_per_split = cdiv(k_blocks, split) * block_k
+    return cdiv(k, k_per_split), k_per_split
 
 
 def make_current(device: str | torch.device) -> None:

@@ -241,13 +241,9 @@ def mma_config(m: int, n: int, k: int, device: torch.device, cfg: dict | None = 
     if c["num_stages"] < 1 or c["programs_per_sm"] < 1 or c["max_parts"] < 1:
         raise ValueError(f"{_WHAT}: num_stages, programs_per_sm and max_parts must be >= 1, got {c}")
     bk = min(bk, max(32, next_power_of_2(k)))
-    k_tiles = cdiv(k, bk)
-    tiles = cdiv(n, bn)
-    want = c["programs_per_sm"] * backend.sm_count(device)
-    split = 1 if tiles >= want else max(1, min(k_tiles, want // tiles, c["max_parts"]))
-    k_per_split = cdiv(k_tiles, split) * bk
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": c["num_stages"],
-            "SPLIT": cdiv(k, k_per_split), "k_per_split": k_per_split}
+    split, k_per_split = backend.split_k(cdiv(n, bn), k, bk, device, c)
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": c["num_stages"], "SPLIT": split,
+            "k_per_split": k_per_split}
 
 
 def _check(xq, weight, input_scale, weight_scale, out_dtype) -> None:

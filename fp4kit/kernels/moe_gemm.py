@@ -520,14 +520,8 @@ def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tenso
 
 
 def _split_k(programs: int, k: int, block_k: int, device: torch.device, small: Mapping) -> tuple[int, int]:
-    """(splits, K per split): split K while there are fewer than small["programs_per_sm"]
-    programs per multiprocessor, at most small["max_parts"] ways, never below one K tile
-    (small: the SMALL entry, or the CUDA-core tiles' own split in MOE_GEMV)."""
-    k_blocks = cdiv(k, block_k)
-    want = small["programs_per_sm"] * backend.sm_count(device)
-    split = 1 if programs >= want else max(1, min(k_blocks, want // max(programs, 1), small["max_parts"]))
-    k_per_split = cdiv(k_blocks, split) * block_k
-    return cdiv(k, k_per_split), k_per_split
+    """`backend.split_k` under small: the SMALL entry, or the CUDA-core tiles' own split in MOE_GEMV."""
+    return backend.split_k(programs, k, block_k, device, small)
 
 
 def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables, combine=True):
