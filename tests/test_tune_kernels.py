@@ -300,7 +300,7 @@ def test_pick_moe_gemv_tile_and_threshold():
     # relative to each token count's best up to 8 tokens: 1 + 100/90 against 25/20 + 1 -> the
     # first tile (a sum of times, 120 against 115, would take the second); it loses at 64 tokens
     assert got == {"max_assignments": 96, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1,
-                   "programs_per_sm": 2, "max_parts": 4, "AHEAD": 1}
+                   "programs_per_sm": 2, "max_parts": 4, "AHEAD": 1, "pdl": False}
     # the same tile under a register cap or another split target is a launch of its own, and its
     # cap and split go with the pick (rows without a split ran SMALL's: 2 programs per SM, 4 parts)
     assert got["programs_per_sm"] == 2 and got["max_parts"] == 4
@@ -308,11 +308,17 @@ def test_pick_moe_gemv_tile_and_threshold():
               "max_parts": 4, "ms": ms} for t, ms in ((1, 18.0), (8, 80.0), (16, 250.0), (64, 300.0))]
     assert sm.pick_gemv(rows, top_k=6, decode_tokens=8) == {
         "max_assignments": 6 * 64, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1,
-        "programs_per_sm": 64, "max_parts": 4, "AHEAD": 1, "maxnreg": 96}
+        "programs_per_sm": 64, "max_parts": 4, "AHEAD": 1, "pdl": False, "maxnreg": 96}
     # so are the K tiles in flight, which go with the pick
     rows += [{"tokens": t, "path": "gemv", "tile": [1, 8, 2048, 4], "maxnreg": 96, "programs_per_sm": 64,
               "max_parts": 4, "ahead": 2, "ms": ms} for t, ms in ((1, 17.0), (8, 79.0), (16, 240.0), (64, 290.0))]
     assert sm.pick_gemv(rows, top_k=6, decode_tokens=8)["AHEAD"] == 2
+    # and so is the down launch as a programmatic dependent of the up launch
+    rows += [{"tokens": t, "path": "gemv", "tile": [1, 8, 2048, 4], "maxnreg": 96, "programs_per_sm": 64,
+              "max_parts": 4, "ahead": 2, "pdl": True, "ms": ms} for t, ms in ((1, 15.0), (8, 78.0), (16, 240.0),
+                                                                             (64, 290.0))]
+    picked = sm.pick_gemv(rows, top_k=6, decode_tokens=8)
+    assert (picked["AHEAD"], picked["pdl"]) == (2, True)
 
 
 def test_pick_moe_gemv_weighs_only_the_counts_the_tiles_serve():
@@ -377,15 +383,16 @@ def test_moe_gemv_sweep_runs_each_candidate_right(monkeypatch):
     monkeypatch.setattr(sm, "time_if_right", lambda fn, ref, others: {"ms": float((fn().float() - ref).norm() / ref.norm())})
     tables = launch.override(launch.table("moe"), MOE_MMA={"max_per_expert": 0})  # the matrix units: wgmma tiles
     rows = sm.sweep_gemv(tokens=(1,), n_exp=4, top_k=2, hid=128, inter=128, tiles=((2, 32, 64, 1), (2, 32, 64, 1, 96)),
-                         programs_per_sm=(2, 1000), ahead=(1, 2), tables=tables)
-    assert [(r["path"], r.get("maxnreg"), r.get("programs_per_sm"), r.get("ahead")) for r in rows] == [
+                         programs_per_sm=(2, 1000), ahead=(1, 2), pdl=(False, True), tables=tables)
+    assert [(r["path"], r.get("maxnreg"), r.get("programs_per_sm"), r.get("ahead")) for r in rows if not r.get("pdl")] == [
         ("matrix-unit", None, None, None), ("gemv", None, 2, 1), ("gemv", None, 2, 2), ("gemv", None, 1000, 1),
         ("gemv", None, 1000, 2), ("gemv", 96, 2, 1), ("gemv", 96, 2, 2), ("gemv", 96, 1000, 1), ("gemv", 96, 1000, 2)]
+    assert [r.get("pdl") for r in rows] == [None] + [False, True] * 8  # under the interpreter: the plain launches
     assert all(r["ms"] < 1e-5 for r in rows)
     # each candidate's split target reached both projections: no split at 2, a split at 1000
     assert {p for p, _ in used} == {2, 1000} and all((n > 1) == (p == 1000) for p, n in used)
     assert sm.pick_gemv(rows, top_k=2)["programs_per_sm"] in (2, 1000)
-    assert aheads == [1, 1, 2, 2] * 4  # each candidate's K tiles in flight reached both projections
+    assert aheads == [1, 1, 1, 1, 2, 2, 2, 2] * 4  # each candidate's K tiles in flight reached both projections
 
 
 def test_pick_moe_mma_launch_and_reach():

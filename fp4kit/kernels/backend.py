@@ -93,6 +93,22 @@ def sm_count(device: torch.device) -> int:
     return 4
 
 
+def pdl(device: torch.device, kernel) -> bool:
+    """Whether `kernel` can be launched as a programmatic dependent of the kernel before it on
+    `device`'s stream (CUDA's programmatic dependent launch, Hopper onwards): a launch with
+    launch_pdl=True may start while its predecessor still runs, so it must wait (`gdc_wait`)
+    before reading what the predecessor writes and before writing anything. Never under Triton's
+    interpreter, which has no grid dependencies."""
+    if device.type != "cuda" or interpreted(kernel):
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def split_k(programs: int, k: int, block_k: int, device: torch.device, rule: Mapping) -> tuple[int, int]:
     """(splits, K per split) for a launch of `programs` programs over K: split K while there are
     fewer than rule["programs_per_sm"] programs per multiprocessor, at most rule["max_parts"] ways,

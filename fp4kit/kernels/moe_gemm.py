@@ -14,7 +14,9 @@ relu^2); the k slots of a token are summed in fp32 in a fixed order.
   a token's slice of output features applies the routing weights to it (`_combine_tile`; with
   cfg "combine": False a third launch does, `_moe_combine_kernel`). Up to MOE_GEMV["max_assignments"] the projections run on the CUDA cores
   (`tiles.gemv_accumulate`; split-K by MOE_GEMV's own target, its AHEAD K tiles in flight per
-  thread, 1 if absent), else on the matrix units (`tiles.accumulate`; split-K by SMALL's).
+  thread, 1 if absent; with its "pdl" on Hopper the down launch starts while the up launch runs,
+  its programs' first weight tiles requested before they wait for it), else on the matrix units
+  (`tiles.accumulate`; split-K by SMALL's).
 - beyond, `_moe_sorted`: the assignments sorted by expert (`torch.sort`, stable; `offsets[e]`
   marks expert e's run), one launch per projection whose programs each walk one expert's run.
   With up to MOE_MMA["max_per_expert"] assignments per expert and 16-bit activations on a GPU
@@ -30,6 +32,7 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fp4kit.formats import nvfp4
 from fp4kit.formats.errors import FormatError
@@ -256,7 +259,8 @@ def _moe_small_kernel(
     RELU2_OUT: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, LUT: tl.constexpr, EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr, GEMV: tl.constexpr, KB: tl.constexpr, AHEAD: tl.constexpr = 1,
-    COMBINE: tl.constexpr = False, TOPK_C: tl.constexpr = 1,
+    COMBINE: tl.constexpr = False, TOPK_C: tl.constexpr = 1, TRIGGER: tl.constexpr = False,
+    WAIT: tl.constexpr = False,
 ):
     """One projection for one expert, one N slice and one K split (grid: slots, N / BLOCK_N,
     splits); rows are stored by assignment index (no sort): fp32 partial sums
@@ -271,7 +275,14 @@ def _moe_small_kernel(
     COMBINE (down, TOPK_C = TOPK): after its stores the program counts itself in at the counter of
     each (token, N slice) it wrote; the last of the programs a token's slice waits for (its routed
     assignments times the splits) applies the routing weights to that slice (`_combine_tile`,
-    w_ptr the weights, out_ptr [T, N]) and puts the counter back to 0 for the next launch."""
+    w_ptr the weights, out_ptr [T, N]) and puts the counter back to 0 for the next launch.
+    TRIGGER (up): the launch after it may start at once (`gdc_launch_dependents`). WAIT (down,
+    GEMV, launched as a programmatic dependent of the up launch): a program reads the routed ids
+    (written before the up launch began) and requests its first weight tiles, then waits for the
+    up launch to finish before it reads the activations or stores anything (`gemv_accumulate`)."""
+    tl.static_assert(GEMV or not WAIT, "WAIT: the CUDA-core tiles only")
+    if TRIGGER:
+        gdc_launch_dependents()
     slot = tl.program_id(0)
     pid_s = tl.program_id(2)
     e, ids, serves = _slot_expert(ids_ptr, A, E, slot, A_PAD, BY_ASSIGNMENT)
@@ -292,7 +303,8 @@ def _moe_small_kernel(
                 acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
                 acc3 = gemv_accumulate(acc3, x_ptr, x4_ptr, x_row[:, None], m_ok, wq_ptr + first, ws_ptr + first, gs,
                                         tl.arange(0, BLOCK_N).to(tl.int64), n_ok, K, k_start, k_end, BLOCK_N, BLOCK_K,
-                                        LUT, EVEN_N, EVEN_K, X_PARTS, part_stride, ACT, KB=KB, AHEAD=AHEAD)
+                                        LUT, EVEN_N, EVEN_K, X_PARTS, part_stride, ACT, KB=KB, AHEAD=AHEAD,
+                                        WAIT=WAIT)
                 acc = tl.trans(tl.sum(acc3, axis=2) * 64.0)  # [BLOCK_N, BLOCK_M]; 64: E2M1 * 2^-6 values
             else:
                 acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -320,6 +332,8 @@ def _moe_small_kernel(
                     tl.store(cnt_ptr + tile, 0)
     if COMBINE:
         if (slot == 0) & (pid_s == 0):  # tokens no expert is routed for: zeros, as the separate launch writes
+            if WAIT:
+                gdc_wait()  # a program that served no expert has not waited yet
             a_idx = tl.arange(0, A_PAD)
             routed = (ids >= 0) & (ids < E)
             h = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -374,7 +388,9 @@ def experts_reference(hidden, top_k_index, top_k_weights, up_w, down_w):
 #   DEQUANT     {"lut"}: the dequantization's inline PTX on a GPU (as in the "w4a16" table);
 #   MOE_GEMV    the CUDA-core tiles up to max_assignments assignments: BLOCK_M of an expert's rows
 #               per program, BLOCK_N output features, BLOCK_K of K per step, warps, an
-#               optional register cap (maxnreg), and their split-K (as SMALL's);
+#               optional register cap (maxnreg), their split-K (as SMALL's), and "pdl": the
+#               down launch as a programmatic dependent of the up launch where `backend.pdl`
+#               allows (absent: False);
 #   SMALL       the in-kernel-routing path up to max_assignments; K split until about
 #               programs_per_sm programs per multiprocessor, at most max_parts ways (on the
 #               matrix units; the CUDA-core tiles split by MOE_GEMV's own entries);
@@ -539,6 +555,8 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables, combine=True
     by_assignment = a < n_exp
     slots = a if by_assignment else n_exp
     gemv = cfg.pop("gemv", False)
+    # The down launch as a programmatic dependent of the up launch (CUDA-core tiles on Hopper on)
+    pdl = cfg.pop("pdl", False) and gemv and backend.pdl(device, _moe_small_kernel)
     if gemv:
         lut = tables["DEQUANT"]["lut"] and not interpreted(_moe_small_kernel)  # the block-dot PTX takes any dtype
         # the tiles' own split-K (MOE_GEMV), SMALL's for a cfg given without one
@@ -566,7 +584,7 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables, combine=True
     launch_cached(_moe_small_kernel, (slots, cdiv(inter, bn), s_up),
         x, x4, ids, up.packed.view(view), up.block_scale.view(torch.uint8),
         up.global_scale, part_up, weights, part_up, ids, a, n_exp, inter, hid, top_k, kps_up, 0, UP=True, X_PARTS=0,
-        RELU2_OUT=s_up == 1,
+        RELU2_OUT=s_up == 1, TRIGGER=pdl,
         EVEN_N=inter % bn == 0, EVEN_K=hid % cfg_up["BLOCK_K"] == 0, KB=hid // 16 if gemv else 0, **cfg_up, **common)
     s_dn, kps_dn = _split_k(slots * cdiv(hid, bn), inter, cfg_dn["BLOCK_K"], device, split)
     part_dn = torch.empty((s_dn, a, hid), dtype=torch.float32, device=device)
@@ -578,7 +596,7 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables, combine=True
         down.block_scale.view(torch.uint8), down.global_scale, part_dn, weights, out, counters, a, n_exp, hid, inter,
         top_k, kps_dn, a * inter, UP=False, X_PARTS=0 if s_up == 1 else s_up, RELU2_OUT=False, EVEN_N=hid % bn == 0,
         EVEN_K=inter % cfg_dn["BLOCK_K"] == 0, KB=inter // 16 if gemv else 0, COMBINE=combine, TOPK_C=top_k,
-        **cfg_dn, **common)
+        WAIT=pdl, **({"launch_pdl": True} if pdl else {}), **cfg_dn, **common)
     if combine:
         return out
     block = min(1024, next_power_of_2(hid))

@@ -23,6 +23,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from .backend import cdiv, interpreted
 
@@ -505,7 +506,7 @@ def load_blocks(wb_ptr, ws_ptr, n64, n_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_K
 def gemv_accumulate(acc, x_ptr, x4_ptr, rows, m_ok, wb_ptr, ws_ptr, gs, n64, n_ok, K, k_start, k_end,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LUT: tl.constexpr, EVEN_N: tl.constexpr,
                      EVEN_K: tl.constexpr, X_PARTS: tl.constexpr = 0, part_stride=0, ACT: tl.constexpr = None,
-                     KB: tl.constexpr = 0, AHEAD: tl.constexpr = 1):
+                     KB: tl.constexpr = 0, AHEAD: tl.constexpr = 1, WAIT: tl.constexpr = False):
     """acc[BLOCK_M, BLOCK_N, BLOCK_K/16] += per block b: step_b * sum_i v(code_i) * x[m, k + i],
     over K in [k_start, k_end), on the CUDA cores.
 
@@ -520,7 +521,10 @@ def gemv_accumulate(acc, x_ptr, x4_ptr, rows, m_ok, wb_ptr, ws_ptr, gs, n64, n_o
     once for BLOCK_M rows, an activation converted once for BLOCK_N. KB > 0: K / 16 at compile
     time, n64 counted from wb_ptr / ws_ptr (`load_blocks`). AHEAD (1, 2 or 3): the K tiles whose
     weights are in flight while one is computed; more keep more bytes in flight per thread where
-    few programs share a multiprocessor."""
+    few programs share a multiprocessor. WAIT: the program is a programmatic dependent launch
+    (`backend.pdl`) whose activations its predecessor writes: the first AHEAD tiles' weights are
+    requested, then it waits for the predecessor (`gdc_wait`) before the first activation load,
+    so the weights' latency overlaps the predecessor's last work."""
     tl.static_assert((AHEAD >= 1) & (AHEAD <= 3), "AHEAD: 1, 2 or 3 K tiles")
     blk16 = tl.arange(0, BLOCK_K // 16) * 16
     codes, sc = load_blocks(wb_ptr, ws_ptr, n64, n_ok, k_start, K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, KB)
@@ -530,6 +534,8 @@ def gemv_accumulate(acc, x_ptr, x4_ptr, rows, m_ok, wb_ptr, ws_ptr, gs, n64, n_o
     if AHEAD >= 3:
         codes2, sc2 = load_blocks(wb_ptr, ws_ptr, n64, n_ok, k_ahead(k_start, k_end, BLOCK_K, EVEN_K, 2),
                                   K, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, KB)
+    if WAIT:
+        gdc_wait()
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             ok = m_ok[:, None]

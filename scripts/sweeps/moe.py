@@ -103,9 +103,10 @@ def sweep_small(tokens=(1, 2, 4, 8, 64), n_exp=128, top_k=6, hid=2688, inter=185
 
 def sweep_gemv(tokens=(1, 2, 4, 8, 16), n_exp=128, top_k=6, hid=2688, inter=1856,
                tiles=((1, 4, 512, 1), (1, 8, 512, 1), (1, 8, 256, 1), (1, 4, 1024, 2), (2, 8, 512, 1)),
-               programs_per_sm=(2,), max_parts=4, ahead=(1, 2, 3), tables=None):
+               programs_per_sm=(2,), max_parts=4, ahead=(1, 2, 3), pdl=(False, True), tables=None):
     """Times of the CUDA-core tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps[, register cap]) per split-K
-    target (programs per multiprocessor) and K tiles in flight (AHEAD) on the in-kernel-routing
+    target (programs per multiprocessor), K tiles in flight (AHEAD) and the down launch as a
+    programmatic dependent of the up launch or not (pdl) on the in-kernel-routing
     path, and of the default beyond them (`beyond_gemv_config`: the register-fed or the wgmma
     matrix units) at the same token count, side by side, on Nano's experts; each checked first,
     timed cold (`time_if_right` over copies of the stacks). At one token the up projection's 2784
@@ -121,12 +122,12 @@ def sweep_gemv(tokens=(1, 2, 4, 8, 16), n_exp=128, top_k=6, hid=2688, inter=1856
         row = {"tokens": t, "path": "matrix-unit", "weight_copies": n_copies}
         row.update(timed(base))
         out.append(row)
-        for (bm, bn, bk, nw, *cap), pps, a in itertools.product(tiles, programs_per_sm, ahead):
+        for (bm, bn, bk, nw, *cap), pps, a, p in itertools.product(tiles, programs_per_sm, ahead, pdl):
             mr = cap[0] if cap else None
             cfg = with_maxnreg(dict(gemv=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1,
-                                    programs_per_sm=pps, max_parts=max_parts, AHEAD=a), mr)
+                                    programs_per_sm=pps, max_parts=max_parts, AHEAD=a, pdl=p), mr)
             row = {"tokens": t, "path": "gemv", "tile": [bm, bn, bk, nw], "maxnreg": mr, "programs_per_sm": pps,
-                   "max_parts": max_parts, "ahead": a, "weight_copies": n_copies}
+                   "max_parts": max_parts, "ahead": a, "pdl": p, "weight_copies": n_copies}
             row.update(timed(cfg))
             out.append(row)
     return out
@@ -218,14 +219,15 @@ def pick_gemv(rows, top_k=6, decode_tokens=8) -> dict:
     count up to which that launch beats the matrix units at every swept count (0 if not at the
     first; where none wins at one token the launch is chosen at one token; `_relative_pick`)."""
     def launch_of(r):  # rows from before the split was swept ran SMALL's: 2 programs per SM, 4 parts
-        return (*r["tile"], r.get("maxnreg"), r.get("programs_per_sm", 2), r.get("max_parts", 4), r.get("ahead", 1))
+        return (*r["tile"], r.get("maxnreg"), r.get("programs_per_sm", 2), r.get("max_parts", 4), r.get("ahead", 1),
+                r.get("pdl", False))
 
     base = {r["tokens"]: _ms(r) for r in rows if r["path"] == "matrix-unit"}
     best, up_to = _relative_pick([r for r in rows if r["path"] == "gemv"], launch_of, base, decode_tokens)
-    bm, bn, bk, nw, mr, pps, parts, a = best
+    bm, bn, bk, nw, mr, pps, parts, a, p = best
     return with_maxnreg({"max_assignments": top_k * up_to, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                         "num_warps": nw, "num_stages": 1, "programs_per_sm": pps, "max_parts": parts, "AHEAD": a},
-                        mr)
+                         "num_warps": nw, "num_stages": 1, "programs_per_sm": pps, "max_parts": parts, "AHEAD": a,
+                         "pdl": p}, mr)
 
 
 def pick_small(rows, top_k=6) -> dict:

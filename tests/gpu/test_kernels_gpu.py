@@ -340,6 +340,29 @@ def test_moe_small_down_launch_combines_as_the_third_launch_does(tokens, gemv):
         assert torch.equal(out, separate)
 
 
+@pytest.mark.parametrize("tokens,ahead", [(1, 1), (1, 3), (4, 2), (8, 1)])
+def test_moe_down_launch_as_a_programmatic_dependent_is_the_plain_launch(tokens, ahead):
+    # With "pdl" the up launch lets the down launch start early and the down programs request
+    # their first weight tiles before they wait for it: bit for bit the plain launches, eagerly
+    # and in many replays of a CUDA graph of two calls on different inputs (the second call's
+    # up output may take the first's memory: a down program that read it before the wait would
+    # see the first call's).
+    assert moe_gemm.backend.pdl(torch.device(DEV), moe_gemm._moe_small_kernel)
+    up, down, x, ids, weights = _nano_moe(tokens, seed=90)
+    x2 = _randn(tokens, x.shape[1], seed=91, scale=1.0)
+    cfg = dict(moe_gemm.moe_config(0, 128, x.device), AHEAD=ahead)
+    plain = [moe_gemm.moe_experts(h, ids, weights, up, down, cfg=dict(cfg, pdl=False)) for h in (x, x2)]
+    assert torch.equal(moe_gemm.moe_experts(x, ids, weights, up, down, cfg=dict(cfg, pdl=True)), plain[0])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = [moe_gemm.moe_experts(h, ids, weights, up, down, cfg=dict(cfg, pdl=True)) for h in (x, x2)]
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+
+
 @pytest.mark.parametrize("launch", [(2, 2, 2), (1, 4, 0)])
 def test_moe_mma_fp16_ragged_shapes(launch):
     # The sorted path on the register-fed matrix units with fp16 activations, hidden and

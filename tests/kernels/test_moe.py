@@ -115,6 +115,41 @@ def test_moe_gemv_tiles_in_flight_change_no_bit(tokens):
     assert float((one.double() - ref).norm() / ref.norm()) < 2e-3
 
 
+@pytest.mark.parametrize("gemv", [True, False])
+def test_the_down_launch_is_a_programmatic_dependent_only_where_the_entry_and_device_allow(gemv, monkeypatch):
+    # cfg "pdl" on the CUDA-core tiles: the up launch triggers its dependent and the down launch
+    # goes as one (launch_pdl) that waits inside the tiles; never on the matrix units, and never
+    # where `backend.pdl` says no (the interpreter, pre-Hopper GPUs). The kernels' own flags are
+    # dropped before launching here, as the interpreter has no grid dependencies.
+    n_exp, hid, inter = 4, 64, 32
+    up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=24))
+    down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=25))
+    x = _rand(1, hid, seed=26)
+    ids, weights = torch.tensor([[3, 1]]), torch.tensor([[0.25, 0.75]])
+    args = (x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE))
+    cfg = dict(moe_gemm.moe_config(2, n_exp, torch.device(DEVICE))) if gemv else \
+        dict(moe_gemm.matrix_unit_config(2, n_exp, torch.device(DEVICE)), small=True)
+    assert not moe_gemm.backend.pdl(torch.device(DEVICE), moe_gemm._moe_small_kernel)
+    seen = []
+    real = moe_gemm.launch_cached
+
+    def spy(kernel, grid, *a, **consts):
+        seen.append({k: consts.pop(k) for k in ("TRIGGER", "WAIT", "launch_pdl") if k in consts})
+        return real(kernel, grid, *a, **consts)
+
+    monkeypatch.setattr(moe_gemm, "launch_cached", spy)
+    plain = moe_gemm.moe_experts(*args, cfg=dict(cfg, pdl=True)).cpu()
+    assert seen == [{"TRIGGER": False}, {"WAIT": False}]
+    monkeypatch.setattr(moe_gemm.backend, "pdl", lambda device, kernel: True)
+    seen.clear()
+    assert torch.equal(moe_gemm.moe_experts(*args, cfg=dict(cfg, pdl=True)).cpu(), plain)
+    assert seen == ([{"TRIGGER": True}, {"WAIT": True, "launch_pdl": True}] if gemv else
+                    [{"TRIGGER": False}, {"WAIT": False}])
+    seen.clear()
+    moe_gemm.moe_experts(*args, cfg=dict(cfg, pdl=False))
+    assert seen == [{"TRIGGER": False}, {"WAIT": False}]
+
+
 def test_moe_unused_experts_and_errors():
     n_exp, hid, inter = 6, 32, 48
     up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=16))
