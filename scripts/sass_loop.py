@@ -142,13 +142,13 @@ def moe_gemv(tiles=((4, 512, 1, None), (8, 512, 1, None), (8, 512, 1, 96), (4, 1
            "N": "i32", "K": "i32", "TOPK": "i32", "k_per_split": "i32", "part_stride": "i32"}
     sig.update({name: "constexpr" for name in ("A_PAD", "BY_ASSIGNMENT", "UP", "X_PARTS", "RELU2_OUT", "ACT", "BLOCK_M",
                                                "BLOCK_N", "BLOCK_K", "IEEE", "LUT", "EVEN_N", "EVEN_K", "GEMV", "KB",
-                                               "AHEAD", "COMBINE", "TOPK_C")})
+                                               "AHEAD", "COMBINE", "TOPK_C", "TRIGGER", "WAIT")})
     divisible = ("x_ptr", "x4_ptr", "ids_ptr", "wq_ptr", "ws_ptr", "gs_ptr", "part_ptr", "E", "N", "K", "k_per_split",
                  "part_stride")
     launches = [({"tile": [bn, bk, nw], **({"maxnreg": cap} if cap else {}), **({"ahead": a[0]} if a else {})},
                  dict(A_PAD=8, BY_ASSIGNMENT=True, UP=True, X_PARTS=0, RELU2_OUT=True, ACT=tl.bfloat16, BLOCK_M=1,
                       BLOCK_N=bn, BLOCK_K=bk, IEEE=False, LUT=True, EVEN_N=True, EVEN_K=False, GEMV=True, KB=2688 // 16,
-                      AHEAD=a[0] if a else 1, COMBINE=False, TOPK_C=1),
+                      AHEAD=a[0] if a else 1, COMBINE=False, TOPK_C=1, TRIGGER=False, WAIT=False),
                  nw, bn * bk / (32 * nw)) for bn, bk, nw, cap, *a in tiles]
     return _rows(mg._moe_small_kernel, sig, divisible, launches)
 

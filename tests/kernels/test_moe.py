@@ -115,17 +115,22 @@ def test_moe_gemv_tiles_in_flight_change_no_bit(tokens):
     assert float((one.double() - ref).norm() / ref.norm()) < 2e-3
 
 
+def _one_token_two_experts(n_exp, seed, hid=64, inter=32):
+    """(up, down, x, ids, weights): n_exp experts' NVFP4 stacks and one token routed to experts 3
+    and 1 with weights 0.25 and 0.75."""
+    up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=seed))
+    down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=seed + 1))
+    return up, down, _rand(1, hid, seed=seed + 2), torch.tensor([[3, 1]]), torch.tensor([[0.25, 0.75]])
+
+
 @pytest.mark.parametrize("gemv", [True, False])
 def test_the_down_launch_is_a_programmatic_dependent_only_where_the_entry_and_device_allow(gemv, monkeypatch):
     # cfg "pdl" on the CUDA-core tiles: the up launch triggers its dependent and the down launch
     # goes as one (launch_pdl) that waits inside the tiles; never on the matrix units, and never
     # where `backend.pdl` says no (the interpreter, pre-Hopper GPUs). The kernels' own flags are
     # dropped before launching here, as the interpreter has no grid dependencies.
-    n_exp, hid, inter = 4, 64, 32
-    up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=24))
-    down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=25))
-    x = _rand(1, hid, seed=26)
-    ids, weights = torch.tensor([[3, 1]]), torch.tensor([[0.25, 0.75]])
+    n_exp = 4
+    up, down, x, ids, weights = _one_token_two_experts(n_exp, seed=24)
     args = (x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE))
     cfg = dict(moe_gemm.moe_config(2, n_exp, torch.device(DEVICE))) if gemv else \
         dict(moe_gemm.matrix_unit_config(2, n_exp, torch.device(DEVICE)), small=True)
@@ -167,11 +172,7 @@ def test_moe_unused_experts_and_errors():
 @pytest.mark.parametrize("cap", [None, 64])
 def test_moe_gemv_register_cap_from_its_launch_entry(cap, monkeypatch):
     # MOE_GEMV's register cap goes with both projections' CUDA-core launches, and only there.
-    n_exp, hid, inter = 4, 64, 32
-    up = nvfp4.quantize(_rand(n_exp, inter, hid, seed=20))
-    down = nvfp4.quantize(_rand(n_exp, hid, inter, seed=21))
-    x = _rand(1, hid, seed=22)
-    ids, weights = torch.tensor([[3, 1]]), torch.tensor([[0.25, 0.75]])
+    up, down, x, ids, weights = _one_token_two_experts(4, seed=20)
     gemv = {k: v for k, v in launch.thaw(MOE["MOE_GEMV"]).items() if k != "maxnreg"}
     tables = launch.freeze({**launch.thaw(MOE), "MOE_GEMV": dict(gemv, max_assignments=512,
                                                                 **({"maxnreg": cap} if cap else {}))})
