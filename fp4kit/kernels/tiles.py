@@ -284,8 +284,9 @@ def store_split(acc, part_ptr, out_ptr, cnt_ptr, tile, off, ok, MN, pid_s, SPLIT
     itself in at its tile's counter (one atomic); the last of the tile's SPLIT programs to arrive
     sums the SPLIT partials in the fixed order s = 0, 1, ... (the result does not depend on which
     program was last), multiplies the sum by `scale` (fp32) where one is given, writes the output
-    in its dtype and puts the counter back to 0 for the next launch. The barrier orders the program's partial stores before its release; the partials
-    are read through L2 (.cg), where the other programs' stores are."""
+    in its dtype and puts the counter back to 0 for the next launch. The barrier orders the
+    program's partial stores before its release; the partials are read through L2 (.cg), where
+    the other programs' stores are."""
     tl.store(part_ptr + pid_s.to(tl.int64) * MN + off, acc, mask=ok)
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
