@@ -9,7 +9,11 @@ the packed weight. Writes JSON (default benchmarks/results/packed-gemm-<gpu>.jso
 table.
 
     PYTHONPATH=. python scripts/bench_packed.py [--out PATH] [--no-sweep] [--ms 1,4,16,64,256,1024] [--pipeline]
-        [--shapes 3712x2688,2688x3712] [--overlap]
+        [--shapes 3712x2688,2688x3712] [--overlap] [--cold]
+
+--cold sweeps the 16-64-row launch shapes with every launch reading its weight from device memory
+(copies of the weight, four L2s in all, run in turn: a decode step's condition) and times the
+GEMMs warm and cold with the table and that pick (default JSON packed-gemm-cold-<gpu>.json).
 
 --overlap times only the Gluon kernel with overlapped K tiles (fp4kit.kernels.packed_overlap)
 against torch.matmul and packed_matmul, checking its bytes against packed_matmul's (sweeps/packed.py's
@@ -24,7 +28,7 @@ import os
 
 import torch
 from bench_kernels import run_record, write
-from benchlib.packed import bench
+from benchlib.packed import bench, bench_cold
 from sweeps import packed as sweeps
 
 from fp4kit.formats import e2m1, nvfp4
@@ -95,9 +99,38 @@ def main() -> None:
     ap.add_argument("--pipeline", action="store_true",
                     help="only time the software-pipelined and TMA variants against the plain loop "
                          "(sweeps/packed.py's sweep_pipeline; default JSON packed-gemm-pipeline-<gpu>.json)")
+    ap.add_argument("--cold", action="store_true",
+                    help="only sweep the launch shapes of 16-64 rows with cold weights (default shapes: Nano's "
+                         "shared experts), then time torch.matmul, w4a16_matmul and packed_matmul (the tuning "
+                         "file's table and the cold pick) warm and cold (benchlib/packed.py's bench_cold; "
+                         "default JSON packed-gemm-cold-<gpu>.json)")
     ap.add_argument("--overlap", action="store_true",
                     help="only time the Gluon kernel with overlapped K tiles against torch.matmul and packed_matmul")
     args = ap.parse_args()
+    if args.cold:
+        path, result = run_record("packed-gemm-cold", args.out)
+        shapes = args.shapes or sweeps.NANO
+        tables = launch.table("packed")
+        result["l2_bytes"] = torch.cuda.get_device_properties(0).L2_cache_size
+        picked = None
+        if not args.no_sweep:
+            result["sweep_cold"] = sweeps.sweep(shapes=shapes, classes=(16, 32, 64), cold=True)
+            picked = launch.override(tables, PACKED=sweeps.pick(result["sweep_cold"], tables))
+            result["launch_shapes_cold_pick"] = launch.thaw(picked["PACKED"])
+            print(f"cold pick: {json.dumps(result['launch_shapes_cold_pick'])}", flush=True)
+        result["launch_shapes"] = launch.thaw(tables["PACKED"])
+        result["gemm_cold"] = rows = bench_cold(shapes=shapes, ms=tuple(int(v) for v in args.ms.split(",")),
+                                               tables=tables, picked=picked)
+        write(path, result)
+        kinds = ("bf16", "w4a16", "packed") + (("packed_picked",) if picked else ())
+        head = " ".join(f"{k[:9]:>9}" for k in kinds)
+        print(f"{'N':>6} {'K':>5} {'M':>4}  warm: {head} {'best/bf16':>9}  cold: {head} {'best/bf16':>9}  (us)")
+        for r in rows:
+            cells = "  ".join(f"{state}: " + " ".join(f"{r[f'ms_{k}_{state}'] * 1e3:>9.1f}" for k in kinds)
+                              + f" {r[f'speedup_vs_bf16_best_{state}']:>8.2f}x" for state in ("warm", "cold"))
+            print(f"{r['N']:>6} {r['K']:>5} {r['M']:>4}  {cells}")
+        print(f"wrote {path}")
+        return
     if args.overlap:
         path, result = run_record("packed-gemm-overlap", args.out)
         kw = {"problems": tuple((n, k, m) for n, k in args.shapes for m in (16, 64))} if args.shapes else {}

@@ -226,6 +226,56 @@ def _overlap_row(n: int, k: int, m: int):
         best = min(r["ms"] for r in mine if r["kernel"] == "overlap")
         return f"| {n} x {k}, {m} | {ms['bf16'] * 1e3:.1f} | {ms['packed'] * 1e3:.1f} | {best * 1e3:.1f} |"
     return row
+
+
+def _ours_over_bf16(r: dict, state: str) -> float:
+    """bf16's time over the faster of `w4a16_matmul` and `packed_matmul` (the table's shapes), one
+    row of packed-gemm-cold-h100.json, warm or cold."""
+    return r[f"ms_bf16_{state}"] / min(r[f"ms_w4a16_{state}"], r[f"ms_packed_{state}"])
+
+
+def _cold_row(n: int, k: int, m: int):
+    """benchmarks/README.md's row of the warm-and-cold table, us and ratios."""
+    def row(rows):
+        r = _at(rows, ({"N": n, "K": k, "M": m},))
+        return (f"| {n} x {k}, {m} | {r['ms_bf16_warm'] * 1e3:.1f} | {r['ms_packed_warm'] * 1e3:.1f} | "
+                f"{_ours_over_bf16(r, 'warm'):.2f}x | {r['ms_bf16_cold'] * 1e3:.1f} | {r['ms_packed_cold'] * 1e3:.1f} | "
+                f"{_ours_over_bf16(r, 'cold'):.2f}x | {r['ms_packed_picked_cold'] * 1e3:.1f} |")
+    return row
+
+
+def _span(values, digits: int) -> str:
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
+
+
+def _slice_cost(rows) -> str:
+    """How much slower the SLICE launches were than the plain ones, us, over rows, warm and cold."""
+    return _span([(r[f"ms_packed_slice_{s}"] - r[f"ms_packed_{s}"]) * 1e3 for r in rows for s in ("warm", "cold")], 2)
+
+
+def _prefetch_cell(op: str):
+    """benchmarks/README.md's cold / prefetched (best launch shape and wait) / warm us of one op."""
+    def cell(rows):
+        r = _at(rows, ({"op": op},))
+        return f"{r['cold_us']:.1f} / {min(r['prefetched_us'].values()):.1f} / {r['warm_us']:.1f}"
+    return cell
+
+
+def _prefetch_gains(d: dict) -> dict:
+    """us each op of prefetch-h100.json gains prefetched over cold, and "moe": one token's up and down."""
+    out = {r["op"]: r["cold_us"] - min(r["prefetched_us"].values()) for r in d["rows"]}
+    m = d["moe"]
+    out["moe"] = sum(m["cold"][k] - m["prefetched_up_and_down"][k] for k in ("up_us", "down_us"))
+    return out
+
+
+def _prefetch_step_bound(d: dict) -> float:
+    """The half model's step (12 Mamba layers, 11 MoE, 3 attention) summed over its cold-to-prefetched gains."""
+    g = _prefetch_gains(d)
+    return (12 * (g["mamba.in_proj"] + g["mamba.out_proj"]) + 3 * (g["attention.qkv"] + g["attention.o_proj"])
+            + 11 * g["moe"])
+
+
 DECODE_ROWS = (
     ("1", "| 1 | 38.0 | 240.6 | 284.5 (1.18x) | 294.8 (1.23x) |", _decode_cells("bf16_eager", "bf16_graph", *_CKPTS)),
     ("16", "| 16 | - | 1540.4 | 2016.9 (1.31x) | 2032.6 (1.32x) |", _decode_cells("bf16_graph", *_CKPTS)),
@@ -926,6 +976,48 @@ FIGURES = [
      ("rows", {"BLOCK_M": 64, "UNROLL": 1}, "per_weight"), _f(1)),
     (BENCH, "of which eight are\nwgmma per K tile", "packed-sass.json", ("rows", {"BLOCK_M": 64, "UNROLL": 1}, "ops", "HGMMA"),
      lambda v: {8: "eight"}[v]),
+    # the pre-packed GEMM warm and cold (bench_packed.py --cold), and its SLICE run
+    *[(BENCH, _cold_row(n, k, m)(_load("packed-gemm-cold-h100.json")["gemm_cold"]), "packed-gemm-cold-h100.json",
+       ("gemm_cold",), _cold_row(n, k, m)) for n, k in ((3712, 2688), (2688, 3712)) for m in (16, 32, 64)],
+    (BENCH, "bf16 loses more than the packed kernel does (its 20 MB now come from memory, 9.9-13.0 us\nagainst 6.5-8.6)",
+     "packed-gemm-cold-h100.json", ("gemm_cold",),
+     lambda rows: "{} us against {}".format(*[_span([r[f"ms_bf16_{s}"] * 1e3 for r in rows if r["M"] >= 16], 1)
+                                              for s in ("cold", "warm")])),
+    (BENCH, "at 16-32 rows the best of ours is 1.12-1.55x bf16 where warm it was\n0.96-1.36x", "packed-gemm-cold-h100.json",
+     ("gemm_cold",), lambda rows: "the best of ours is {}x bf16 where warm it was {}x".format(
+         *[_span([_ours_over_bf16(r, s) for r in rows if r["M"] in (16, 32)], 2) for s in ("cold", "warm")])),
+    (BENCH, "faster in sum over the six problems (54.2 against 56.1 us)", "packed-gemm-cold-h100.json", ("gemm_cold",),
+     lambda rows: "({:.1f} against {:.1f} us)".format(
+         *[sum(r[f"ms_{kind}_cold"] for r in rows if r["M"] >= 16) * 1e3 for kind in ("packed_picked", "packed")])),
+    *[(BENCH, "the cold pick gives 1.03x on 3712 x 2688 but not on 2688 x 3712 (11.2 us; the\nsweep's fastest shape there "
+       "takes 11.0)", "packed-gemm-cold-h100.json", path, fmt) for path, fmt in (
+        (("gemm_cold", {"N": 3712, "K": 2688, "M": 64}), lambda r: f"{r['ms_bf16_cold'] / r['ms_packed_picked_cold']:.2f}x"),
+        (("gemm_cold", {"N": 2688, "K": 3712, "M": 64}, "ms_packed_picked_cold"), _f(1, 1e3)),
+        (("sweep_cold",), lambda rows: f"takes {min(r['ms'] for r in rows if (r['N'], r['M']) == (2688, 64)) * 1e3:.1f}"))],
+    (BENCH, "was 0.12-0.88 us slower than without", "packed-gemm-cold-slice-h100.json", ("gemm_cold",), _slice_cost),
+    (BENCH, "its output equal byte for byte\n(`results/packed-gemm-cold-slice-h100.json`", "packed-gemm-cold-slice-h100.json",
+     ("gemm_cold",), lambda rows: "equal" if all(r["slice_equal"] for r in rows) else "differs"),
+    *[(README, text, "packed-gemm-cold-h100.json", ("gemm_cold",), fmt) for text, fmt in (
+        ("on an H100: 0.97x / 0.97x at 64 rows, 1.12x-1.55x at 16-32 (packed-gemm-cold-h100.json)",
+         lambda rows: "{:.2f}x / {:.2f}x at 64 rows, {:.2f}x-{:.2f}x at 16-32".format(
+             *[_ours_over_bf16(r, "cold") for r in rows if r["M"] == 64],
+             *sorted(_ours_over_bf16(r, "cold") for r in rows if r["M"] in (16, 32))[::3])),
+        ("with cold weights on an H100, 0.97x and 0.97x (packed-gemm-cold-h100.json)",
+         lambda rows: "{:.2f}x and {:.2f}x".format(*[_ours_over_bf16(r, "cold") for r in rows if r["M"] == 64])))],
+    # a weight already in L2 (bench_prefetch.py)
+    *[(BENCH, text, "prefetch-h100.json", ("rows",), _prefetch_cell(op)) for op, text in (
+        ("mamba.in_proj", "`torch._scaled_mm`) 12.2 / 9.4 / 7.9"), ("mamba.out_proj", "out_proj (11.0 MB) 6.6 / 5.3 / 5.1"),
+        ("shared_expert.up", "GEMV (5.6 MB) 5.0 / 4.3 / 4.1"), ("attention.qkv", "qkv (24.8 MB) 10.7 / 8.6 / 7.5"),
+        ("attention.o_proj", "o_proj (22.0 MB) 10.3 / 8.1 / 6.6"))],
+    (BENCH, "up and down launches together, 23.6 / 21.5 / 20.7", "prefetch-h100.json", ("moe",),
+     lambda m: " / ".join(f"{m[s]['up_us'] + m[s]['down_us']:.1f}" for s in ("cold", "prefetched_up_and_down", "warm"))),
+    (BENCH, "the prefetch launch itself takes 4.1-6.5 us on the 27.7 MB", "prefetch-h100.json", ("prefetch_launch_us",),
+     lambda d: f"takes {_span(d.values(), 1)} us"),
+    *[(doc, text, "prefetch-h100.json", (), lambda d: f"about {round(_prefetch_step_bound(d), -1):.0f} us")
+      for doc, text in ((BENCH, "add up to about 80 us of the H100's 1161"), (README, "about 80 us in all"))],
+    (README, "0.7-2.7 us per projection\nand 2.1 us per token's routed experts", "prefetch-h100.json", (),
+     lambda d: "{} us per projection and {:.1f} us per token's".format(
+         _span([v for k, v in _prefetch_gains(d).items() if k != "moe"], 1), _prefetch_gains(d)["moe"])),
 ]
 
 

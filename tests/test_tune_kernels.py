@@ -445,3 +445,27 @@ def test_packed_pick_per_class_and_size():
     other = launch.override(launch.table("packed"), PACKED={"16": {"small": {"BLOCK_M": 16, "num_warps": 8,
                                                                              "programs_per_sm": 1, "UNROLL": 1}}})
     assert sp.pick(rows, other)["16"]["small"]["num_warps"] == 8
+
+
+def test_copy_count_fills_the_l2_four_times(monkeypatch):
+    from sweeps import common
+
+    monkeypatch.setattr(common.torch.cuda, "get_device_properties", lambda device: type("P", (), {"L2_cache_size": 50 << 20}))
+    assert common.copy_count(0, 20 << 20) == 10  # 200 MB of 20 MB weights
+    assert common.copy_count(0, 5_600_000) == 38
+    assert common.copy_count(0, 400 << 20) == 2  # larger than the L2: still two, one after the other
+    assert common.copy_count(0, 1 << 10) == 64  # at most 64
+
+
+def test_packed_sweep_times_each_copy_in_turn_when_cold(monkeypatch):
+    # Several weights: one closure per copy, run in turn (time_calls); one weight: replayed alone.
+    seen = {}
+    monkeypatch.setattr(sp.pg, "config", lambda m, n, k, device, cfg: {"SPLIT": 3})
+    monkeypatch.setattr(sp.pg, "packed_matmul", lambda x, w, cfg: seen.setdefault("weights", []).append(w))
+    monkeypatch.setattr(sp, "time_calls", lambda calls: [c() for c in calls] and 2.0)
+    monkeypatch.setattr(sp, "time_graph", lambda fn: fn() or 1.0)
+    x = type("X", (), {"device": "cuda"})()
+    row = sp._timed(64, 64, 16, x, ["w0", "w1", "w2"], {"BLOCK_M": 16})
+    assert row["ms"] == 2.0 and seen["weights"] == ["w0", "w1", "w2"] and row["SPLIT"] == 3
+    seen.clear()
+    assert sp._timed(64, 64, 16, x, ["w0"], {"BLOCK_M": 16})["ms"] == 1.0 and seen["weights"] == ["w0"]

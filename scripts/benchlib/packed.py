@@ -8,7 +8,8 @@ import torch
 from fp4kit.kernels.packed_gemm import config, pack, packed_matmul
 from fp4kit.kernels.quantize import quantize
 from fp4kit.kernels.w4a16_gemm import path, w4a16_matmul
-from sweeps.packed import SHAPES, time_graph
+from sweeps.common import copy_count, nvfp4_bytes, time_calls, weight_copies
+from sweeps.packed import NANO, SHAPES, time_graph
 
 
 def bench(shapes=SHAPES, ms=(1, 4, 16, 64, 256, 1024), tables=None) -> list:
@@ -31,4 +32,42 @@ def bench(shapes=SHAPES, ms=(1, 4, 16, 64, 256, 1024), tables=None) -> list:
             row["speedup_vs_bf16_best"] = row["ms_bf16"] / min(row["ms_w4a16"], row["ms_packed"])
             rows.append(row)
         del wb, wq, wp
+    return rows
+
+
+def bench_cold(shapes=NANO, ms=(1, 4, 16, 32, 64), tables=None, picked=None) -> list:
+    """torch.matmul on the bf16 weight, `w4a16_matmul` and `packed_matmul` (with the launch table
+    `tables`, default the device's, and where `picked` is given also with that table), each timed
+    warm (one weight, replayed: it stays in L2 where it fits) and cold (`time_calls` over
+    copies of the weight, 4 L2s of bytes in all: every call reads its weight from device memory,
+    as a decode step's layers do). "picked_equal": the two tables' outputs byte for byte (equal
+    where their split of K is the same; another split sums in another order)."""
+    from triton.testing import do_bench_cudagraph
+
+    rows = []
+    for n, k in shapes:
+        wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+        wq = quantize(wb)
+        q_copies = weight_copies(wq, nvfp4_bytes(wq))
+        bf16_copies = [wb] + [wb.clone() for _ in range(copy_count(wb.device, 2 * n * k) - 1)]
+        p_copies = [pack(q) for q in q_copies]
+        for m in ms:
+            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+            fns = {"bf16": [lambda w=w: torch.matmul(x, w.T) for w in bf16_copies],
+                   "w4a16": [lambda w=w: w4a16_matmul(x, w) for w in q_copies],
+                   "packed": [lambda w=w: packed_matmul(x, w, tables=tables) for w in p_copies]}
+            row = {"N": n, "K": k, "M": m, "copies": {name: len(f) for name, f in fns.items()},
+                   "packed_launch": config(m, n, k, x.device, tables=tables)}
+            if picked is not None:
+                fns["packed_picked"] = [lambda w=w: packed_matmul(x, w, tables=picked) for w in p_copies]
+                row["packed_picked_launch"] = config(m, n, k, x.device, tables=picked)
+                row["picked_equal"] = bool(torch.equal(fns["packed"][0](), fns["packed_picked"][0]()))
+            for name, f in fns.items():
+                row[f"ms_{name}_warm"] = do_bench_cudagraph(f[0], rep=30, return_mode="median")
+                row[f"ms_{name}_cold"] = time_calls(f)
+            for state in ("warm", "cold"):
+                best = min(row[f"ms_{name}_{state}"] for name in fns if name != "bf16")
+                row[f"speedup_vs_bf16_best_{state}"] = row[f"ms_bf16_{state}"] / best
+            rows.append(row)
+        del wb, wq, bf16_copies, q_copies, p_copies
     return rows

@@ -10,20 +10,26 @@ import torch
 from fp4kit.kernels import launch
 
 
+def time_calls(calls) -> float:
+    """CUDA-graph median ms per call of `calls` run in turn (each on a weight of its own, where
+    they are a `weight_copies` set: every call then reads its weight from memory, as a model's
+    step does, not from the L2 cache of the call before)."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(lambda: [f() for f in calls], rep=30, return_mode="median") / len(calls)
+
+
 def time_if_right(fn, ref: torch.Tensor, others=()) -> dict:
     """{"ms": CUDA-graph median time of fn()} if fn() is within 1e-2 relative of ref (a launch
     shape must be right before it is fast), else {"ms": None, "error": why}. others: the same
     call on copies of its weights (`weight_copies`); the graph then runs fn and each of them in
     turn and "ms" is the time per call, with the weights coming from memory as in a model's step
     rather than from the L2 cache of the call before."""
-    from triton.testing import do_bench_cudagraph
-
-    calls = (fn, *others)
     try:
         err = float((fn().float() - ref).norm() / ref.norm())
         if not err < 1e-2:
             raise ArithmeticError(f"relative error {err:.3g}")
-        return {"ms": do_bench_cudagraph(lambda: [f() for f in calls], rep=30, return_mode="median") / len(calls)}
+        return {"ms": time_calls((fn, *others))}
     except Exception as exc:  # noqa: BLE001 -- e.g. out of shared memory or registers
         return {"ms": None, "error": f"{type(exc).__name__}: {exc}"[:160]}
 
@@ -33,9 +39,14 @@ def weight_copies(w, touched_bytes: int, l2_multiple: int = 4, most: int = 64) -
     on each touch `l2_multiple` times the GPU's L2 cache (`touched_bytes`: what one call reads of
     a weight), at least 2: a graph running the calls in turn reads each weight cold, as a
     model's step reads its layers' weights."""
-    l2 = torch.cuda.get_device_properties(w.packed.device).L2_cache_size
-    n = max(2, min(most, -(-l2_multiple * l2 // max(1, touched_bytes))))
-    return [w] + [weight_copy(w) for _ in range(n - 1)]
+    return [w] + [weight_copy(w) for _ in range(copy_count(w.packed.device, touched_bytes, l2_multiple, most) - 1)]
+
+
+def copy_count(device, touched_bytes: int, l2_multiple: int = 4, most: int = 64) -> int:
+    """How many weights of `touched_bytes` each make `l2_multiple` times the device's L2 cache
+    (at least 2, at most `most`): `weight_copies`' count, for any kind of weight."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(2, min(most, -(-l2_multiple * l2 // max(1, touched_bytes))))
 
 
 def weight_copy(w):

@@ -16,6 +16,7 @@ from fp4kit.kernels import launch, packed_gemm as pg
 from fp4kit.kernels.quantize import quantize
 
 from . import Sweep
+from .common import nvfp4_bytes, time_calls, weight_copies
 
 
 def time_graph(fn) -> float:
@@ -26,38 +27,46 @@ def time_graph(fn) -> float:
 
 
 SHAPES = ((8192, 8192), (28672, 8192), (3712, 2688), (2688, 3712), (131072, 2688))
+NANO = ((3712, 2688), (2688, 3712))  # the shared experts' up and down projections
 PREFETCH = (0, 4)
 
 
-def _sweep_problems(shapes, classes):
-    """(N, K, M, BLOCK_M, packed weight, activations) for each shape (a random weight, quantized
-    and packed once), each row class M and BLOCK_M the class or half of it (two row programs)."""
+def _sweep_problems(shapes, classes, cold: bool = False):
+    """(N, K, M, BLOCK_M, packed weights, activations) for each shape (a random weight, quantized
+    and packed once; cold: with packed copies, `weight_copies`), each row class M and BLOCK_M the
+    class or half of it (two row programs)."""
     for n, k in shapes:
-        w = pg.pack(quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02))
+        q = quantize(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02)
+        ws = [pg.pack(c) for c in (weight_copies(q, nvfp4_bytes(q)) if cold else [q])]
         for m in classes:
             x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
             for bm in sorted({m, max(16, m // 2)}):
-                yield n, k, m, bm, w, x
-        del w
+                yield n, k, m, bm, ws, x
+        del q, ws
 
 
-def _timed(n, k, m, x, w, cfg, **extra) -> dict:
-    """A sweep row: the problem, the launch keys, the split they give, `extra`, the graph time."""
+def _timed(n, k, m, x, ws, cfg, **extra) -> dict:
+    """A sweep row: the problem, the launch keys, the split they give, `extra`, the time: replayed
+    on one weight (`time_graph`), or in turn on its copies where there are several (`time_calls`)."""
     split = pg.config(m, n, k, x.device, cfg)["SPLIT"]
-    return {"N": n, "K": k, "M": m, **cfg, "SPLIT": split, **extra,
-            "ms": time_graph(lambda: pg.packed_matmul(x, w, cfg=cfg))}
+    if len(ws) > 1:
+        ms = time_calls([lambda w=w: pg.packed_matmul(x, w, cfg=cfg) for w in ws])
+    else:
+        ms = time_graph(lambda: pg.packed_matmul(x, ws[0], cfg=cfg))
+    return {"N": n, "K": k, "M": m, **cfg, "SPLIT": split, **extra, "ms": ms}
 
 
 def sweep(shapes=SHAPES, classes=(16, 32, 64), warps=(4, 8), programs_per_sm=(1, 2, 4, 8), unroll=(1, 2),
-          prefetch=PREFETCH) -> list:
+          prefetch=PREFETCH, cold: bool = False) -> list:
     """CUDA-graph times of the launch shapes for each row class (M = the class) on each shape:
     BLOCK_M the class or half of it (two row programs), every warp count, split-K target, number
-    of K tiles per loop step and L2 prefetch distance."""
+    of K tiles per loop step and L2 prefetch distance. cold: each launch reads its weight from
+    device memory (`time_calls` over `weight_copies`), as in a decode step."""
     rows = []
-    for n, k, m, bm, w, x in _sweep_problems(shapes, classes):
+    for n, k, m, bm, ws, x in _sweep_problems(shapes, classes, cold):
         for nw, pps, u, ahead in itertools.product(warps, programs_per_sm, unroll, prefetch):
             cfg = {"BLOCK_M": bm, "num_warps": nw, "programs_per_sm": pps, "UNROLL": u, "PREFETCH": ahead}
-            rows.append(_timed(n, k, m, x, w, cfg))
+            rows.append(_timed(n, k, m, x, ws, cfg))
     return rows
 
 
@@ -72,13 +81,13 @@ def sweep_pipeline(shapes=PIPELINE_SHAPES, classes=(16, 64), programs_per_sm=(1,
     step, for each row class on each shape (BLOCK_M the class or half of it). Each row records
     whether its output equals the unpipelined pointer-load launch's byte for byte."""
     rows = []
-    for n, k, m, bm, w, x in _sweep_problems(shapes, classes):
+    for n, k, m, bm, (w,), x in _sweep_problems(shapes, classes):
         for pps in programs_per_sm:
             base = {"BLOCK_M": bm, "num_warps": 4, "programs_per_sm": pps, "UNROLL": 1}
             want = pg.packed_matmul(x, w, cfg=base)
             for st, t in itertools.product(stages, tma):
                 cfg = {**base, "num_stages": st, "TMA": t}
-                rows.append(_timed(n, k, m, x, w, cfg, equal=bool(torch.equal(pg.packed_matmul(x, w, cfg=cfg), want))))
+                rows.append(_timed(n, k, m, x, [w], cfg, equal=bool(torch.equal(pg.packed_matmul(x, w, cfg=cfg), want))))
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
