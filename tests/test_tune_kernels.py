@@ -372,8 +372,9 @@ def test_moe_gemv_sweep_runs_each_candidate_right(monkeypatch):
         return x, ids, w, sm.mg.moe_experts(x, ids, w, up, down, backend="torch").float()
 
     used = []
-    split_k = sm.mg._split_k
-    monkeypatch.setattr(sm.mg, "_split_k", lambda *a: used.append((a[-1]["programs_per_sm"], split_k(*a)[0])) or split_k(*a))
+    split_k = sm.mg.backend.split_k
+    monkeypatch.setattr(sm.mg.backend, "split_k",
+                        lambda *a: used.append((a[-1]["programs_per_sm"], split_k(*a)[0])) or split_k(*a))
     monkeypatch.setattr(sm, "_routed_tokens", routed)
     monkeypatch.setattr(sm, "_cold_copies", lambda *a: [])
     aheads = []

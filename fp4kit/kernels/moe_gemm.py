@@ -535,11 +535,6 @@ def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tenso
     return routed, out_shared
 
 
-def _split_k(programs: int, k: int, block_k: int, device: torch.device, small: Mapping) -> tuple[int, int]:
-    """`backend.split_k` under small: the SMALL entry, or the CUDA-core tiles' own split in MOE_GEMV."""
-    return backend.split_k(programs, k, block_k, device, small)
-
-
 def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables, combine=True):
     """Two launches, no host-side routing: up (fp32 split-K partials per assignment), down
     (reading relu^2 of the up partials; fp32 partials; the routing weights and the top-k sum
@@ -573,7 +568,7 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables, combine=True
     common = dict(A_PAD=max(next_power_of_2(a), 2), BY_ASSIGNMENT=by_assignment, ACT=_TL_DTYPES[dtype],
                   IEEE=exact_dot(dtype, _moe_small_kernel), LUT=lut, GEMV=gemv, **launch_options())
     bn = cfg["BLOCK_N"]
-    s_up, kps_up = _split_k(slots * cdiv(inter, bn), hid, cfg_up["BLOCK_K"], device, split)
+    s_up, kps_up = backend.split_k(slots * cdiv(inter, bn), hid, cfg_up["BLOCK_K"], device, split)
     # One split: the up kernel finishes the activation itself; more: fp32 partials, finished by
     # the down kernel as it reads them.
     if s_up == 1:
@@ -586,7 +581,7 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables, combine=True
         up.global_scale, part_up, weights, part_up, ids, a, n_exp, inter, hid, top_k, kps_up, 0, UP=True, X_PARTS=0,
         RELU2_OUT=s_up == 1, TRIGGER=pdl,
         EVEN_N=inter % bn == 0, EVEN_K=hid % cfg_up["BLOCK_K"] == 0, KB=hid // 16 if gemv else 0, **cfg_up, **common)
-    s_dn, kps_dn = _split_k(slots * cdiv(hid, bn), inter, cfg_dn["BLOCK_K"], device, split)
+    s_dn, kps_dn = backend.split_k(slots * cdiv(hid, bn), inter, cfg_dn["BLOCK_K"], device, split)
     part_dn = torch.empty((s_dn, a, hid), dtype=torch.float32, device=device)
     part_up, part_up4 = int64_activations(part_up) if gemv else (part_up, part_up)
     out = torch.empty((t, hid), dtype=dtype, device=device)

@@ -15,6 +15,7 @@ import torch
 from fp4kit.kernels import router
 
 from . import Sweep
+from .common import copy_count, time_calls
 
 # (experts per program, warps)
 SHAPES = tuple(itertools.product((1, 2, 4, 8), (1, 2, 4, 8)))
@@ -25,13 +26,10 @@ def sweep_route(e=128, kdim=2688, k=6, tokens=(1, 16, 64), shapes=SHAPES) -> lis
     read from memory: the graph runs it over copies of the router's weight that together exceed
     four times the L2 cache, as a model's step reads its layers' routers), where its picks equal
     the reference's on the same logits; ms None with an error otherwise."""
-    from triton.testing import do_bench_cudagraph
-
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     w = torch.randn((e, kdim), device=dev, generator=g) * 0.02
-    copies = [w] + [w.clone() for _ in range(max(1, -(-4 * l2 // (w.numel() * 4))) - 1)]
+    copies = [w] + [w.clone() for _ in range(copy_count(dev, w.numel() * 4, most=256) - 1)]
     bias = torch.randn(e, device=dev, generator=g) * 0.01
     rows = []
     for t in tokens:
@@ -45,7 +43,7 @@ def sweep_route(e=128, kdim=2688, k=6, tokens=(1, 16, 64), shapes=SHAPES) -> lis
                 if not torch.equal(chosen, want):
                     raise ArithmeticError("picks differ from topk_gather's on the kernel's logits")
                 calls = [lambda c=c: router.route(x, c, bias, k, tables=table) for c in copies]
-                row["ms"] = do_bench_cudagraph(lambda: [f() for f in calls], rep=30, return_mode="median") / len(calls)
+                row["ms"] = time_calls(calls)
             except Exception as exc:  # noqa: BLE001 -- e.g. out of registers
                 row.update(ms=None, error=f"{type(exc).__name__}: {exc}"[:160])
             rows.append(row)

@@ -58,8 +58,8 @@ def test_moe_matches_transformers_experts(dtype, rtol, tokens, path, monkeypatch
     with torch.no_grad():
         ref = _transformers_experts(n_exp, hid, inter, top_k, up.dequantize(dtype), down.dequantize(dtype))(x, ids, weights)
     splits = []
-    split_k = moe_gemm._split_k
-    monkeypatch.setattr(moe_gemm, "_split_k", lambda *a: splits.append(split_k(*a)[0]) or split_k(*a))
+    split_k = moe_gemm.backend.split_k
+    monkeypatch.setattr(moe_gemm.backend, "split_k", lambda *a: splits.append(split_k(*a)[0]) or split_k(*a))
     got = moe_gemm.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), up.to(DEVICE), down.to(DEVICE),
                                tables=tables).cpu()
     assert got.dtype == dtype
