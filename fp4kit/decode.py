@@ -415,10 +415,15 @@ def grouped_decode_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     return out.reshape(b, heads, 1, d).transpose(1, 2).contiguous(), None
 
 
+# Whether the attention kernel runs compiled (not in Triton's interpreter): fixed at import, and a
+# constant to code that torch.compile traces (see `mamba_step._STEP_KERNEL`).
+_ATTENTION_KERNEL = not interpreted(attention_kernels._decode_attention_kernel)
+
+
 def _kernel_device(query: torch.Tensor) -> bool:
     """Whether the attention kernel runs where the query is: on a GPU, compiled (not in Triton's
     interpreter)."""
-    return query.is_cuda and not interpreted(attention_kernels._decode_attention_kernel)
+    return query.is_cuda and _ATTENTION_KERNEL
 
 
 def _kernel_takes(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:

@@ -1042,6 +1042,56 @@ FIGURES = [
                       d["steps_tokens_per_s_nemotron-h-w4a16-4o6_graph"] / d["steps_tokens_per_s_bf16_graph"],
                       d["steps_tokens_per_s_modelopt-lightning_graph"],
                       d["steps_tokens_per_s_modelopt-lightning_graph"] / d["steps_tokens_per_s_bf16_graph"]))],
+    # the step as one compiled graph (H100)
+    (README, "with the step one compiled graph, on an H100, 1.82x (decode-b1-one-graph-h100.json)",
+     "decode-b1-one-graph-h100.json", ("batches", "1", "speedup_over_bf16_graph", "nemotron-h-w4a16-4o6_graph"),
+     lambda v: f"{v:.2f}x"),
+    (README, "with the step one compiled graph, on an H100, 2.09x, the decode steps alone 2.07x",
+     "decode-b1-one-graph-h100.json", ("batches", "1"),
+     lambda d: "{:.2f}x, the decode steps alone {:.2f}x".format(
+         d["speedup_over_bf16_graph"]["modelopt-lightning_graph"],
+         d["steps_tokens_per_s_modelopt-lightning_graph"] / d["steps_tokens_per_s_bf16_graph"])),
+    *[(README, text, name, path, fmt) for text, name, path, fmt in (
+        ("went from 224 to 185 kernels and from 1161.3 to 1101.4 us", "decode-profile-compiled-lightning-one-launch-h100.json",
+         ("per_step_kernels", "modelopt-lightning"), lambda v: f"from {v:.0f} to"),
+        ("went from 224 to 185 kernels and from 1161.3 to 1101.4 us", "decode-profile-compiled-lightning-one-graph-h100.json",
+         ("per_step_kernels", "modelopt-lightning"), lambda v: f"to {v:.0f} kernels"),
+        ("went from 224 to 185 kernels and from 1161.3 to 1101.4 us", "decode-profile-compiled-lightning-one-launch-h100.json",
+         ("per_step_wall_us", "modelopt-lightning"), lambda v: f"from {v:.1f} to"),
+        ("went from 224 to 185 kernels and from 1161.3 to 1101.4 us", "decode-profile-compiled-lightning-one-graph-h100.json",
+         ("per_step_wall_us", "modelopt-lightning"), lambda v: f"to {v:.1f} us"),
+        ("BF16's from 312 to 285 kernels and from 2321.6 to 2290.0 us", "decode-profile-compiled-lightning-one-launch-h100.json",
+         ("per_step_kernels", "bf16"), lambda v: f"from {v:.0f} to"),
+        ("BF16's from 312 to 285 kernels and from 2321.6 to 2290.0 us", "decode-profile-compiled-lightning-one-graph-h100.json",
+         ("per_step_kernels", "bf16"), lambda v: f"to {v:.0f} kernels"),
+        ("BF16's from 312 to 285 kernels and from 2321.6 to 2290.0 us", "decode-profile-compiled-lightning-one-launch-h100.json",
+         ("per_step_wall_us", "bf16"), lambda v: f"from {v:.1f} to"),
+        ("BF16's from 312 to 285 kernels and from 2321.6 to 2290.0 us", "decode-profile-compiled-lightning-one-graph-h100.json",
+         ("per_step_wall_us", "bf16"), lambda v: f"to {v:.1f} us"))],
+    *[(README, "gives BF16\n428.3, the default recipe 778.1 (1.82x) and `modelopt-lightning` 893.8 tokens/s (2.09x); the\n"
+       "decode steps alone 434.3, 796.7 (1.83x) and 900.7 (2.07x)", "decode-b1-one-graph-h100.json", ("batches", "1"), fmt)
+      for fmt in (lambda d: "BF16 {:.1f}, the default recipe {:.1f} ({:.2f}x)".format(
+                      d["tokens_per_s_bf16_graph"], d["tokens_per_s_nemotron-h-w4a16-4o6_graph"],
+                      d["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"]),
+                  lambda d: "{:.1f} tokens/s ({:.2f}x)".format(d["tokens_per_s_modelopt-lightning_graph"],
+                                                              d["speedup_over_bf16_graph"]["modelopt-lightning_graph"]),
+                  lambda d: "alone {:.1f}, {:.1f} ({:.2f}x) and {:.1f} ({:.2f}x)".format(
+                      d["steps_tokens_per_s_bf16_graph"], d["steps_tokens_per_s_nemotron-h-w4a16-4o6_graph"],
+                      d["steps_tokens_per_s_nemotron-h-w4a16-4o6_graph"] / d["steps_tokens_per_s_bf16_graph"],
+                      d["steps_tokens_per_s_modelopt-lightning_graph"],
+                      d["steps_tokens_per_s_modelopt-lightning_graph"] / d["steps_tokens_per_s_bf16_graph"]))],
+    (README, "gave `modelopt-lightning` 842.4 tokens/s, 1.97x (decode-b1-lightning-pdl-h100.json)",
+     "decode-b1-lightning-pdl-h100.json", ("batches", "1"),
+     lambda d: "{:.1f} tokens/s, {:.2f}x".format(d["tokens_per_s_modelopt-lightning_graph"],
+                                                 d["speedup_over_bf16_graph"]["modelopt-lightning_graph"])),
+    # the in-step prefetch tried and removed
+    *[(doc, text, "decode-b1-prefetch-h100.json", ("batches", "1"), fmt) for doc, text, fmt in (
+        (README, "`modelopt-lightning` 885.7 tokens/s against 919.7 without it, the default\nrecipe 783.7 against 818.9",
+         lambda d: "{:.1f} tokens/s against {:.1f} without it, the default recipe {:.1f} against {:.1f}".format(
+             d["tokens_per_s_modelopt-lightning_graph"], d["tokens_per_s_modelopt-lightning_graph_no-prefetch"],
+             d["tokens_per_s_nemotron-h-w4a16-4o6_graph"], d["tokens_per_s_nemotron-h-w4a16-4o6_graph_no-prefetch"])),
+        (BENCH, "`modelopt-lightning` 885.7 against 919.7", lambda d: "{:.1f} against {:.1f}".format(
+            d["tokens_per_s_modelopt-lightning_graph"], d["tokens_per_s_modelopt-lightning_graph_no-prefetch"])))],
     # a weight already in L2 (bench_prefetch.py)
     *[(BENCH, text, "prefetch-h100.json", ("rows",), _prefetch_cell(op)) for op, text in (
         ("mamba.in_proj", "`torch._scaled_mm`) 12.2 / 9.4 / 7.9"), ("mamba.out_proj", "out_proj (11.0 MB) 6.6 / 5.3 / 5.1"),

@@ -44,6 +44,10 @@ from ..kernels import mamba as mamba_kernels, ops as kernel_ops
 from ..kernels.backend import interpreted
 from ..kernels.mamba import conv_update, state_update
 
+# Whether the step kernel runs compiled (not in Triton's interpreter): fixed at import, and a
+# constant to code that torch.compile traces (dynamo cannot take the type of a compiled Triton
+# kernel, and asking it that at trace time broke the graph at every mixer).
+_STEP_KERNEL = not interpreted(mamba_kernels._mamba_step_kernel)
 # transformers' names of the two functions, in the mixer's modeling module.
 CONV_UPDATE = "causal_conv1d_update"
 STATE_UPDATE = "mamba2_selective_state_update"
@@ -122,7 +126,7 @@ def one_launch(mixers: list):
 def step_backend(hidden_states: torch.Tensor) -> str | None:
     """The backend `_one_launch_forward` runs `kernels.mamba.mamba_step` on for these rows: "triton"
     on a GPU (compiled kernels), else None (the mixer's own forward)."""
-    return "triton" if hidden_states.is_cuda and not interpreted(mamba_kernels._mamba_step_kernel) else None
+    return "triton" if hidden_states.is_cuda and _STEP_KERNEL else None
 
 
 def decode_states(cache, layer_idx: int) -> tuple | None:

@@ -77,6 +77,26 @@ def test_a_compiled_graph_gives_the_tokens_of_the_eager_step(tiny, quantized, wh
     assert compiled.tokens == generate(model, tok, PROMPTS, NEW, graph=False).tokens
 
 
+@pytest.mark.parametrize("which", ["bf16", "quantized-triton"])
+def test_the_compiled_step_is_one_graph(tiny, quantized, which):
+    """The step's one-launch Mamba steps and attention are chosen by constants while dynamo traces,
+    so the whole forward is one graph (Inductor can then fuse each layer's residual add into the
+    next layer's norm). Asking a compiled Triton kernel's type at trace time broke the graph at
+    every Mamba mixer and attention layer. The profile shows both one-launch kernels ran."""
+    from torch._dynamo.utils import counters
+
+    model, tok = (tiny[0], tiny[1]) if which == "bf16" else (quantized, tiny[1])
+    torch._dynamo.reset()
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    generate(model, tok, PROMPTS[:1], 4, graph=True, compile=True)
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        generate(model, tok, PROMPTS[:1], 4, graph=False, compile=True)
+    names = {e.name for e in prof.events()}
+    assert any("_mamba_step_kernel" in n for n in names) and any("_decode_attention_kernel" in n for n in names)
+
+
 def test_a_batch_is_padded_up_to_its_bucket(tiny):
     model, tok = tiny
     three = PROMPTS + PROMPTS[:1]
