@@ -287,6 +287,32 @@ DECODE_ROWS_MAMBA = (
     ("64", "| 64 | - | 4775.2 | 6092.5 (1.28x) | 6013.5 (1.26x) |", _decode_cells("bf16_graph", *_CKPTS)),
 )
 # (document, quoted text, results file, path of the value, how the text rounds it)
+def _lightning_over_bf16(d: dict) -> str:
+    """A batch-1 bench_decode run's `modelopt-lightning` over BF16 by tokens/s and by the decode steps alone."""
+    return "{:.2f}x, the decode steps alone {:.2f}x".format(
+        d["speedup_over_bf16_graph"]["modelopt-lightning_graph"],
+        d["steps_tokens_per_s_modelopt-lightning_graph"] / d["steps_tokens_per_s_bf16_graph"])
+
+
+def _steps_over_bf16(d: dict, label: str) -> float:
+    return d[f"steps_tokens_per_s_{label}_graph"] / d["steps_tokens_per_s_bf16_graph"]
+
+
+# How the README quotes a batch-1 bench_decode run of both recipes: BF16's and the default recipe's
+# tokens/s, `modelopt-lightning`'s, and the decode steps' alone.
+_B1_CELLS = (
+    lambda d: "BF16 {:.1f}, the default recipe {:.1f} ({:.2f}x)".format(
+        d["tokens_per_s_bf16_graph"], d["tokens_per_s_nemotron-h-w4a16-4o6_graph"],
+        d["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"]),
+    lambda d: "{:.1f} tokens/s ({:.2f}x)".format(d["tokens_per_s_modelopt-lightning_graph"],
+                                                d["speedup_over_bf16_graph"]["modelopt-lightning_graph"]),
+    lambda d: "alone {:.1f}, {:.1f} ({:.2f}x) and {:.1f} ({:.2f}x)".format(
+        d["steps_tokens_per_s_bf16_graph"], d["steps_tokens_per_s_nemotron-h-w4a16-4o6_graph"],
+        _steps_over_bf16(d, "nemotron-h-w4a16-4o6"), d["steps_tokens_per_s_modelopt-lightning_graph"],
+        _steps_over_bf16(d, "modelopt-lightning")),
+)
+
+
 FIGURES = [
     # README: calibration, ModelOpt parity, verify
     (README, "the calibration pass costs **1.014x** a plain forward", "calibration-overhead-h200.json",
@@ -1027,59 +1053,26 @@ FIGURES = [
              d["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"],
              d["steps_tokens_per_s_nemotron-h-w4a16-4o6_graph"] / d["steps_tokens_per_s_bf16_graph"])),
         ("with it on an H200, 2.08x, the decode steps alone 1.97x (decode-b1-pdl-h200.json)",
-         lambda d: "{:.2f}x, the decode steps alone {:.2f}x".format(
-             d["speedup_over_bf16_graph"]["modelopt-lightning_graph"],
-             d["steps_tokens_per_s_modelopt-lightning_graph"] / d["steps_tokens_per_s_bf16_graph"])))],
+         _lightning_over_bf16))],
     *[(README, "gives BF16 481.4, the default recipe 940.0 (1.95x) and\n`modelopt-lightning` 1000.8 tokens/s (2.08x); "
        "the decode steps alone 480.7, 868.6 (1.81x) and\n945.3 (1.97x)", "decode-b1-pdl-h200.json", ("batches", "1"), fmt)
-      for fmt in (lambda d: "BF16 {:.1f}, the default recipe {:.1f} ({:.2f}x)".format(
-                      d["tokens_per_s_bf16_graph"], d["tokens_per_s_nemotron-h-w4a16-4o6_graph"],
-                      d["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"]),
-                  lambda d: "{:.1f} tokens/s ({:.2f}x)".format(d["tokens_per_s_modelopt-lightning_graph"],
-                                                              d["speedup_over_bf16_graph"]["modelopt-lightning_graph"]),
-                  lambda d: "alone {:.1f}, {:.1f} ({:.2f}x) and {:.1f} ({:.2f}x)".format(
-                      d["steps_tokens_per_s_bf16_graph"], d["steps_tokens_per_s_nemotron-h-w4a16-4o6_graph"],
-                      d["steps_tokens_per_s_nemotron-h-w4a16-4o6_graph"] / d["steps_tokens_per_s_bf16_graph"],
-                      d["steps_tokens_per_s_modelopt-lightning_graph"],
-                      d["steps_tokens_per_s_modelopt-lightning_graph"] / d["steps_tokens_per_s_bf16_graph"]))],
+      for fmt in _B1_CELLS],
     # the step as one compiled graph (H100)
     (README, "with the step one compiled graph, on an H100, 1.82x (decode-b1-one-graph-h100.json)",
      "decode-b1-one-graph-h100.json", ("batches", "1", "speedup_over_bf16_graph", "nemotron-h-w4a16-4o6_graph"),
      lambda v: f"{v:.2f}x"),
     (README, "with the step one compiled graph, on an H100, 2.09x, the decode steps alone 2.07x",
      "decode-b1-one-graph-h100.json", ("batches", "1"),
-     lambda d: "{:.2f}x, the decode steps alone {:.2f}x".format(
-         d["speedup_over_bf16_graph"]["modelopt-lightning_graph"],
-         d["steps_tokens_per_s_modelopt-lightning_graph"] / d["steps_tokens_per_s_bf16_graph"])),
-    *[(README, text, name, path, fmt) for text, name, path, fmt in (
-        ("went from 224 to 185 kernels and from 1161.3 to 1101.4 us", "decode-profile-compiled-lightning-one-launch-h100.json",
-         ("per_step_kernels", "modelopt-lightning"), lambda v: f"from {v:.0f} to"),
-        ("went from 224 to 185 kernels and from 1161.3 to 1101.4 us", "decode-profile-compiled-lightning-one-graph-h100.json",
-         ("per_step_kernels", "modelopt-lightning"), lambda v: f"to {v:.0f} kernels"),
-        ("went from 224 to 185 kernels and from 1161.3 to 1101.4 us", "decode-profile-compiled-lightning-one-launch-h100.json",
-         ("per_step_wall_us", "modelopt-lightning"), lambda v: f"from {v:.1f} to"),
-        ("went from 224 to 185 kernels and from 1161.3 to 1101.4 us", "decode-profile-compiled-lightning-one-graph-h100.json",
-         ("per_step_wall_us", "modelopt-lightning"), lambda v: f"to {v:.1f} us"),
-        ("BF16's from 312 to 285 kernels and from 2321.6 to 2290.0 us", "decode-profile-compiled-lightning-one-launch-h100.json",
-         ("per_step_kernels", "bf16"), lambda v: f"from {v:.0f} to"),
-        ("BF16's from 312 to 285 kernels and from 2321.6 to 2290.0 us", "decode-profile-compiled-lightning-one-graph-h100.json",
-         ("per_step_kernels", "bf16"), lambda v: f"to {v:.0f} kernels"),
-        ("BF16's from 312 to 285 kernels and from 2321.6 to 2290.0 us", "decode-profile-compiled-lightning-one-launch-h100.json",
-         ("per_step_wall_us", "bf16"), lambda v: f"from {v:.1f} to"),
-        ("BF16's from 312 to 285 kernels and from 2321.6 to 2290.0 us", "decode-profile-compiled-lightning-one-graph-h100.json",
-         ("per_step_wall_us", "bf16"), lambda v: f"to {v:.1f} us"))],
+     _lightning_over_bf16),
+    # before (the one-launch profile) and after (one graph): kernels and wall time per step
+    *[(README, text, f"decode-profile-compiled-lightning-{which}-h100.json", (key, model),
+       (lambda v, key=key, which=which: f"{'from' if which == 'one-launch' else 'to'} {v:.{0 if key == 'per_step_kernels' else 1}f}"))
+      for model, text in (("modelopt-lightning", "went from 224 to 185 kernels and from 1161.3 to 1101.4 us"),
+                          ("bf16", "BF16's from 312 to 285 kernels and from 2321.6 to 2290.0 us"))
+      for key in ("per_step_kernels", "per_step_wall_us") for which in ("one-launch", "one-graph")],
     *[(README, "gives BF16\n428.3, the default recipe 778.1 (1.82x) and `modelopt-lightning` 893.8 tokens/s (2.09x); the\n"
        "decode steps alone 434.3, 796.7 (1.83x) and 900.7 (2.07x)", "decode-b1-one-graph-h100.json", ("batches", "1"), fmt)
-      for fmt in (lambda d: "BF16 {:.1f}, the default recipe {:.1f} ({:.2f}x)".format(
-                      d["tokens_per_s_bf16_graph"], d["tokens_per_s_nemotron-h-w4a16-4o6_graph"],
-                      d["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"]),
-                  lambda d: "{:.1f} tokens/s ({:.2f}x)".format(d["tokens_per_s_modelopt-lightning_graph"],
-                                                              d["speedup_over_bf16_graph"]["modelopt-lightning_graph"]),
-                  lambda d: "alone {:.1f}, {:.1f} ({:.2f}x) and {:.1f} ({:.2f}x)".format(
-                      d["steps_tokens_per_s_bf16_graph"], d["steps_tokens_per_s_nemotron-h-w4a16-4o6_graph"],
-                      d["steps_tokens_per_s_nemotron-h-w4a16-4o6_graph"] / d["steps_tokens_per_s_bf16_graph"],
-                      d["steps_tokens_per_s_modelopt-lightning_graph"],
-                      d["steps_tokens_per_s_modelopt-lightning_graph"] / d["steps_tokens_per_s_bf16_graph"]))],
+      for fmt in _B1_CELLS],
     (README, "gave `modelopt-lightning` 842.4 tokens/s, 1.97x (decode-b1-lightning-pdl-h100.json)",
      "decode-b1-lightning-pdl-h100.json", ("batches", "1"),
      lambda d: "{:.1f} tokens/s, {:.2f}x".format(d["tokens_per_s_modelopt-lightning_graph"],
