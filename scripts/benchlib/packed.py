@@ -8,7 +8,7 @@ import torch
 from fp4kit.kernels.packed_gemm import config, pack, packed_matmul
 from fp4kit.kernels.quantize import quantize
 from fp4kit.kernels.w4a16_gemm import path, w4a16_matmul
-from sweeps.common import copy_count, nvfp4_bytes, time_calls, weight_copies
+from sweeps.common import nvfp4_bytes, tensor_copies, time_calls, weight_copies
 from sweeps.packed import NANO, SHAPES, time_graph
 
 
@@ -42,14 +42,12 @@ def bench_cold(shapes=NANO, ms=(1, 4, 16, 32, 64), tables=None, picked=None) -> 
     copies of the weight, 4 L2s of bytes in all: every call reads its weight from device memory,
     as a decode step's layers do). "picked_equal": the two tables' outputs byte for byte (equal
     where their split of K is the same; another split sums in another order)."""
-    from triton.testing import do_bench_cudagraph
-
     rows = []
     for n, k in shapes:
         wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
         wq = quantize(wb)
         q_copies = weight_copies(wq, nvfp4_bytes(wq))
-        bf16_copies = [wb] + [wb.clone() for _ in range(copy_count(wb.device, 2 * n * k) - 1)]
+        bf16_copies = tensor_copies(wb, 2 * n * k)
         p_copies = [pack(q) for q in q_copies]
         for m in ms:
             x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
@@ -63,7 +61,7 @@ def bench_cold(shapes=NANO, ms=(1, 4, 16, 32, 64), tables=None, picked=None) -> 
                 row["packed_picked_launch"] = config(m, n, k, x.device, tables=picked)
                 row["picked_equal"] = bool(torch.equal(fns["packed"][0](), fns["packed_picked"][0]()))
             for name, f in fns.items():
-                row[f"ms_{name}_warm"] = do_bench_cudagraph(f[0], rep=30, return_mode="median")
+                row[f"ms_{name}_warm"] = time_graph(f[0])
                 row[f"ms_{name}_cold"] = time_calls(f)
             for state in ("warm", "cold"):
                 best = min(row[f"ms_{name}_{state}"] for name in fns if name != "bf16")

@@ -42,6 +42,11 @@ def weight_copies(w, touched_bytes: int, l2_multiple: int = 4, most: int = 64) -
     return [w] + [weight_copy(w) for _ in range(copy_count(w.packed.device, touched_bytes, l2_multiple, most) - 1)]
 
 
+def tensor_copies(t: torch.Tensor, touched_bytes: int, most: int = 64) -> list:
+    """`t` and clones of it, as many as `copy_count` gives: `weight_copies` for a plain tensor."""
+    return [t] + [t.clone() for _ in range(copy_count(t.device, touched_bytes, most=most) - 1)]
+
+
 def copy_count(device, touched_bytes: int, l2_multiple: int = 4, most: int = 64) -> int:
     """How many weights of `touched_bytes` each make `l2_multiple` times the device's L2 cache
     (at least 2, at most `most`): `weight_copies`' count, for any kind of weight."""

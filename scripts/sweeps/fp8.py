@@ -17,7 +17,7 @@ import torch
 from fp4kit.kernels import fp8_gemm as fg
 
 from . import Sweep
-from .common import copy_count, time_if_right
+from .common import tensor_copies, time_if_right
 
 SHAPES = ((10304, 2688), (2688, 4096))
 # (BLOCK_N, BLOCK_K, warps): every lane holding 16 columns of its rows (BLOCK_K = 512 x warps), and
@@ -43,7 +43,7 @@ def _problems(shapes, ms, rows: list):
     dev = torch.device("cuda")
     for n, k in shapes:
         w = (torch.randn((n, k), device=dev) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-        copies = [w] + [w.clone() for _ in range(copy_count(dev, w.numel()) - 1)]
+        copies = tensor_copies(w, w.numel())
         ws = torch.tensor(0.0123, device=dev)
         for m in ms:
             xq = (torch.randn((m, k), device=dev) * 32).clamp(-448, 448).to(torch.float8_e4m3fn)

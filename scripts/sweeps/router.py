@@ -15,7 +15,7 @@ import torch
 from fp4kit.kernels import router
 
 from . import Sweep
-from .common import copy_count, time_calls
+from .common import tensor_copies, time_calls
 
 # (experts per program, warps)
 SHAPES = tuple(itertools.product((1, 2, 4, 8), (1, 2, 4, 8)))
@@ -29,7 +29,7 @@ def sweep_route(e=128, kdim=2688, k=6, tokens=(1, 16, 64), shapes=SHAPES) -> lis
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     w = torch.randn((e, kdim), device=dev, generator=g) * 0.02
-    copies = [w] + [w.clone() for _ in range(copy_count(dev, w.numel() * 4, most=256) - 1)]
+    copies = tensor_copies(w, w.numel() * 4, most=256)
     bias = torch.randn(e, device=dev, generator=g) * 0.01
     rows = []
     for t in tokens:
