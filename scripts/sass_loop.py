@@ -1,6 +1,6 @@
 """Counts the instructions of a Triton kernel's innermost loop on sm_90, without a GPU.
 
-    python scripts/sass_loop.py fp8-gemv|moe-gemv|packed|packed-overlap [--out benchmarks/results/<kernel>-sass.json]
+    python scripts/sass_loop.py fp8-gemv|moe-gemv|packed|packed-overlap|route-tail|attention-combine [--out ...]
 
 Triton compiles the kernel ahead of time for sm_90 (its bundled ptxas), cuobjdump (bundled too)
 disassembles it, and the loop is the last innermost one (a backward branch's range that holds no
@@ -30,11 +30,11 @@ _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 _BRA = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)|(0x[0-9a-f]+))")
 
 
-def loop_ops(sass: str, containing: str | None = None) -> dict:
-    """Opcode counts of the innermost loop in a cuobjdump listing: of the backward branches whose
-    range (from the branch's target to the branch) holds no other backward branch, the last one
-    (with `containing`, the last one that holds that opcode: not a wait's spin loop); {} where
-    there is none."""
+def loop_sequence(sass: str, containing: str | None = None) -> list[str]:
+    """The opcodes, in listing order, of the innermost loop in a cuobjdump listing: of the backward
+    branches whose range (from the branch's target to the branch) holds no other backward branch,
+    the last one (with `containing`, the last one that holds that opcode: not a wait's spin
+    loop); [] where there is none."""
     lines = [ln for ln in sass.splitlines() if _OP.search(ln)]
     addr = [int(_ADDR.search(ln).group(1), 16) for ln in lines]
     loops = []
@@ -47,14 +47,27 @@ def loop_ops(sass: str, containing: str | None = None) -> dict:
         inner = [(a, b) for a, b in inner
                  if any(a <= here <= b and _OP.search(ln).group(1) == containing for ln, here in zip(lines, addr))]
     if not inner:
-        return {}
+        return []
     start, end = inner[-1]
+    return [_OP.search(ln).group(1) for ln, here in zip(lines, addr) if start <= here <= end]
+
+
+def _counts(opcodes: list[str]) -> dict:
     ops: dict = {}
-    for ln, here in zip(lines, addr):
-        if start <= here <= end:
-            op = _OP.search(ln).group(1)
-            ops[op] = ops.get(op, 0) + 1
+    for op in opcodes:
+        ops[op] = ops.get(op, 0) + 1
     return dict(sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def loop_ops(sass: str, containing: str | None = None) -> dict:
+    """Opcode counts of `loop_sequence`'s loop; {} where there is none."""
+    return _counts(loop_sequence(sass, containing))
+
+
+def ops_after(sass: str, opcode: str) -> dict:
+    """Opcode counts of a listing from its first `opcode` on ({} where it has none)."""
+    seq = [_OP.search(ln).group(1) for ln in sass.splitlines() if _OP.search(ln)]
+    return _counts(seq[seq.index(opcode):]) if opcode in seq else {}
 
 
 def compile_sm90(fn, signature: dict, constants: dict, num_warps: int, divisible: tuple,
@@ -199,7 +212,55 @@ def packed_overlap(launches=((16, 3, 2, 0), (32, 3, 2, 0), (64, 2, 2, 0), (64, 3
     return rows
 
 
-KERNELS = {"fp8-gemv": fp8_gemv, "moe-gemv": moe_gemv, "packed": packed, "packed-overlap": packed_overlap}
+def route_tail(launches=((1, 1), (4, 4))) -> list:
+    """`router._route_kernel` as Nemotron-3-Nano's router launches it (128 experts, top 6, K =
+    2688, normalised) per (experts per program, warps): the instructions of the last program's
+    tail, from its arrival at the token's counter (ATOMG) on. Its barriers (BAR) and shuffles
+    (SHFL) are the steps of its reductions, which run one after another."""
+    from fp4kit.kernels import router as rt
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "b_ptr": "*fp32", "logits_ptr": "*fp32", "ids_ptr": "*i64",
+           "wout_ptr": "*fp32", "cnt_ptr": "*i32", "E": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32",
+           "scale": "fp32"}
+    sig.update({name: "constexpr" for name in ("TOPK", "NORM", "BLOCK_R", "BLOCK_K", "BLOCK_E", "TOPK_P2")})
+    divisible = ("x_ptr", "w_ptr", "b_ptr", "logits_ptr", "ids_ptr", "wout_ptr", "cnt_ptr", "E", "K", "stride_x",
+                 "stride_w")
+    rows = []
+    for per, nw in launches:
+        consts = dict(TOPK=6, NORM=True, BLOCK_R=per, BLOCK_K=4096, BLOCK_E=128, TOPK_P2=8)
+        regs, sass, stack = compile_sm90(rt._route_kernel, sig, consts, nw, divisible)
+        ops = ops_after(sass, "ATOMG")
+        rows.append({"experts": per, "warps": nw, "registers": regs, "stack": stack,
+                     "tail_instructions": sum(ops.values()), "ops": ops})
+    return rows
+
+
+def attention_combine() -> list:
+    """`attention._decode_attention_kernel` as a Nemotron-3-Nano attention layer launches it at
+    decode (16 query heads per key/value head, head size 128, a bool mask): the last program's
+    loop that sums the splits' partials (the listing's last loop), and how many global loads it
+    issues before its first exponential (MUFU): the partials in flight together."""
+    from fp4kit.kernels import attention as at
+
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "m_ptr": "*i1", "o_ptr": "*bf16", "part_ptr": "*fp32",
+           "cnt_ptr": "*i32", "S": "i32", "heads_kv": "i32", "per_split": "i32", "scale": "fp32"}
+    sig.update({name: "i32" for name in ("sq_b", "sq_h", "sk_b", "sk_h", "sk_s", "sv_b", "sv_h", "sv_s", "sm_b",
+                                         "sm_s")})
+    sig.update({name: "constexpr" for name in ("G", "D", "BLOCK_G", "BLOCK_D", "BLOCK_N", "MASK", "IEEE", "SPLITS",
+                                               "COMBINE")})
+    divisible = ("q_ptr", "k_ptr", "v_ptr", "m_ptr", "o_ptr", "part_ptr", "cnt_ptr", "S", "per_split", "sq_b", "sq_h",
+                 "sk_b", "sk_h", "sk_s", "sv_b", "sv_h", "sv_s", "sm_b")
+    consts = dict(G=16, D=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=at.BLOCK_N, MASK=1, IEEE=False, SPLITS=at.SPLITS,
+                  COMBINE=at.COMBINE)
+    regs, sass, stack = compile_sm90(at._decode_attention_kernel, sig, consts, 4, divisible)
+    seq = loop_sequence(sass, containing="MUFU")
+    first_exp = seq.index("MUFU") if "MUFU" in seq else len(seq)
+    return [{"combine": at.COMBINE, "registers": regs, "stack": stack, "loop_instructions": len(seq),
+             "loads_before_exp": seq[:first_exp].count("LDG"), "ops": _counts(seq)}]
+
+
+KERNELS = {"fp8-gemv": fp8_gemv, "moe-gemv": moe_gemv, "packed": packed, "packed-overlap": packed_overlap,
+           "route-tail": route_tail, "attention-combine": attention_combine}
 
 
 def main(argv=None) -> int:
@@ -208,11 +269,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the rows as JSON (date, command, versions) here")
     args = ap.parse_args(argv)
     rows = KERNELS[args.kernel]()
-    print(f"{'launch':>36} {'regs':>5} {'stack':>5} {'loop':>5} {'per weight':>10}  shared-memory ops and permutes")
+    print(f"{'launch':>36} {'regs':>5} {'stack':>5} {'loop':>5} {'per weight':>10}  shared-memory ops, permutes, shuffles")
     for r in rows:
-        tag = {k: v for k, v in r.items() if k not in ("registers", "stack", "loop_instructions", "per_weight", "ops")}
-        smem = {k: v for k, v in r["ops"].items() if k in ("BAR", "STS", "STSM", "LDS", "LDGSTS", "PRMT")}
-        print(f"{json.dumps(tag):>36} {r['registers']:>5} {r['stack']:>5} {r['loop_instructions']:>5} {r['per_weight']:>10}  "
+        counted = ("registers", "stack", "loop_instructions", "tail_instructions", "per_weight", "ops")
+        tag = {k: v for k, v in r.items() if k not in counted}
+        smem = {k: v for k, v in r["ops"].items() if k in ("BAR", "STS", "STSM", "LDS", "LDGSTS", "PRMT", "SHFL")}
+        size = r.get("loop_instructions", r.get("tail_instructions", ""))
+        print(f"{json.dumps(tag):>36} {r['registers']:>5} {r['stack']:>5} {size:>5} {r.get('per_weight', ''):>10}  "
               f"{smem}")
     if args.out:
         from benchlib.record import run_record

@@ -996,6 +996,19 @@ FIGURES = [
     (BENCH, "wrong on the GPU at 4 and 8 tokens", "kernels-sweeps-moe-small_mma-h200.json", ("rows",),
      lambda rows: "4 and 8" if sorted({r["tokens"] for r in rows if r["path"] == "small-mma" and r["ms"] is None
                                          and r.get("error", "").startswith("ArithmeticError")}) == [4, 8] else "?"),
+    *[(README, "they took 82.1 and 48.8 us of each `modelopt-lightning` step",
+       "decode-profile-compiled-lightning-one-graph-h100.json", ("top_kernels_per_step", "modelopt-lightning", {"kernel": k}),
+       lambda r: f"{r['us']:.1f}") for k in ("_route_kernel", "_decode_attention_kernel")],
+    # benchmarks/README.md: the decode step's router tail and attention combine, compiled ahead of time
+    *[(BENCH, text, name, ("rows", {"experts": 4, "warps": 4}, "ops"), lambda ops: str(ops["BAR"]))
+      for text, name in (("output back out of the vectors with another reduction: 55 barriers", "route-tail-before-sass.json"),
+                         ("place: 25 barriers", "route-tail-sass.json"))],
+    *[(BENCH, text, name, ("rows", {"combine": c}, key), str)
+      for text, name, c, key in (("loaded one split's 10 values", "attention-combine-before-sass.json", 1, "loads_before_exp"),
+                                 ("issues 4 splits' loads", "attention-combine-sass.json", 4, "combine"),
+                                 ("48, before its first exponential", "attention-combine-sass.json", 4, "loads_before_exp"),
+                                 ("at 126 registers", "attention-combine-sass.json", 4, "registers"),
+                                 ("against 122", "attention-combine-before-sass.json", 1, "registers"))],
     (BENCH, "its 3.86 instructions per weight", "moe-small-mma-sass.json",
      ("rows", {"rows": 1, "warps": 1, "kwarps": 4}, "per_weight"), _f(2)),
     (BENCH, "the packed kernel's (`packed`) 4.0 per weight at 64 rows", "packed-sass.json",

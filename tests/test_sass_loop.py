@@ -88,3 +88,32 @@ def test_the_overlapped_gemm_keeps_a_tiles_wgmma_in_flight_while_it_decodes_the_
         assert row["stack"] == 0 and row["ops"]["HGMMA"] == 8
         assert row["wgmma_waits"] == {"0": 1, "1": 1}
         assert row["ops"]["HMUL2"] == 32 and row["ops"]["LOP3"] + row["ops"]["SHF"] >= 64  # 8 words: 4 multiplies each
+
+
+def test_the_ops_after_an_opcode_and_the_loops_order():
+    assert sass_loop.ops_after(LISTING, "LDS") == {"FFMA": 2, "BRA": 3, "BAR": 1, "EXIT": 1, "LDS": 1, "STG": 1}
+    assert sass_loop.ops_after(LISTING, "HMMA") == {}
+    assert sass_loop.loop_sequence(LISTING) == ["LDS", "FFMA", "FFMA", "BAR", "BRA"]
+    assert sass_loop.loop_sequence(LISTING, containing="LDG") == ["LDG", "FFMA", "BRA"]
+
+
+def test_the_routers_tail_takes_one_reduction_per_pick():
+    # Nano's router, 4 warps (the launch table's): the last program's tail from its arrival on.
+    # One maximum per pick (value and expert packed together, carrying the score) and the picks'
+    # order worked out on the picks alone: at most 5 barriers per pick of the 6; picking by a
+    # maximum and then a minimum per pick, with a reduction per output, took 55.
+    one, four = _compiled_rows("route_tail()")
+    assert (one["warps"], four["warps"]) == (1, 4) and four["stack"] == 0
+    assert four["ops"]["BAR"] <= 5 * 6
+    assert one["ops"].get("BAR", 0) <= 3  # one warp: its reductions are shuffles
+
+
+def test_the_attentions_last_program_has_a_steps_partials_in_flight_together():
+    # Each split's partials are 2 + (16 x 128 fp32 per 128 threads) loads; COMBINE splits of them
+    # are issued before the loop step's first exponential, not one split's per step.
+    from fp4kit.kernels import attention
+
+    (row,) = _compiled_rows("attention_combine()")
+    assert row["combine"] == attention.COMBINE >= 4 and row["stack"] == 0
+    assert row["loads_before_exp"] >= 3 * attention.COMBINE
+    assert row["ops"]["MUFU"] >= attention.COMBINE

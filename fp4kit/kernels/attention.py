@@ -33,13 +33,15 @@ _WHAT = "kernels.decode_attention"
 # least one step's slots).
 BLOCK_N = 64
 SPLITS = 16
+COMBINE = 4  # the last program's partial sums per loop step (loads in flight together)
 
 
 @triton.jit
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, part_ptr, cnt_ptr, S, heads_kv, per_split, scale,
                              sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_s,
                              G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr):
+                             BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
+                             COMBINE: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -95,18 +97,26 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, part_ptr, cnt_pt
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel", scope="gpu")
     if arrived == n_split - 1:
+        # The partials' loads do not depend on each other: unrolled, several are in flight at once
+        # (all SPLITS maxima; the sums COMBINE splits per loop step, which bounds the registers
+        # they take). A split past n_split is masked off: weight exp(-inf) = 0 on zeros, adding +0.0.
         first = bh.to(tl.int64) * n_split * BLOCK_G + g
         top = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        for s_i in range(0, n_split):
-            top = tl.maximum(top, tl.load(part_ptr + (first + s_i * BLOCK_G) * width + BLOCK_D, cache_modifier=".cg"))
+        for s_i in tl.static_range(SPLITS):
+            top = tl.maximum(top, tl.load(part_ptr + (first + s_i * BLOCK_G) * width + BLOCK_D,
+                                          mask=g * 0 + s_i < n_split, other=float("-inf"), cache_modifier=".cg"))
         top = tl.where(top == float("-inf"), 0.0, top)
         total = tl.zeros([BLOCK_G], tl.float32)
         out = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for s_i in range(0, n_split):
-            r = first + s_i * BLOCK_G
-            w = tl.exp(tl.load(part_ptr + r * width + BLOCK_D, cache_modifier=".cg") - top)
-            total += w * tl.load(part_ptr + r * width + BLOCK_D + 1, cache_modifier=".cg")
-            out += w[:, None] * tl.load(part_ptr + r[:, None] * width + d[None, :], cache_modifier=".cg")
+        for s0 in range(0, n_split, COMBINE):
+            for j in tl.static_range(COMBINE):
+                r = first + (s0 + j) * BLOCK_G
+                live = g * 0 + s0 + j < n_split
+                w = tl.exp(tl.load(part_ptr + r * width + BLOCK_D, mask=live, other=float("-inf"),
+                                   cache_modifier=".cg") - top)
+                total += w * tl.load(part_ptr + r * width + BLOCK_D + 1, mask=live, other=0.0, cache_modifier=".cg")
+                out += w[:, None] * tl.load(part_ptr + r[:, None] * width + d[None, :], mask=live[:, None], other=0.0,
+                                            cache_modifier=".cg")
         out = out / total[:, None]
         # output [B, 1, H, D] contiguous
         o_off = (b * heads_kv * G + h * G + g[:, None]) * D + d[None, :]
@@ -181,7 +191,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         args = (query, key, value, m, out, part, counters, slots, heads_kv, per_split, float(scale),
                 query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
                 value.stride(0), value.stride(1), value.stride(2), sm_b, sm_s)
-        consts = dict(G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N, MASK=kind,
+        consts = dict(G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N, MASK=kind, SPLITS=SPLITS,
+                      COMBINE=COMBINE,
                       IEEE=interpreted(_decode_attention_kernel), num_warps=4, **launch_options())
         launch_cached(_decode_attention_kernel, (b * heads_kv, splits), *args, **consts)
     return out

@@ -10,9 +10,11 @@ order until k are taken. Values are compared as torch's radix select compares th
 bit patterns made order-preserving, so -0.0 ranks below +0.0 and any NaN above everything.
 
 `topk_gather` runs `_topk_gather_kernel`: one program per token holds the token's E sums, takes the
-largest k times (the lowest expert among equals), and writes the picks in that order. transformers'
-router runs three launches for this (the sum, top-k, the gather); under `torch.compile` the top-k
-stays an opaque library call, which the compiled step pays for at every layer.
+largest k times (the lowest expert among equals: one maximum of value and expert packed in 64
+bits, carrying the score), works out the order on the k picks alone and writes each pick at its
+place. transformers' router runs three launches for this (the sum, top-k, the gather); under
+`torch.compile` the top-k stays an opaque library call, which the compiled step pays for at every
+layer.
 
 `route` runs a whole single-group sigmoid router in one launch (`_route_kernel`): the fp32 logits,
 the scores, this pick, and the picked scores normalised and scaled, for the decode step's few rows.
@@ -33,53 +35,69 @@ from .backend import Constants, check_backend, current_device, interpreted, laun
 from .tiles import split_counters
 
 _WHAT = "kernels.router_topk"
-_LOWEST = -(2**31)  # below every value's key: the padding past E, and a pick once taken
 
 
 @triton.jit
-def _pick_order(c, e, ok, TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(chosen, pos) for the fp32 sums `c` [BLOCK_E] (entries past E: ok False): the k largest,
-    and each one's place in torch's order (module docstring); pos is meaningful where chosen."""
-    # Order-preserving signed keys of the fp32 bit patterns (negative values: magnitude bits
-    # flipped), NaN above everything, padding below everything.
+def _larger(key_a, s_a, key_b, s_b):
+    """The (packed key, score) pair with the larger key (`_picks`' reduction)."""
+    a = key_a >= key_b
+    return tl.where(a, key_a, key_b), tl.where(a, s_a, s_b)
+
+
+@triton.jit
+def _picks(c, s, e, ok, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The k largest of the fp32 sums `c` [BLOCK_E] (entries past E: ok False), as vectors over
+    j < TOPK_P2 (entries j >= TOPK unused): (expert, its value of `s`, its place in torch's order
+    (module docstring)).
+
+    Values are compared by order-preserving signed keys of their fp32 bit patterns (negative
+    values: magnitude bits flipped; NaN above everything, padding below everything), packed with
+    the expert above it as key * 2^32 + (BLOCK_E - 1 - expert), so that one maximum takes the
+    largest value and, among equals, the lowest expert; k such maxima (each carrying its `s`) give
+    the picks in descending order. Their places are then worked out on the k picks alone: those
+    above the k-th value first, then those equal to it, each part in increasing expert order."""
     bits = c.to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     key = tl.where(c != c, 2147483647, key)
     key = tl.where(ok, key, -2147483648)
-    work = key
-    chosen = e < 0
-    kth = tl.max(key, axis=0)
-    for _ in tl.static_range(TOPK):
-        kth = tl.max(work, axis=0)
-        pick = tl.min(tl.where(work == kth, e, BLOCK_E), axis=0)
-        chosen = chosen | (e == pick)
-        work = tl.where(e == pick, -2147483648, work)
-    above = chosen & (key > kth)
-    at = chosen & (key == kth)
-    n_above = tl.sum(above.to(tl.int32), axis=0)
-    pos = tl.where(above, tl.cumsum(above.to(tl.int32), axis=0) - 1, n_above + tl.cumsum(at.to(tl.int32), axis=0) - 1)
-    return chosen, pos
+    work = (key.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
+    j = tl.arange(0, TOPK_P2)
+    packed = tl.zeros([TOPK_P2], tl.int64)
+    picked = tl.zeros([TOPK_P2], tl.float32)
+    for i in tl.static_range(TOPK):
+        best, best_s = tl.reduce((work, s), 0, _larger)
+        packed = tl.where(j == i, best, packed)
+        picked = tl.where(j == i, best_s, picked)
+        work = tl.where(work == best, -9223372036854775807 - 1, work)
+    expert = (BLOCK_E - 1) - (packed & 0xFFFFFFFF)
+    kth = best >> 32
+    below = (packed >> 32) <= kth  # 0: above the k-th value, 1: equal to it
+    used = j < TOPK
+    # place of pick j: the used picks i in an earlier part, or in the same part with a lower expert
+    first = ((below[None, :].to(tl.int32) < below[:, None].to(tl.int32))
+             | ((below[None, :] == below[:, None]) & (expert[None, :] < expert[:, None]))) & used[None, :]
+    pos = tl.sum(first.to(tl.int32), axis=1)
+    return expert, picked, pos
 
 
 @triton.jit
 def _topk_gather_kernel(s_ptr, b_ptr, ids_ptr, w_ptr, E, stride_s,
-                        TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
+                        TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_E: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
     s = tl.load(s_ptr + t * stride_s + e, mask=ok, other=0.0)
     c = s + tl.load(b_ptr + e, mask=ok, other=0.0).to(tl.float32)
-    chosen, pos = _pick_order(c, e, ok, TOPK, BLOCK_E)
-    for j in tl.static_range(TOPK):
-        mine = chosen & (pos == j)
-        tl.store(ids_ptr + t * TOPK + j, tl.max(tl.where(mine, e, -1), axis=0).to(tl.int64))
-        tl.store(w_ptr + t * TOPK + j, tl.max(tl.where(mine, s, float("-inf")), axis=0))
+    expert, picked, pos = _picks(c, s, e, ok, TOPK, TOPK_P2, BLOCK_E)
+    used = tl.arange(0, TOPK_P2) < TOPK
+    tl.store(ids_ptr + t * TOPK + pos, expert, mask=used)
+    tl.store(w_ptr + t * TOPK + pos, picked, mask=used)
 
 
 @triton.jit
 def _route_kernel(x_ptr, w_ptr, b_ptr, logits_ptr, ids_ptr, wout_ptr, cnt_ptr, E, K, stride_x, stride_w, scale,
                   TOPK: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_E: tl.constexpr):
+                  BLOCK_E: tl.constexpr, TOPK_P2: tl.constexpr):
     """One token's router (program axis 1) in one launch. Each program computes the fp32 logits of
     BLOCK_R experts (fp32 products of the token's row and the weight rows, summed in fp32), stores
     them and counts itself in at the token's counter; the last of the token's programs to arrive
@@ -107,19 +125,19 @@ def _route_kernel(x_ptr, w_ptr, b_ptr, logits_ptr, ids_ptr, wout_ptr, cnt_ptr, E
         logit = tl.load(logits_ptr + t * E + e, mask=ok, other=0.0, cache_modifier=".cg")
         s = tl.math.div_rn(tl.full([BLOCK_E], 1.0, tl.float32), 1.0 + tl.exp(-logit))
         c = s + tl.load(b_ptr + e, mask=ok, other=0.0).to(tl.float32)
-        chosen, pos = _pick_order(c, e, ok, TOPK, BLOCK_E)
-        total = 0.0
+        expert, picked, pos = _picks(c, s, e, ok, TOPK, TOPK_P2, BLOCK_E)
+        j = tl.arange(0, TOPK_P2)
+        used = j < TOPK
         if NORM:
-            for j in tl.static_range(TOPK):
-                total += tl.max(tl.where(chosen & (pos == j), s, float("-inf")), axis=0)
+            # the picked scores summed one by one in torch's order (`in_order`: by place)
+            in_order = tl.sum(tl.where((pos[None, :] == j[:, None]) & used[None, :], picked[None, :], 0.0), axis=1)
+            total = 0.0
+            for i in tl.static_range(TOPK):
+                total += tl.sum(tl.where(j == i, in_order, 0.0), axis=0)
             total += 1e-20
-        for j in tl.static_range(TOPK):
-            mine = chosen & (pos == j)
-            tl.store(ids_ptr + t * TOPK + j, tl.max(tl.where(mine, e, -1), axis=0).to(tl.int64))
-            picked = tl.max(tl.where(mine, s, float("-inf")), axis=0)
-            if NORM:
-                picked = tl.math.div_rn(picked, total)
-            tl.store(wout_ptr + t * TOPK + j, picked * scale)
+            picked = tl.math.div_rn(picked, total)
+        tl.store(ids_ptr + t * TOPK + pos, expert, mask=used)
+        tl.store(wout_ptr + t * TOPK + pos, picked * scale, mask=used)
         tl.store(cnt_ptr + t, 0)
 
 
@@ -168,7 +186,7 @@ def topk_gather(scores: torch.Tensor, bias: torch.Tensor, k: int, *, backend: st
     gathered = torch.empty((t, k), dtype=torch.float32, device=scores.device)
     if t:
         args = (scores, bias, chosen, gathered, n, scores.stride(0))
-        consts = dict(TOPK=k, BLOCK_E=max(next_power_of_2(n), 16),
+        consts = dict(TOPK=k, TOPK_P2=max(next_power_of_2(k), 2), BLOCK_E=max(next_power_of_2(n), 16),
                       num_warps=1 if n <= 256 or interpreted(_topk_gather_kernel) else 4, **launch_options())
         gpu = scores.get_device()
         # a router on another GPU than the current one launches on its own
@@ -264,7 +282,8 @@ def _route_plan(n: int, kdim: int, k: int, norm: bool, tables: Mapping) -> tuple
         raise ValueError(f"kernels.route: the ROUTE table's experts and num_warps (<= 16) must be powers of two, "
                          f"got experts={per}, num_warps={warps}")
     consts = Constants(TOPK=k, NORM=norm, BLOCK_R=per, BLOCK_K=min(ROUTE_BLOCK_K, max(next_power_of_2(kdim), 16)),
-                       BLOCK_E=max(next_power_of_2(n), 16), num_warps=warps, **launch_options())
+                       BLOCK_E=max(next_power_of_2(n), 16), TOPK_P2=max(next_power_of_2(k), 2), num_warps=warps,
+                       **launch_options())
     return -(-n // per), consts
 
 

@@ -53,6 +53,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 CASES = [  # tokens, experts, k, distinct levels (None: continuous)
     (5, 128, 6, None), (9, 128, 6, 7), (4, 128, 6, 2), (3, 20, 1, None), (3, 20, 20, 3), (6, 37, 5, 4),
+    (3, 256, 8, 3), (3, 300, 8, None), (4, 300, 6, 5),
 ]
 
 
@@ -177,7 +178,7 @@ def _router_inputs(t: int, e: int, kdim: int, seed: int, twins: int = 0):
 
 @pytest.mark.parametrize("norm,scale", [(True, 2.5), (False, 1.0)])
 @pytest.mark.parametrize("t,e,kdim,k,twins", [(1, 128, 1100, 6, 0), (3, 60, 200, 4, 0), (5, 16, 64, 3, 8),
-                                               (2, 37, 96, 5, 18)])
+                                               (2, 37, 96, 5, 18), (2, 300, 64, 6, 0)])
 def test_the_one_launch_router_picks_by_the_rule_from_its_own_logits(t, e, kdim, k, twins, norm, scale):
     x, w, bias = _router_inputs(t, e, kdim, seed=t * e + k, twins=twins)
     logits, weights, chosen = router.route(x, w, bias, k, norm=norm, scale=scale)
