@@ -225,7 +225,7 @@ class FP8Linear(nn.Module):
     def _scaled_mm(self, xq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         from .kernels.fp8_gemm import fp8_matmul, use_gemv
 
-        if use_gemv(xq.numel() // max(1, self.in_features), xq.device):
+        if use_gemv(xq.numel() // max(1, self.in_features), xq.device, n=self.out_features, k=self.in_features):
             xs, ws = self.input_scale.float(), self.weight_scale.float()
             if torch.compiler.is_compiling():  # an operator the compiler sees as one opaque call
                 return kernel_ops.fp8_matmul(xq, self.weight, xs, ws, dtype)

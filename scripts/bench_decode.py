@@ -224,8 +224,19 @@ def main() -> None:
     ap.add_argument("--sequential-shared", action="store_true",
                     help="time each checkpoint also with its MoE blocks' shared expert after the routed experts "
                          "on one stream (labels ending in _sequential-shared)")
+    ap.add_argument("--inductor-pdl", action="store_true",
+                    help="with --compile: TorchInductor's kernels as programmatic dependent launches (its "
+                         "triton.enable_pdl, Hopper onwards), every model alike")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args()
+    if args.inductor_pdl:
+        import torch._inductor.config as inductor_config
+
+        if not args.compile:
+            ap.error("--inductor-pdl applies to the compiled step: add --compile")
+        if not hasattr(inductor_config.triton, "enable_pdl"):
+            ap.error(f"--inductor-pdl: torch {torch.__version__}'s Inductor has no triton.enable_pdl")
+        inductor_config.triton.enable_pdl = True
     for key, value in DEFAULTS["tiny" if args.tiny else "slice"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -337,7 +348,7 @@ def main() -> None:
     kernels = mamba_kernels()
     results = {
         **run_record(), "device": str(device), "quantize_backend": quantizer, "load_backend": backend, "decode": how,
-        "compile": args.compile, "mamba_kernels": kernels, "step_ops": step_ops,
+        "compile": args.compile, "inductor_pdl": args.inductor_pdl, "mamba_kernels": kernels, "step_ops": step_ops,
         "sequential_shared": args.sequential_shared,
         "model": {
             "source": source, "pattern": cfg.hybrid_override_pattern, "params": params, "hidden_size": cfg.hidden_size,

@@ -1,6 +1,6 @@
 """Counts the instructions of a Triton kernel's innermost loop on sm_90, without a GPU.
 
-    python scripts/sass_loop.py fp8-gemv|moe-gemv|packed|packed-overlap|route-tail|attention-combine [--out ...]
+    python scripts/sass_loop.py fp8-gemv|fp8-gemv-pdl|moe-gemv|packed|packed-overlap|route-tail|attention-combine [--out ...]
 
 Triton compiles the kernel ahead of time for sm_90 (its bundled ptxas), cuobjdump (bundled too)
 disassembles it, and the loop is the last innermost one (a backward branch's range that holds no
@@ -120,24 +120,64 @@ FP8_GEMV_TILES = ((1, 512, 1), (2, 512, 1), (4, 512, 1), (2, 1024, 2), (4, 1024,
                   (16, 512, 4), (8, 256, 2), (4, 512, 4))
 
 
-def fp8_gemv(rows=(1, 2, 4), tiles=FP8_GEMV_TILES) -> list:
+def fp8_gemv(rows=(1, 2, 4), tiles=FP8_GEMV_TILES, pdl=False) -> list:
     """`_fp8_gemv_kernel`'s K loop per (activation rows per program, BLOCK_N, BLOCK_K, warps), as a
     launch on the Mamba projections specialises it (K, N and the strides multiples of 16; one row:
-    M = 1, a constant)."""
+    M = 1, a constant); pdl: as a programmatic dependent launch (rows tagged "pdl")."""
     from fp4kit.kernels import fp8_gemm as fg
 
     sig = {"x_ptr": "*u8", "w_ptr": "*u8", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
            "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "BLOCK_M": "constexpr",
-           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "NATIVE": "constexpr"}
+           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "NATIVE": "constexpr",
+           "PDL": "constexpr"}
     divisible = ("x_ptr", "w_ptr", "xs_ptr", "ws_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om")
     out = []
     for bm in rows:  # one row: M = 1, which Triton makes a constant
         s, fixed = (dict(sig, M="constexpr"), {"M": 1}) if bm == 1 else (sig, {})
         out += _rows(fg._fp8_gemv_kernel, s, divisible,
-                     [({"rows": bm, "tile": [bn, bk, nw]},
-                       dict(fixed, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, NATIVE=True), nw, bn * bk / (32 * nw))
+                     [({"rows": bm, "tile": [bn, bk, nw], **({"pdl": True} if pdl else {})},
+                       dict(fixed, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, NATIVE=True, PDL=pdl), nw,
+                       bn * bk / (32 * nw))
                       for bn, bk, nw in tiles])
     return out
+
+
+def fp8_gemv_pdl(tiles=((4, 1024, 2), (1, 1024, 2), (1, 512, 1)), even_k=(False, True)) -> list:
+    """`_fp8_gemv_kernel` at one activation row as a programmatic dependent launch (PDL), K masked
+    (the in_proj shape, K = 2688) or not: where its wait for the launch before it (ACQBULK, PTX
+    griddepcontrol.wait) and its trigger for the launch after it (PREEXIT,
+    griddepcontrol.launch_dependents) fall among its loads and stores, against the 16-byte weight
+    loads of one K tile per thread ("tile_loads": BLOCK_N x BLOCK_K / (16 x threads)). Before the
+    wait only the first tile's weight loads may be issued (the activations are the launch
+    before's output); before the trigger no store. "loop_same": the K loop's instructions are the
+    plain launch's."""
+    from fp4kit.kernels import fp8_gemm as fg
+
+    sig = {"x_ptr": "*u8", "w_ptr": "*u8", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "out_ptr": "*bf16", "M": "constexpr",
+           "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "BLOCK_M": "constexpr",
+           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "NATIVE": "constexpr",
+           "PDL": "constexpr"}
+    divisible = ("x_ptr", "w_ptr", "xs_ptr", "ws_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om")
+    rows = []
+    for even in even_k:
+        for bn, bk, nw in tiles:
+            listings = {}
+            for pdl in (False, True):
+                consts = dict(M=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, NATIVE=True, PDL=pdl)
+                listings[pdl] = compile_sm90(fg._fp8_gemv_kernel, sig, consts, nw, divisible)
+            regs, sass, stack = listings[True]
+            seq = [_OP.search(ln).group(1) for ln in sass.splitlines() if _OP.search(ln)]
+            wait = seq.index("ACQBULK") if "ACQBULK" in seq else None
+            trigger = seq.index("PREEXIT") if "PREEXIT" in seq else None
+            loop = loop_ops(sass)
+            rows.append({"tile": [bn, bk, nw], "even_k": even, "pdl": True, "registers": regs, "stack": stack,
+                         "plain_registers": listings[False][0], "tile_loads": bn * bk // (16 * 32 * nw),
+                         "loads_before_wait": None if wait is None else seq[:wait].count("LDG"),
+                         "stores_before_trigger": None if trigger is None else seq[:trigger].count("STG"),
+                         "wait_before_trigger": wait is not None and trigger is not None and wait < trigger,
+                         "loop_same": loop == loop_ops(listings[False][1]), "loop_instructions": sum(loop.values()),
+                         "ops": loop})
+    return rows
 
 
 def moe_gemv(tiles=((4, 512, 1, None), (8, 512, 1, None), (8, 512, 1, 96), (4, 1024, 2, None), (4, 512, 1, None, 2),
@@ -259,7 +299,7 @@ def attention_combine() -> list:
              "loads_before_exp": seq[:first_exp].count("LDG"), "ops": _counts(seq)}]
 
 
-KERNELS = {"fp8-gemv": fp8_gemv, "moe-gemv": moe_gemv, "packed": packed, "packed-overlap": packed_overlap,
+KERNELS = {"fp8-gemv": fp8_gemv, "fp8-gemv-pdl": fp8_gemv_pdl, "moe-gemv": moe_gemv, "packed": packed, "packed-overlap": packed_overlap,
            "route-tail": route_tail, "attention-combine": attention_combine}
 
 

@@ -2,12 +2,15 @@
 
     python scripts/tune_kernels.py --list
     python scripts/tune_kernels.py w4a16.gemv moe.small [--gpu h200] [--dry-run]
+    python scripts/tune_kernels.py fp8.gemv --rows benchmarks/results/kernels-sweeps-fp8-gemv-h200.json
 
 Each sweep (scripts/sweeps/<kernel>.py, `SWEEPS`) times candidate launch shapes side by side and
 returns its rows; its pick turns the rows into one table. The rows go to
 benchmarks/results/kernels-sweeps-<sweep>-<gpu>.json (date, command, versions) and the pick into
-the tuning file, with the command and date that chose it. The library only reads that file
-(fp4kit.kernels.launch); nothing here changes a live table.
+the tuning file, with the command and date that chose it. With --rows, one sweep's pick is made
+again from the rows of a results file it wrote (no GPU; the file is left as it is), as after a
+change to the pick's rule. The library only reads the tuning file (fp4kit.kernels.launch);
+nothing here changes a live table.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="list the sweeps and the table each one picks")
     ap.add_argument("--gpu", default="h200", help="tuning file to write (fp4kit/kernels/tuning/<gpu>.json)")
     ap.add_argument("--dry-run", action="store_true", help="sweep and print the picks; write nothing")
+    ap.add_argument("--rows", help="pick from this results file's rows (written by the one sweep named) instead of sweeping")
     args = ap.parse_args(argv)
     known = sweeps()
     if args.list or not args.names:
@@ -65,17 +69,30 @@ def main(argv=None) -> int:
 
     record = run_record(None if argv is None else [str(ROOT / "scripts" / "tune_kernels.py"), *argv])
     command, date = record["command"], record["date"]
+    if args.rows:
+        if len(args.names) != 1:
+            print("error: --rows picks for one sweep; name exactly one", file=sys.stderr)
+            return 2
+        source = Path(args.rows).resolve()
+        written = json.loads(source.read_text()).get("sweep")
+        if written != args.names[0]:
+            print(f"error: {args.rows} holds the rows of sweep {written!r}, not {args.names[0]!r}", file=sys.stderr)
+            return 2
     for name in args.names:
         sweep = known[name]
-        rows = sweep.run()
+        rows = json.loads(source.read_text())["rows"] if args.rows else sweep.run()
         pick = sweep.pick(rows)
         print(f"{name}: {sweep.kernel}.{sweep.table} = {json.dumps(pick)}")
         if args.dry_run:
             continue
-        result = ROOT / "benchmarks" / "results" / f"kernels-sweeps-{name.replace('.', '-')}-{args.gpu}.json"
-        result.write_text(json.dumps({**record, "sweep": name, "pick": pick, "rows": rows}, indent=1) + "\n")
+        if args.rows:
+            result = source
+        else:
+            result = ROOT / "benchmarks" / "results" / f"kernels-sweeps-{name.replace('.', '-')}-{args.gpu}.json"
+            result.write_text(json.dumps({**record, "sweep": name, "pick": pick, "rows": rows}, indent=1) + "\n")
         write_pick(args.gpu, sweep.kernel, sweep.table, pick,
-                   {"command": command, "date": date, "results": str(result.relative_to(ROOT))})
+                   {"command": command, "date": date,
+                    "results": str(result.relative_to(ROOT)) if result.is_relative_to(ROOT) else str(result)})
         # The sweeps after this one time their candidates against the tables as picked so far.
         from fp4kit.kernels import launch
 

@@ -24,6 +24,7 @@ def test_the_tiny_run_writes_every_comparison(tmp_path):
                    cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=600)
     doc = json.loads(out.read_text())
     assert doc["decode"] == "step" and doc["recipes"] == ["nemotron-h-w4a16-4o6"]
+    assert doc["compile"] is False and doc["inductor_pdl"] is False
     assert doc["weight_memory_bytes"] is None  # allocator bytes exist on CUDA only
     assert {"date", "command", "versions"} <= doc.keys()
     one, two = doc["batches"]["1"], doc["batches"]["2"]
@@ -52,3 +53,11 @@ def test_the_tiny_run_writes_every_comparison(tmp_path):
     assert one["agree_bf16_step_transformers-ops"]["row0_agree_prefix"] == 3
     assert one["row0_tokens"]["nemotron-h-w4a16-4o6_step_sequential-shared"] == one["row0_tokens"]["nemotron-h-w4a16-4o6_step"]
     assert 0 <= one["agree_nemotron-h-w4a16-4o6_step"]["teacher_forced_agree"] <= 1
+
+
+def test_inductor_pdl_is_refused_without_compile():
+    # Inductor's programmatic dependent launches exist only in a compiled step: asked for without
+    # --compile the run stops before building anything, naming the missing flag.
+    run = subprocess.run([sys.executable, "scripts/bench_decode.py", "--device", "cpu", "--tiny", "--inductor-pdl"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "add --compile" in run.stderr

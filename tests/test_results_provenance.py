@@ -950,6 +950,9 @@ FIGURES = [
      lambda rows: "-".join(f"{f(r['ms'] for r in rows if r['N'] == 10304 and r['M'] == 1 and r['kernel'] == 'gemv') * 1e3:.1f}"
                            for f in (min, max))),
     (BENCH, "so `max_m` stays 0", "kernels-sweeps-fp8-gemv-h200.json", ("pick", "max_m"), str),
+    *[(README, "at one row (5.4 against 6.2 us each, timed alone)", "kernels-sweeps-fp8-gemv-h200.json",
+       ("rows", sel, "ms"), lambda ms: f"{ms * 1e3:.1f}")
+      for sel in ({"N": 2688, "M": 1, "kernel": "gemv", "tile": [1, 1024, 2]}, {"N": 2688, "M": 1, "kernel": "_scaled_mm"})],
     # benchmarks/README.md: the FP8 GEMV's K loop, compiled ahead of time (scripts/sass_loop.py)
     (BENCH, "program it takes 3.20 instructions per weight", "fp8-gemv-sass.json",
      ("rows", {"rows": 1, "tile": [4, 512, 1]}, "per_weight"), _f(2)),
@@ -1009,6 +1012,14 @@ FIGURES = [
                                  ("48, before its first exponential", "attention-combine-sass.json", 4, "loads_before_exp"),
                                  ("at 126 registers", "attention-combine-sass.json", 4, "registers"),
                                  ("against 122", "attention-combine-before-sass.json", 1, "registers"))],
+    # benchmarks/README.md: the FP8 GEMV as a programmatic dependent launch, compiled ahead of time
+    *[(BENCH, text, "fp8-gemv-pdl-sass.json", ("rows", {"tile": [4, 1024, 2], "even_k": False}, key), str)
+      for text, key in (("issues its 4 weight loads of the first tile", "loads_before_wait"),
+                        ("its 4 weight loads of the first tile", "tile_loads"),
+                        ("at 97 registers", "registers"), ("against 96", "plain_registers"))],
+    (BENCH, "and no store\nbefore its trigger", "fp8-gemv-pdl-sass.json",
+     ("rows", {"tile": [4, 1024, 2], "even_k": False}),
+     lambda r: "no store" if r["stores_before_trigger"] == 0 and r["wait_before_trigger"] and r["loop_same"] else "?"),
     (BENCH, "its 3.86 instructions per weight", "moe-small-mma-sass.json",
      ("rows", {"rows": 1, "warps": 1, "kwarps": 4}, "per_weight"), _f(2)),
     (BENCH, "the packed kernel's (`packed`) 4.0 per weight at 64 rows", "packed-sass.json",

@@ -60,6 +60,18 @@ def test_fp8_gemv_one_tile_compiles_for_sm90():
     assert row["ops"]["FFMA"] == 32 and row["per_weight"] == round(row["loop_instructions"] / 32, 3)
 
 
+def test_the_programmatic_dependent_fp8_gemv_requests_only_weights_before_its_wait():
+    # As a programmatic dependent launch: its first K tile's weight loads (4 rows x 16 bytes per
+    # thread on the 4 x 1024 two-warp tile), and no activation load, before the wait for the launch
+    # before it (ACQBULK); no store before the trigger for the launch after it (PREEXIT); the K loop
+    # the plain launch's. A launch that read x first, or triggered after its stores, fails here.
+    rows = _compiled_rows("fp8_gemv_pdl(tiles=((4, 1024, 2),))")
+    assert [r["even_k"] for r in rows] == [False, True]
+    for r in rows:
+        assert r["tile_loads"] == 4 and r["loads_before_wait"] == 4
+        assert r["stores_before_trigger"] == 0 and r["wait_before_trigger"] and r["loop_same"]
+
+
 def test_a_register_cap_is_compiled_in():
     # The MoE GEMV's one-warp 8 x 512 tile, uncapped and under a cap of 96 registers.
     free, capped = _compiled_rows("moe_gemv(tiles=((8, 512, 1, None), (8, 512, 1, 96)))")

@@ -69,6 +69,42 @@ def test_later_sweeps_of_one_run_see_the_earlier_picks(tmp_path, monkeypatch):
     assert launch.table("moe")["MOE_GEMV"]["BLOCK_N"] == before["kernels"]["moe"]["tables"]["MOE_GEMV"]["BLOCK_N"]
 
 
+def test_a_pick_is_made_again_from_a_results_file_without_sweeping(tmp_path, monkeypatch):
+    # --rows: the named sweep's pick from the rows a run of it wrote; nothing is timed, the rows
+    # file stays as it was, and the table records the command and that file.
+    before = json.loads(launch.tuning_path("h200").read_text())
+    path = tmp_path / "h200.json"
+    path.write_text(json.dumps(before))
+    monkeypatch.setattr(launch, "tuning_path", lambda gpu: path)
+    monkeypatch.setattr(tune_kernels, "ROOT", tmp_path)
+    rows_file = tmp_path / "benchmarks" / "results" / "kernels-sweeps-fp8-gemv-h200.json"
+    rows_file.parent.mkdir(parents=True)
+    rows = [{"N": n, "K": 4096, "M": 1, "kernel": kernel, "tile": [1, 1024, 2], "ms": ms}
+            for n, kernel, ms in ((2688, "gemv", 5.0), (2688, "_scaled_mm", 6.0), (10304, "gemv", 11.0),
+                                  (10304, "_scaled_mm", 10.0))]
+    rows_file.write_text(json.dumps({"sweep": "fp8.gemv", "rows": rows}))
+    written = rows_file.read_text()
+
+    def never():
+        raise AssertionError("--rows must not sweep")
+
+    monkeypatch.setattr(tune_kernels, "sweeps", lambda: {"fp8.gemv": Sweep("fp8", "GEMV", never, sf.pick_gemv, "d"),
+                                                         "fp8.mma": Sweep("fp8", "MMA", never, sf.pick_mma, "d")})
+    try:
+        assert tune_kernels.main(["fp8.gemv", "--rows", str(rows_file)]) == 0
+        assert tune_kernels.main(["fp8.gemv", "fp8.mma", "--rows", str(rows_file)]) == 2  # one sweep only
+        assert tune_kernels.main(["fp8.mma", "--rows", str(rows_file)]) == 2  # another sweep's rows
+    finally:
+        monkeypatch.undo()
+        launch.tables.cache_clear()
+    doc = json.loads(path.read_text())
+    gemv = doc["kernels"]["fp8"]["tables"]["GEMV"]
+    assert gemv["max_m"] == 0 and gemv["shapes"] == {"2688x4096": 1, "10304x4096": 0}
+    by = doc["kernels"]["fp8"]["chosen_by"]["GEMV"]
+    assert "--rows" in by["command"] and by["results"] == "benchmarks/results/kernels-sweeps-fp8-gemv-h200.json"
+    assert rows_file.read_text() == written
+
+
 def test_every_table_says_who_chose_it():
     doc = json.loads(launch.tuning_path("h200").read_text())
     for kernel in ("w4a16", "moe", "packed", "fp8", "router"):
@@ -157,10 +193,32 @@ def test_pick_fp8_gemv_tiles_per_row_class_and_max_m_against_the_library():
     got = sf.pick_gemv(rows)
     assert got == {"1": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), a)),
                    "2": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), b)),
-                   "4": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), a)), "max_m": 4}  # a loses at 8 rows
+                   "4": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), a)), "max_m": 4,  # a loses at 8 rows
+                   "shapes": {"10304x2688": 4, "2688x2688": 4}}
     slower = [dict(r, ms=0.5) if r["kernel"] == "_scaled_mm" and r["M"] == 2 and r["N"] == 2688 else r for r in rows]
-    assert sf.pick_gemv(slower)["max_m"] == 1  # the library wins at 2 rows on one shape
+    got = sf.pick_gemv(slower)
+    assert got["max_m"] == 1  # the library wins at 2 rows on one shape...
+    assert got["shapes"] == {"10304x2688": 4, "2688x2688": 1}  # ...which alone stops at 1 row
     assert sf.pick_gemv([dict(r, ms=0.01) if r["kernel"] == "_scaled_mm" else r for r in rows])["max_m"] == 0
+
+
+def test_pick_fp8_gemv_takes_the_programmatic_dependent_launch_where_it_was_faster():
+    # pdl rows exist where they were timed (one row here): the launch is (tile, pdl), picked as
+    # any other; a class without pdl rows keeps the plain launch and no "pdl" key.
+    def gemv(n, m, tile, t, pdl=False):
+        return {"N": n, "K": 4096, "M": m, "kernel": "gemv", "tile": list(tile), "pdl": pdl, "ms": t}
+
+    a = (1, 1024, 2)
+    rows = []
+    for n in (10304, 2688):
+        rows += [gemv(n, 1, a, 10.0), gemv(n, 1, a, 9.0, pdl=True), gemv(n, 2, a, 12.0)]
+        rows += [{"N": n, "K": 4096, "M": m, "kernel": "_scaled_mm", "ms": 9.5} for m in (1, 2)]
+    got = sf.pick_gemv(rows)
+    assert got["1"] == {"BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 2, "pdl": True}
+    assert got["2"] == {"BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 2}
+    assert got["max_m"] == 1 and got["shapes"] == {"2688x4096": 1, "10304x4096": 1}  # 9.0 < 9.5, 12.0 > 9.5
+    slow = [dict(r, ms=11.0) if r.get("pdl") else r for r in rows]
+    assert "pdl" not in sf.pick_gemv(slow)["1"] and sf.pick_gemv(slow)["max_m"] == 0
 
 
 def test_pick_fp8_mma_one_tile_and_max_m_against_the_library():

@@ -10,6 +10,9 @@ kernels for Nemotron-H's Mamba projections read the weight well below the memory
 (benchmarks/results/decode-profile-compiled-h200.json); `_fp8_gemv_kernel` streams it, one program
 per BLOCK_N weight rows (and up to four activation rows) over the whole of K, each thread holding
 per (activation row, weight row, column) an fp32 partial sum that one fma per weight extends.
+With a table entry's "pdl" on Hopper it is launched as a programmatic dependent of the launch
+before it: its programs request their first weight tile while that launch (a projection's input
+norm and quantization) finishes, and let the launch after them start once their loads are done.
 
 `_fp8_mma_kernel` runs the same product on Hopper's FP8 matrix units for up to 16 activation rows:
 the weight rows are the wgmma's 64-row side and the activation rows its 16-column side, the
@@ -25,10 +28,11 @@ table's MMA entry (`mma_config`) gives its launch shape and the rows up to which
 Reference (`fp8_matmul(..., backend="torch")`): both operands decoded to fp64, one matmul (the
 exact sums of the exact products, up to fp64 rounding, which 53 bits leave far below fp32's), the
 scales applied in fp32 as the kernel applies them, rounded once to the output dtype. Launch shapes
-and the row count up to which the GEMV runs at all (`max_m`; 0: never, FP8Linear then always calls
-the library) come from the launch table ("fp8" in tuning/<gpu>.json, `GEMV`), which
-`python scripts/tune_kernels.py fp8.gemv` picks from timings beside `torch._scaled_mm`; `use_gemv`
-tells a caller whether a problem is one for it.
+and the row count up to which the GEMV runs at all come from the launch table ("fp8" in
+tuning/<gpu>.json, `GEMV`): per weight shape the sweep timed ("shapes", {"NxK": rows}), else
+`max_m` (0: never; FP8Linear then calls the library), which `python scripts/tune_kernels.py
+fp8.gemv` picks from timings beside `torch._scaled_mm`; `use_gemv` tells a caller whether a
+problem is one for it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import backend, launch
 from .backend import Constants, cdiv, check_backend, interpreted, launch_cached, launch_options, next_power_of_2
@@ -46,7 +51,7 @@ from .tiles import e4m3_decode, split_counters, store_split
 
 _WHAT = "kernels.fp8_matmul"
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-LAUNCH_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
+LAUNCH_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "pdl")
 MMA_ROWS = 16  # the matrix-unit kernel's activation rows: the N side of its dot
 MMA_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "programs_per_sm", "max_parts")
 
@@ -72,6 +77,28 @@ def _row_fma(acc, x_ptr, row, k, wv, K, EVEN_K: tl.constexpr, NATIVE: tl.constex
 
 
 @triton.jit
+def _w_tile(w_ptr, w_rows, k, K, EVEN_K: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at columns k (columns past K read as zeros)."""
+    if EVEN_K:
+        return tl.load(w_ptr + w_rows[:, None] + k[None, :])
+    return tl.load(w_ptr + w_rows[:, None] + k[None, :], mask=(k < K)[None, :], other=0)
+
+
+@triton.jit
+def _tile_fma(acc0, acc1, acc2, acc3, wb, x_ptr, r0, r1, r2, r3, k, K, BLOCK_M: tl.constexpr,
+              EVEN_K: tl.constexpr, NATIVE: tl.constexpr):
+    """The BLOCK_M accumulators extended by one weight tile (decoded once for all rows)."""
+    wv = _e4m3(wb, NATIVE)
+    acc0 = _row_fma(acc0, x_ptr, r0, k, wv, K, EVEN_K, NATIVE)
+    if BLOCK_M > 1:
+        acc1 = _row_fma(acc1, x_ptr, r1, k, wv, K, EVEN_K, NATIVE)
+    if BLOCK_M > 2:
+        acc2 = _row_fma(acc2, x_ptr, r2, k, wv, K, EVEN_K, NATIVE)
+        acc3 = _row_fma(acc3, x_ptr, r3, k, wv, K, EVEN_K, NATIVE)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _row_out(acc, scale, out_ptr, row, n, N):
     tl.store(out_ptr + row + n, (tl.sum(acc, axis=1) * scale).to(out_ptr.dtype.element_ty), mask=n < N)
 
@@ -79,12 +106,20 @@ def _row_out(acc, scale, out_ptr, row, n, N):
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     NATIVE: tl.constexpr):
+                     NATIVE: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = sum_k x[m, k] * w[n, k] (fp32) * (xs * ws), for this program's BLOCK_M (1, 2 or 4)
     activation rows and BLOCK_N weight rows (grid: N / BLOCK_N, M / BLOCK_M). Each thread keeps,
     per activation row, one fp32 partial sum per (weight row, column of the tile), summed across
     the tile once at the end; a weight tile is decoded once for all rows. Weight rows past N read row N - 1 and
-    activation rows past M row M - 1 (neither stored); columns past K read as zeros."""
+    activation rows past M row M - 1 (neither stored); columns past K read as zeros.
+
+    PDL: the launch is a programmatic dependent of the one before it (`backend.pdl`), which may
+    still be writing x: the first K tile of the weight (which nothing in the step writes) is
+    requested first, then the program waits for that launch to complete (`gdc_wait`) before it
+    reads x or the scales; after its last load it lets the launch after it start
+    (`gdc_launch_dependents`), which waits for this one in turn before it reads the output. The
+    same tiles summed in the same order: the plain launch's values bit for bit. In Triton's
+    interpreter (NATIVE false) only the first tile's early load is taken."""
     pid = tl.program_id(0)
     first = tl.program_id(1) * BLOCK_M  # this program's activation rows: first .. first + BLOCK_M - 1
     x_ptr += first.to(tl.int64) * stride_xm
@@ -101,20 +136,22 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, 
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_loop = 0
+    if PDL:
+        wb = _w_tile(w_ptr, w_rows, kk, K, EVEN_K)
+        if NATIVE:
+            gdc_wait()
+        acc0, acc1, acc2, acc3 = _tile_fma(acc0, acc1, acc2, acc3, wb, x_ptr, r0, r1, r2, r3, kk, K, BLOCK_M,
+                                           EVEN_K, NATIVE)
+        k_loop = BLOCK_K
+    for k0 in range(k_loop, K, BLOCK_K):
         k = k0 + kk
-        if EVEN_K:
-            wb = tl.load(w_ptr + w_rows[:, None] + k[None, :])
-        else:
-            wb = tl.load(w_ptr + w_rows[:, None] + k[None, :], mask=(k < K)[None, :], other=0)
-        wv = _e4m3(wb, NATIVE)
-        acc0 = _row_fma(acc0, x_ptr, r0, k, wv, K, EVEN_K, NATIVE)
-        if BLOCK_M > 1:
-            acc1 = _row_fma(acc1, x_ptr, r1, k, wv, K, EVEN_K, NATIVE)
-        if BLOCK_M > 2:
-            acc2 = _row_fma(acc2, x_ptr, r2, k, wv, K, EVEN_K, NATIVE)
-            acc3 = _row_fma(acc3, x_ptr, r3, k, wv, K, EVEN_K, NATIVE)
+        wb = _w_tile(w_ptr, w_rows, k, K, EVEN_K)
+        acc0, acc1, acc2, acc3 = _tile_fma(acc0, acc1, acc2, acc3, wb, x_ptr, r0, r1, r2, r3, k, K, BLOCK_M,
+                                           EVEN_K, NATIVE)
     scale = tl.load(xs_ptr) * tl.load(ws_ptr)
+    if PDL and NATIVE:
+        gdc_launch_dependents()
     _row_out(acc0, scale, out_ptr, 0, n, N)
     if BLOCK_M > 1 and M > 1:
         _row_out(acc1, scale, out_ptr, stride_om, n, N)
@@ -177,23 +214,39 @@ def row_class(m: int) -> int:
 
 
 @torch.compiler.assume_constant_result
-def _table_max_m() -> int:
-    """The launch table's GEMV max_m (one table for every device, `launch.gpu_of`). A constant to
-    code that torch.compile traces: the table is read here, not traced (reading it is a file read
-    dynamo cannot follow, which broke the compiled graph at every FP8 linear)."""
-    return _max_m(launch.table("fp8"))
+def _table_max_m(n: int, k: int) -> int:
+    """The launch table's reach for an [n, k] weight (`_max_m`; one table for every device,
+    `launch.gpu_of`). A constant to code that torch.compile traces: the table is read here, not
+    traced (reading it is a file read dynamo cannot follow, which broke the compiled graph at every
+    FP8 linear)."""
+    return _max_m(launch.table("fp8"), n, k)
 
 
-def _max_m(tables: Mapping) -> int:
-    """The most rows `fp8_matmul` takes in place of the library: the larger of the GEMV's and the
-    matrix-unit kernel's max_m (a table without an MMA entry has only the GEMV)."""
-    return max(int(tables["GEMV"]["max_m"]), int(tables.get("MMA", {}).get("max_m", 0)))
+def shape_key(n: int, k: int) -> str:
+    """The GEMV table's name for an [n, k] weight in its "shapes" entry."""
+    return f"{n}x{k}"
 
 
-def use_gemv(m: int, device: torch.device, tables: Mapping | None = None) -> bool:
-    """Whether `fp8_matmul` is the launch for M activation rows (up to the table's max_m, of
-    either kernel)."""
-    max_m = _table_max_m() if tables is None else _max_m(tables)
+def _max_m(tables: Mapping, n: int | None = None, k: int | None = None) -> int:
+    """The most rows `fp8_matmul` takes in place of the library for an [n, k] weight: the larger of
+    the GEMV's reach and the matrix-unit kernel's max_m (a table without an MMA entry has only the
+    GEMV). The GEMV's reach is its "shapes" entry for the weight's shape where it has one (the
+    sweep's own shapes), else its max_m (the rows up to which it won on every swept shape)."""
+    gemv = tables["GEMV"]
+    reach = int(gemv["max_m"])
+    if n is not None and k is not None:
+        reach = int(gemv.get("shapes", {}).get(shape_key(n, k), reach))
+    return max(reach, int(tables.get("MMA", {}).get("max_m", 0)))
+
+
+def use_gemv(m: int, device: torch.device, tables: Mapping | None = None, n: int | None = None,
+             k: int | None = None) -> bool:
+    """Whether `fp8_matmul` is the launch for M activation rows of an [n, k] weight (up to the
+    table's reach for that shape, of either kernel; without n and k, up to its max_m)."""
+    if tables is None:
+        max_m = _table_max_m(n, k) if n is not None and k is not None else _max_m(launch.table("fp8"))
+    else:
+        max_m = _max_m(tables, n, k)
     return 1 <= m <= max_m
 
 
@@ -203,22 +256,30 @@ def use_mma(m: int, tables: Mapping) -> bool:
     return 1 <= m <= min(MMA_ROWS, int(tables.get("MMA", {}).get("max_m", 0)))
 
 
+def _classes(gemv: Mapping) -> list[int]:
+    """The row classes the GEMV table has launch shapes for."""
+    return sorted(int(c) for c in gemv if c.isdigit())
+
+
 def config(m: int, k: int, device: torch.device, cfg: dict | None = None, tables: Mapping | None = None) -> dict:
     """The launch shape for M rows: the GEMV table's entry for `row_class(M)` (or the next larger
     one it has, else its largest), overridden by cfg (any of LAUNCH_KEYS), BLOCK_K at most K
-    rounded up to a power of two. By rule; no autotuning at call time."""
+    rounded up to a power of two; "pdl" (default off) where `backend.pdl` allows it on `device`
+    (and in Triton's interpreter, which takes the first tile's early load alone). By rule; no
+    autotuning at call time."""
     unknown = set(cfg or {}) - set(LAUNCH_KEYS)
     if unknown:
         raise ValueError(f"{_WHAT}: unknown launch keys {sorted(unknown)}; expected some of {LAUNCH_KEYS}")
     t = (launch.table("fp8", device) if tables is None else tables)["GEMV"]
-    classes = sorted(int(c) for c in t if c != "max_m")
+    classes = _classes(t)
     pick = next((c for c in classes if c >= row_class(m)), classes[-1])
     c = {**t[str(pick)], **(cfg or {})}
     bn, bk, nw = c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]
     if any(v < 1 or v & (v - 1) for v in (bn, bk, nw)) or bk < 16 or nw > 16:
         raise ValueError(f"{_WHAT}: BLOCK_N, BLOCK_K (>= 16) and num_warps (<= 16) must be powers of two, got "
                          f"BLOCK_N={bn}, BLOCK_K={bk}, num_warps={nw}")
-    return {"BLOCK_N": bn, "BLOCK_K": min(bk, max(16, next_power_of_2(k))), "num_warps": nw}
+    pdl = bool(c.get("pdl", False)) and (interpreted(_fp8_gemv_kernel) or backend.pdl(device, _fp8_gemv_kernel))
+    return {"BLOCK_N": bn, "BLOCK_K": min(bk, max(16, next_power_of_2(k))), "num_warps": nw, "pdl": pdl}
 
 
 def mma_config(m: int, n: int, k: int, device: torch.device, cfg: dict | None = None,
@@ -322,8 +383,10 @@ def _plan(m: int, n: int, k: int, device: torch.device, cfg: dict | None, tables
                            num_stages=c["num_stages"], **launch_options())
         return _fp8_mma_kernel, (cdiv(n, c["BLOCK_N"]), c["SPLIT"]), consts, c["k_per_split"]
     c = config(m, k, device, cfg, t)
+    native = not interpreted(_fp8_gemv_kernel)
     consts = Constants(BLOCK_M=row_class(m), BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], EVEN_K=k % c["BLOCK_K"] == 0,
-                       NATIVE=not interpreted(_fp8_gemv_kernel), num_warps=c["num_warps"], **launch_options())
+                       NATIVE=native, PDL=c["pdl"], num_warps=c["num_warps"],
+                       **({"launch_pdl": True} if c["pdl"] and native else {}), **launch_options())
     return _fp8_gemv_kernel, (cdiv(n, c["BLOCK_N"]), cdiv(m, row_class(m))), consts, 0
 
 

@@ -55,20 +55,25 @@ def _problems(shapes, ms, rows: list):
         del w, copies
 
 
-def sweep_gemv(shapes=SHAPES, ms=(1, 2, 4, 8), tiles=TILES, max_acc=64) -> list:
-    """Rows {N, K, M, kernel ("gemv" with tile [BLOCK_N, BLOCK_K, num_warps], or "_scaled_mm"),
-    weight_copies, ms}: each launch checked against the fp64 reference first (bf16 output within
-    1e-2 relative), then timed from a CUDA graph over copies of the weight (`_problems`). Tiles
-    with more than max_acc fp32 partial sums per thread at a row class are skipped (they spill)."""
+def sweep_gemv(shapes=SHAPES, ms=(1, 2, 4, 8), tiles=TILES, max_acc=64, pdl_ms=(1,)) -> list:
+    """Rows {N, K, M, kernel ("gemv" with tile [BLOCK_N, BLOCK_K, num_warps] and pdl, or
+    "_scaled_mm"), weight_copies, ms}: each launch checked against the fp64 reference first (bf16
+    output within 1e-2 relative), then timed from a CUDA graph over copies of the weight
+    (`_problems`). Tiles with more than max_acc fp32 partial sums per thread at a row class are
+    skipped (they spill). At the row counts pdl_ms each tile is also timed as a programmatic
+    dependent launch (pdl: each call's first weight tile requested while the call before it
+    finishes, as after a predecessor that lets it start early), where the GPU has it."""
     rows = []
+    pdl_here = fg.backend.pdl(torch.device("cuda"), fg._fp8_gemv_kernel)
     for xq, xs, ws, copies, ref, base in _problems(shapes, ms, rows):
         bm = fg.row_class(base["M"])
         for bn, bk, nw in tiles:
             if bm * bn * bk > max_acc * 32 * nw or bk > base["K"]:
                 continue
-            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
-            rows.append({**base, "kernel": "gemv", "tile": [bn, bk, nw],
-                         **_timed(lambda c, cfg=cfg: fg.fp8_matmul(xq, c, xs, ws, cfg=cfg), ref, copies)})
+            for pdl in (False, True) if pdl_here and base["M"] in pdl_ms else (False,):
+                cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "pdl": pdl}
+                rows.append({**base, "kernel": "gemv", "tile": [bn, bk, nw], "pdl": pdl,
+                             **_timed(lambda c, cfg=cfg: fg.fp8_matmul(xq, c, xs, ws, cfg=cfg), ref, copies)})
     return rows
 
 
@@ -85,10 +90,11 @@ def _best(rows) -> dict:
     return best
 
 
-def _reach(picked: dict, rows) -> int:
+def _reach(picked: dict, rows, shape: tuple | None = None) -> int:
     """The largest swept M up to which the picked launches' times ({(N, K, M): ms}) beat
-    `torch._scaled_mm`'s on every swept shape (0 if not at the first M)."""
-    library = {(r["N"], r["K"], r["M"]): _ms(r) for r in rows if r["kernel"] == "_scaled_mm"}
+    `torch._scaled_mm`'s on every swept shape, or on `shape` (N, K) alone (0 if not at the first M)."""
+    library = {(r["N"], r["K"], r["M"]): _ms(r) for r in rows
+               if r["kernel"] == "_scaled_mm" and (shape is None or (r["N"], r["K"]) == shape)}
     max_m = 0
     for m in sorted({p[2] for p in library}):
         if not all(picked.get(p, math.inf) < t for p, t in library.items() if p[2] == m):
@@ -97,26 +103,34 @@ def _reach(picked: dict, rows) -> int:
     return max_m
 
 
+def _gemv_tile(r) -> tuple:
+    """A GEMV row's launch: (BLOCK_N, BLOCK_K, num_warps, pdl)."""
+    return (*r["tile"][:3], bool(r.get("pdl", False)))
+
+
 def pick_gemv(rows) -> dict:
-    """The GEMV entry: per row class c (1, 2, 4: the activation rows of one program), the tile with
-    the smallest sum over the swept shapes of its time relative to the shape's best GEMV time, at
-    the swept M of class c nearest to c (each shape counts alike); max_m: the largest swept M up
-    to which the GEMV with its class's tile beats `torch._scaled_mm` on every swept shape (0 if
-    not at M = 1: FP8Linear then always calls the library)."""
+    """The GEMV entry: per row class c (1, 2, 4: the activation rows of one program), the launch
+    (tile, and pdl where it was timed) with the smallest sum over the swept shapes of its time
+    relative to the shape's best GEMV time, at the swept M of class c nearest to c (each shape
+    counts alike); "shapes": per swept shape ("NxK"), the largest swept M up to which the GEMV
+    with its class's launch beats `torch._scaled_mm` on that shape; max_m: the largest up to
+    which it beats it on every swept shape, for other shapes (0 if not at M = 1: FP8Linear then
+    calls the library)."""
     gemv = [r for r in rows if r["kernel"] == "gemv"]
     best = _best(gemv)
-    out = {}
+    out, launches = {}, {}
     for c in sorted({fg.row_class(r["M"]) for r in gemv}):
         m = min((r["M"] for r in gemv if fg.row_class(r["M"]) == c), key=lambda v: abs(v - c))
         totals = {}
         for r in gemv:
             if r["M"] == m:
-                totals[tuple(r["tile"])] = totals.get(tuple(r["tile"]), 0.0) + _ms(r) / best[r["N"], r["K"], m]
-        tile = min(totals, key=totals.get)
-        out[str(c)] = {"BLOCK_N": tile[0], "BLOCK_K": tile[1], "num_warps": tile[2]}
-    picked = {(r["N"], r["K"], r["M"]): _ms(r) for r in gemv
-              if [r["tile"][0], r["tile"][1], r["tile"][2]] == list(out[str(fg.row_class(r["M"]))].values())}
+                totals[_gemv_tile(r)] = totals.get(_gemv_tile(r), 0.0) + _ms(r) / best[r["N"], r["K"], m]
+        launches[c] = tile = min(totals, key=totals.get)
+        out[str(c)] = {"BLOCK_N": tile[0], "BLOCK_K": tile[1], "num_warps": tile[2], **({"pdl": True} if tile[3] else {})}
+    picked = {(r["N"], r["K"], r["M"]): _ms(r) for r in gemv if _gemv_tile(r) == launches[fg.row_class(r["M"])]}
     out["max_m"] = _reach(picked, rows)
+    out["shapes"] = {fg.shape_key(n, k): _reach(picked, rows, (n, k))
+                     for n, k in sorted({(r["N"], r["K"]) for r in rows if r["kernel"] == "_scaled_mm"})}
     return out
 
 
@@ -157,5 +171,5 @@ SWEEPS = {
     "mma": Sweep("fp8", "MMA", sweep_mma, pick_mma,
                  "the FP8 matrix-unit kernel's launch shape and the rows up to which it beats torch._scaled_mm"),
     "gemv": Sweep("fp8", "GEMV", sweep_gemv, pick_gemv,
-                  "the FP8 GEMV's tiles per row class and the rows up to which it beats torch._scaled_mm"),
+                  "the FP8 GEMV's tiles per row class and the rows up to which it beats torch._scaled_mm, per shape"),
 }

@@ -2,7 +2,8 @@
 the GEMV on Nemotron-3-Nano's Mamba projection shapes is within fp32 summation error of the exact
 sums and close to torch._scaled_mm, the matrix-unit kernel is exact on small integers and close
 to the exact sums on full-range operands, and FP8Linear compiled (the operator) computes what it does
-eagerly (the launcher).
+eagerly (the launcher); launched as a programmatic dependent, the GEMV reads its input only after
+the launch before it has written it.
 
 Run: python -m pytest -q tests/gpu   (skipped without CUDA)
 """
@@ -14,6 +15,10 @@ import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents  # noqa: E402
 
 from fp4kit.formats import e4m3  # noqa: E402
 from fp4kit.kernels import fp8_gemm as fg  # noqa: E402
@@ -101,3 +106,48 @@ def test_matrix_unit_kernel_on_mamba_shapes(n, k, m):
     assert bool(((got - exact).abs() <= mags * 1e-3 + exact.abs() * 2.0**-22).all())
     assert float((got - exact).norm() / exact.norm()) < 5e-4
     assert torch.equal(fg.fp8_matmul(xq, w, xs, ws, torch.bfloat16, tables=MMA_TABLE), got.float().to(torch.bfloat16))
+
+
+@triton.jit
+def _late_writer(src_ptr, dst_ptr, n, spin, BLOCK: tl.constexpr):
+    """dst[:n] = src[:n] (bytes), written late: the launch after this one may start at once
+    (`gdc_launch_dependents` first), then each program spins `spin` dependent steps."""
+    gdc_launch_dependents()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(src_ptr + offs, mask=offs < n, other=0)
+    t = v.to(tl.float32) + 1.0
+    for _ in range(spin):
+        t = t * 1.0000001 + 1e-7
+    tl.store(dst_ptr + offs, tl.where(t == -1.0, 0, v), mask=offs < n)  # t is never -1: v, after the spin
+
+
+@pytest.mark.parametrize("n,k,m", [(10304, 2688, 1), (2688, 4096, 1), (1000, 200, 2)])
+def test_the_programmatic_dependent_gemv_reads_its_input_only_after_the_launch_before(n, k, m):
+    # "pdl": the GEMV's first weight tile is requested before it waits for the launch before it.
+    # Here that launch lets it start at once and writes the GEMV's input late: the output is that
+    # of the new input, bit for bit the plain launch's, eagerly and over replays of a CUDA graph
+    # (a program that read x before its wait would see the old input, and differ).
+    assert fg.backend.pdl(torch.device("cuda"), fg._fp8_gemv_kernel)
+    xs, ws = _scale(0.0317), _scale(0.0123)
+    w = _e4m3(n, k, seed=n + 1, spread=64.0)
+    old, new = _e4m3(m, k, seed=40, spread=32.0), _e4m3(m, k, seed=41, spread=32.0)
+    cfg = dict(fg.config(m, k, torch.device("cuda")), pdl=False)
+    want = fg.fp8_matmul(new, w, xs, ws, torch.float32, cfg=cfg)
+    assert not torch.equal(want, fg.fp8_matmul(old, w, xs, ws, torch.float32, cfg=cfg))
+    x = old.clone()
+
+    def step():
+        x.copy_(old)
+        _late_writer[(triton.cdiv(x.numel(), 1024),)](new.view(torch.uint8), x.view(torch.uint8), x.numel(), 20000,
+                                                      BLOCK=1024)
+        return fg.fp8_matmul(x, w, xs, ws, torch.float32, cfg=dict(cfg, pdl=True))
+
+    assert torch.equal(step(), want)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step()
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)

@@ -171,7 +171,8 @@ def test_bad_inputs_are_named(bad, match):
 def test_launch_rule():
     cpu = torch.device("cpu")
     assert [fg.use_gemv(m, cpu, TABLE) for m in (0, 1, 4, 5)] == [False, True, True, False]
-    assert fg.config(1, 1024, cpu, tables=TABLE) == {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1}
+    assert fg.config(1, 1024, cpu, tables=TABLE) == {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1, "pdl": False}
+    assert fg.config(1, 1024, cpu, {"pdl": True}, TABLE)["pdl"]  # the interpreter takes the early first tile
     assert fg.config(3, 1024, cpu, tables=TABLE)["BLOCK_N"] == 2  # row class 4
     assert fg.config(9, 1024, cpu, tables=TABLE)["BLOCK_N"] == 2  # 4 rows per program from 4 on
     assert fg.config(1, 20, cpu, {"BLOCK_K": 256}, TABLE)["BLOCK_K"] == 32  # at most K rounded up
@@ -180,7 +181,37 @@ def test_launch_rule():
     with pytest.raises(ValueError, match="powers of two"):
         fg.config(1, 64, cpu, {"BLOCK_N": 3}, TABLE)
     live = launch.table("fp8")["GEMV"]
-    assert live["max_m"] >= 0 and all(str(fg.row_class(m)) in live for m in range(1, live["max_m"] + 1))
+    reach = max([live["max_m"], *live.get("shapes", {}).values()])
+    assert live["max_m"] >= 0 and all(str(fg.row_class(m)) in live for m in range(1, reach + 1))
+
+
+def test_the_reach_is_per_weight_shape_where_the_table_has_it():
+    # The sweep's shapes carry their own reach; any other shape takes max_m (the rows up to which
+    # the GEMV won on every swept shape). An MMA entry's max_m still counts for every shape.
+    cpu = torch.device("cpu")
+    table = launch.freeze({"GEMV": {**TABLE["GEMV"], "max_m": 0, "shapes": {"2688x4096": 2, "10304x2688": 0}}})
+    assert fg.shape_key(2688, 4096) == "2688x4096"
+    assert [fg.use_gemv(m, cpu, table, n=2688, k=4096) for m in (1, 2, 3)] == [True, True, False]
+    assert not fg.use_gemv(1, cpu, table, n=10304, k=2688)
+    assert not fg.use_gemv(1, cpu, table, n=64, k=64) and not fg.use_gemv(1, cpu, table)
+    with_mma = launch.freeze({**table, "MMA": {**MMA["MMA"], "max_m": 4}})
+    assert fg.use_gemv(4, cpu, with_mma, n=10304, k=2688)
+
+
+@pytest.mark.parametrize("m,n,k,tile", [(1, 13, 200, (4, 32, 1)), (2, 9, 96, (8, 16, 1)), (3, 7, 64, (2, 64, 1)),
+                                        (5, 6, 40, (4, 32, 1)), (1, 5, 16, (4, 16, 1))])
+def test_the_programmatic_dependent_launch_is_the_plain_one_bit_for_bit(m, n, k, tile):
+    # "pdl": the first K tile's weights are loaded before the loop (on a GPU, before the wait for
+    # the launch before): the same tiles summed in the same order, so full-range operands (whose
+    # sums depend on their order) give the plain launch's bytes. One, several and ragged K tiles.
+    xq, w = _e4m3(m, k, seed=20 + m), _e4m3(n, k, seed=30 + n)
+    cfg = dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), tile))
+    plain = fg.fp8_matmul(xq, w, _scale(0.0371), _scale(0.00213), torch.float32, cfg=dict(cfg, pdl=False), tables=TABLE)
+    early = fg.fp8_matmul(xq, w, _scale(0.0371), _scale(0.00213), torch.float32, cfg=dict(cfg, pdl=True), tables=TABLE)
+    assert torch.equal(plain.view(torch.int32), early.view(torch.int32))
+    xi, wi = _ints(m, k, seed=m), _ints(n, k, seed=10 + n)  # exact sums: each tile counted once
+    got = fg.fp8_matmul(xi, wi, _scale(0.25), _scale(8.0), torch.float32, cfg=dict(cfg, pdl=True), tables=TABLE)
+    assert torch.equal(got, (xi.double() @ wi.double().t() * 2.0).float())
 
 
 def test_operator_is_the_launcher():
@@ -210,6 +241,29 @@ def test_fp8_linear_runs_the_gemv_up_to_max_m_and_the_library_past_it(monkeypatc
     assert torch.equal(few, fg.fp8_matmul(xq, w, _scale(0.02), _scale(0.01), torch.float32))
     layer(x)
     assert calls == [limit + 1]
+
+
+def test_fp8_linear_asks_for_the_reach_of_its_own_shape(monkeypatch):
+    # A table whose GEMV won only on one swept shape: that layer runs it, one of another shape
+    # calls the library; compiled (fullgraph) as eagerly.
+    table = launch.freeze({"GEMV": {**TABLE["GEMV"], "max_m": 0, "shapes": {"16x32": 1}}})
+    live = launch.table
+    monkeypatch.setattr(launch, "table", lambda kernel, device=None: table if kernel == "fp8" else live(kernel, device))
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, scale_a, scale_b, out_dtype:
+                        calls.append(tuple(b.shape)) or (a.float() @ b.float()) * (scale_a * scale_b))
+    x = torch.randn(1, 32, generator=torch.Generator().manual_seed(19))
+    swept = FP8Linear(_e4m3(16, 32, seed=20), _scale(0.01), _scale(0.02), None, backend="triton", name="in_proj")
+    other = FP8Linear(_e4m3(32, 32, seed=21), _scale(0.01), _scale(0.02), None, backend="triton", name="out_proj")
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        run = (lambda layer: torch.compile(layer, fullgraph=True, backend="aot_eager")) if compiled else (lambda layer: layer)
+        calls.clear()
+        assert torch.equal(run(swept)(x), fg.fp8_matmul(e4m3.cast(x / 0.02), swept.weight, _scale(0.02), _scale(0.01),
+                                                        torch.float32))
+        assert calls == []
+        run(other)(x)
+        assert calls == [(32, 32)]
 
 
 def test_a_compiled_fp8_linear_calls_the_operator(monkeypatch):
