@@ -22,13 +22,16 @@ fuses the hundreds of small element-wise, copy and reduction kernels of a decode
 routers, the Mamba state update) into a few; fp4kit's own kernels stay as they are
 (`kernels.ops`). Inductor rounds to the activation dtype where the eager operators do
 (`emulate_precision_casts`), but it may sum in another order, so its logits can differ from
-eager ones in the last bit and a greedy token can flip where two logits tie that closely.
+eager ones in the last bit and a greedy token can flip where two logits tie that closely. On a
+GPU Inductor's kernels are programmatic dependent launches (`inductor_pdl`; FP4KIT_INDUCTOR_PDL=0
+turns that off).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -341,6 +344,33 @@ COMPILE_ENTRIES = 64
 CACHE_GRANULE = 1024
 
 
+# "0" here: the compiled step's Inductor kernels are launched plainly (see `inductor_pdl`).
+INDUCTOR_PDL_ENV = "FP4KIT_INDUCTOR_PDL"
+
+
+def inductor_pdl() -> bool:
+    """Whether a compiled step's Inductor kernels on a GPU are programmatic dependent launches
+    (Inductor's triton.enable_pdl, which takes effect from Hopper on): each starts while the launch
+    before it finishes and waits for it before reading its output, and lets the launch after it
+    start once its loads are done, as fp4kit's FP8 GEMV does. On unless the environment variable
+    FP4KIT_INDUCTOR_PDL is "0", where the installed torch's Inductor has the option."""
+    import torch._inductor.config as inductor_config
+
+    return os.environ.get(INDUCTOR_PDL_ENV, "1") != "0" and hasattr(inductor_config.triton, "enable_pdl")
+
+
+def compile_options(device_type: str) -> dict:
+    """The Inductor options of the compiled step on `device_type`."""
+    options = {"emulate_precision_casts": True}
+    if device_type == "cpu":
+        # Inductor's vectorized C++ (torch 2.13) fails to build the bit-level E4M3 emulation of
+        # FP8 layers (an int vector operator it does not define); scalar loops build and agree.
+        options["cpp.simdlen"] = 1
+    if device_type == "cuda" and inductor_pdl():
+        options["triton.enable_pdl"] = True
+    return options
+
+
 @functools.cache
 def _compiled_call(device_type: str):
     import torch._dynamo
@@ -350,12 +380,7 @@ def _compiled_call(device_type: str):
         if hasattr(config, name):
             setattr(config, name, max(getattr(config, name), COMPILE_ENTRIES))
             break
-    options = {"emulate_precision_casts": True}
-    if device_type == "cpu":
-        # Inductor's vectorized C++ (torch 2.13) fails to build the bit-level E4M3 emulation of
-        # FP8 layers (an int vector operator it does not define); scalar loops build and agree.
-        options["cpp.simdlen"] = 1
-    return torch.compile(_call, dynamic=False, options=options)
+    return torch.compile(_call, dynamic=False, options=compile_options(device_type))
 
 
 def _forward(model, s: _StaticStep) -> torch.Tensor:

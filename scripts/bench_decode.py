@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import tempfile
 import time
@@ -55,7 +56,7 @@ from pathlib import Path
 import torch
 from benchlib.record import run_record, write_results
 
-from fp4kit.decode import DEFAULT_STEP_OPS, STEP_OPS, generate as fp4kit_generate
+from fp4kit.decode import DEFAULT_STEP_OPS, INDUCTOR_PDL_ENV, STEP_OPS, generate as fp4kit_generate, inductor_pdl
 from fp4kit.export.load import load_quantized
 from fp4kit.export.modelopt import export_checkpoint
 from fp4kit.models.nemotron_h import NANO_WIDTHS, mamba_kernels, shared_experts_after_routed
@@ -224,19 +225,20 @@ def main() -> None:
     ap.add_argument("--sequential-shared", action="store_true",
                     help="time each checkpoint also with its MoE blocks' shared expert after the routed experts "
                          "on one stream (labels ending in _sequential-shared)")
-    ap.add_argument("--inductor-pdl", action="store_true",
-                    help="with --compile: TorchInductor's kernels as programmatic dependent launches (its "
-                         "triton.enable_pdl, Hopper onwards), every model alike")
+    ap.add_argument("--inductor-pdl", action=argparse.BooleanOptionalAction,
+                    help="with --compile: TorchInductor's kernels as programmatic dependent launches or not (its "
+                         "triton.enable_pdl, Hopper onwards), every model alike (default: fp4kit.generate's, on; "
+                         "fp4kit.decode.inductor_pdl)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args()
-    if args.inductor_pdl:
+    if args.inductor_pdl is not None:
         import torch._inductor.config as inductor_config
 
         if not args.compile:
-            ap.error("--inductor-pdl applies to the compiled step: add --compile")
-        if not hasattr(inductor_config.triton, "enable_pdl"):
+            ap.error("--[no-]inductor-pdl applies to the compiled step: add --compile")
+        if args.inductor_pdl and not hasattr(inductor_config.triton, "enable_pdl"):
             ap.error(f"--inductor-pdl: torch {torch.__version__}'s Inductor has no triton.enable_pdl")
-        inductor_config.triton.enable_pdl = True
+        os.environ[INDUCTOR_PDL_ENV] = "1" if args.inductor_pdl else "0"
     for key, value in DEFAULTS["tiny" if args.tiny else "slice"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -348,7 +350,8 @@ def main() -> None:
     kernels = mamba_kernels()
     results = {
         **run_record(), "device": str(device), "quantize_backend": quantizer, "load_backend": backend, "decode": how,
-        "compile": args.compile, "inductor_pdl": args.inductor_pdl, "mamba_kernels": kernels, "step_ops": step_ops,
+        "compile": args.compile, "inductor_pdl": args.compile and device.type == "cuda" and inductor_pdl(),
+        "mamba_kernels": kernels, "step_ops": step_ops,
         "sequential_shared": args.sequential_shared,
         "model": {
             "source": source, "pattern": cfg.hybrid_override_pattern, "params": params, "hidden_size": cfg.hidden_size,

@@ -55,9 +55,12 @@ def test_the_tiny_run_writes_every_comparison(tmp_path):
     assert 0 <= one["agree_nemotron-h-w4a16-4o6_step"]["teacher_forced_agree"] <= 1
 
 
-def test_inductor_pdl_is_refused_without_compile():
+def test_inductor_pdl_either_way_is_refused_without_compile():
     # Inductor's programmatic dependent launches exist only in a compiled step: asked for without
     # --compile the run stops before building anything, naming the missing flag.
     run = subprocess.run([sys.executable, "scripts/bench_decode.py", "--device", "cpu", "--tiny", "--inductor-pdl"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "add --compile" in run.stderr
+    run = subprocess.run([sys.executable, "scripts/bench_decode.py", "--device", "cpu", "--tiny", "--no-inductor-pdl"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "add --compile" in run.stderr

@@ -473,6 +473,23 @@ def test_a_compiled_step_gives_the_tokens_of_the_eager_one(tiny, quantized):
 
 
 @pytest.mark.slow
+def test_the_compiled_steps_inductor_kernels_are_programmatic_dependents_on_a_gpu(monkeypatch):
+    # On CUDA the compiled step asks Inductor for programmatic dependent launches (where its torch
+    # has the option); FP4KIT_INDUCTOR_PDL=0 turns that off; the CPU's options never carry it.
+    import torch._inductor.config as inductor_config
+
+    from fp4kit import decode
+
+    has = hasattr(inductor_config.triton, "enable_pdl")
+    monkeypatch.delenv(decode.INDUCTOR_PDL_ENV, raising=False)
+    assert decode.inductor_pdl() == has
+    assert decode.compile_options("cuda").get("triton.enable_pdl", False) == has
+    assert "triton.enable_pdl" not in decode.compile_options("cpu") and decode.compile_options("cpu")["cpp.simdlen"] == 1
+    monkeypatch.setenv(decode.INDUCTOR_PDL_ENV, "0")
+    assert not decode.inductor_pdl() and "triton.enable_pdl" not in decode.compile_options("cuda")
+    assert decode.compile_options("cuda")["emulate_precision_casts"]
+
+
 def test_the_command_compiles_the_step_when_asked():
     import subprocess
     import sys

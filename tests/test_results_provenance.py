@@ -949,10 +949,7 @@ FIGURES = [
     (BENCH, "(10.3 us at one row against 10.3-14.1 for the tiles)", "kernels-sweeps-fp8-gemv-h200.json", ("rows",),
      lambda rows: "-".join(f"{f(r['ms'] for r in rows if r['N'] == 10304 and r['M'] == 1 and r['kernel'] == 'gemv') * 1e3:.1f}"
                            for f in (min, max))),
-    (BENCH, "so `max_m` stays 0", "kernels-sweeps-fp8-gemv-h200.json", ("pick", "max_m"), str),
-    *[(README, "at one row (5.4 against 6.2 us each, timed alone)", "kernels-sweeps-fp8-gemv-h200.json",
-       ("rows", sel, "ms"), lambda ms: f"{ms * 1e3:.1f}")
-      for sel in ({"N": 2688, "M": 1, "kernel": "gemv", "tile": [1, 1024, 2]}, {"N": 2688, "M": 1, "kernel": "_scaled_mm"})],
+    (BENCH, "so `max_m` stayed 0", "kernels-sweeps-fp8-gemv-h200.json", ("pick", "max_m"), str),
     # benchmarks/README.md: the FP8 GEMV's K loop, compiled ahead of time (scripts/sass_loop.py)
     (BENCH, "program it takes 3.20 instructions per weight", "fp8-gemv-sass.json",
      ("rows", {"rows": 1, "tile": [4, 512, 1]}, "per_weight"), _f(2)),
@@ -1097,6 +1094,74 @@ FIGURES = [
     *[(README, "gives BF16\n428.3, the default recipe 778.1 (1.82x) and `modelopt-lightning` 893.8 tokens/s (2.09x); the\n"
        "decode steps alone 434.3, 796.7 (1.83x) and 900.7 (2.07x)", "decode-b1-one-graph-h100.json", ("batches", "1"), fmt)
       for fmt in _B1_CELLS],
+    # the FP8 GEMV and Inductor's kernels as programmatic dependents (decode issue, H100)
+    (README, "2.18x and 2.16x on a rerun, the decode steps alone 2.16x and 2.15x", "decode-graph-compiled-pdl-h100.json",
+     ("batches", "1"), lambda d: "{:.2f}x and".format(d["speedup_over_bf16_graph"]["modelopt-lightning_graph"])
+     + " {:.2f}x on a rerun".format(_load("decode-b1-pdl-rerun-h100.json")["batches"]["1"]["speedup_over_bf16_graph"]
+                                    ["modelopt-lightning_graph"])
+     + ", the decode steps alone {:.2f}x and {:.2f}x".format(
+         _steps_over_bf16(d, "modelopt-lightning"),
+         _steps_over_bf16(_load("decode-b1-pdl-rerun-h100.json")["batches"]["1"], "modelopt-lightning"))),
+    (README, "with today's code, on an H100, 1.84x / 1.49x", "decode-graph-compiled-pdl-h100.json", ("batches",),
+     lambda b: "{:.2f}x / {:.2f}x".format(*(b[n]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"] for n in ("16", "64")))),
+    (README, "at batches 16 and 64, 1.84x / 1.92x and 1.49x / 1.50x", "decode-graph-compiled-pdl-h100.json", ("batches",),
+     lambda b: "{:.2f}x / {:.2f}x and {:.2f}x / {:.2f}x".format(*(b[n]["speedup_over_bf16_graph"][f"{r}_graph"]
+                                                               for n in ("16", "64") for r in ("nemotron-h-w4a16-4o6", "modelopt-lightning")))),
+    (README, "BF16 450.9, the default recipe 860.2 (1.91x)\nand `modelopt-lightning` 984.1 tokens/s (2.18x) at batch 1, 2.16x on a rerun",
+     "decode-graph-compiled-pdl-h100.json", ("batches", "1"),
+     lambda d: "BF16 {:.1f}, the default recipe {:.1f} ({:.2f}x) and `modelopt-lightning` {:.1f} tokens/s ({:.2f}x)".format(
+         d["tokens_per_s_bf16_graph"], d["tokens_per_s_nemotron-h-w4a16-4o6_graph"],
+         d["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"], d["tokens_per_s_modelopt-lightning_graph"],
+         d["speedup_over_bf16_graph"]["modelopt-lightning_graph"])),
+    *[(README, text, name, ("batches", "1"),
+       lambda d: "{:.1f} against {:.1f}".format(d["tokens_per_s_bf16_graph"], d["tokens_per_s_modelopt-lightning_graph"]))
+      for name, text in (("decode-b1-before-tails-h100.json", "443.3 against 915.3 tokens/s (2.06x"),
+                         ("decode-b1-tails-h100.json", "448.4 against 928.6 (2.07x"),
+                         ("decode-b1-fp8-pdl-h100.json", "449.8 against 968.5 (2.15x"))],
+    *[(README, text, name, ("batches", "1", "speedup_over_bf16_graph", "modelopt-lightning_graph"), lambda v: f"({v:.2f}x")
+      for name, text in (("decode-b1-before-tails-h100.json", "443.3 against 915.3 tokens/s (2.06x"),
+                         ("decode-b1-tails-h100.json", "448.4 against 928.6 (2.07x"),
+                         ("decode-b1-fp8-pdl-h100.json", "449.8 against 968.5 (2.15x"))],
+    *[(README, text, name, ("batches", "1", "speedup_over_bf16_graph", "modelopt-lightning_graph"), lambda v: f"{v:.2f}x")
+      for name, text in (("decode-b1-fp8-gemv-no-pdl-h100.json", "plainly gave 2.11x (decode-b1-fp8-gemv-no-pdl-h100.json)"),
+                         ("decode-b1-fp8-pdl-other-h100.json", "against 2.15x as a dependent"),
+                         ("decode-b1-fp8-pdl-no-inductor-pdl-h100.json", "without Inductor's\n2.13x"),
+                         ("decode-b1-fp8-pdl-one-row-tile-h100.json", "both projections 2.01x"))],
+    *[(BENCH, text, name, ("batches", "1", "speedup_over_bf16_graph", "modelopt-lightning_graph"), lambda v: f"{v:.2f}x")
+      for name, text in (("decode-b1-fp8-gemv-no-pdl-h100.json", "went from 2.11x BF16's tokens/s"),
+                         ("decode-b1-fp8-pdl-other-h100.json", "launched plainly to 2.15x"))],
+    *[(README, text, "decode-profile-compiled-lightning-pdl-h100.json",
+       ("top_kernels_per_step", "modelopt-lightning", {"kernel": k}), lambda r: f"{r['us']:.1f}")
+      for k, text in (("_moe_small_kernel", "two launches 390.2 us\nper step (22)"), ("_fp8_gemv_kernel", "the FP8 GEMV 223.6 (24)"),
+                      ("_gemv_kernel", "GEMVs 139.5 on the second stream"), ("_mma_kernel", "W4A16 lm_head 91.1"),
+                      ("_mamba_step_kernel", "the Mamba steps 73.1"))],
+    *[(README, text, "decode-profile-compiled-lightning-pdl-h100.json",
+       ("top_kernels_per_step", "modelopt-lightning", {"kernel": k}), lambda r: f"({r['count']:.0f})")
+      for k, text in (("_moe_small_kernel", "390.2 us\nper step (22)"), ("_fp8_gemv_kernel", "223.6 (24)"))],
+    *[(BENCH, text, name, ("top_kernels_per_step", "modelopt-lightning", {"kernel": k}), lambda r: f"{r['us']:.1f}")
+      for name, text in (("decode-profile-compiled-lightning-one-graph-h100.json", "took 82.1 and 48.8 us before"),
+                         ("decode-profile-compiled-lightning-pdl-h100.json", "and 69.5 and 38.3 us after"))
+      for k in ("_route_kernel", "_decode_attention_kernel")],
+    *[(BENCH, "from 2.06x to 2.07x BF16's", name, ("batches", "1", "speedup_over_bf16_graph", "modelopt-lightning_graph"),
+       lambda v: f"{v:.2f}x") for name in ("decode-b1-before-tails-h100.json", "decode-b1-tails-h100.json")],
+    *[(README, "now 69.5 and 38.3 us", "decode-profile-compiled-lightning-pdl-h100.json",
+       ("top_kernels_per_step", "modelopt-lightning", {"kernel": k}), lambda r: f"{r['us']:.1f}")
+      for k in ("_route_kernel", "_decode_attention_kernel")],
+    # the FP8 GEMV sweep on an H100, at one row
+    *[(doc, text, "kernels-sweeps-fp8-gemv-h100.json", ("rows", sel, "ms"), lambda ms: f"{ms * 1e3:.1f}")
+      for doc, text in ((README, "takes 11.5 us on in_proj and 5.8 on out_proj against\n`torch._scaled_mm`'s 12.6 and 6.8"),
+                        (BENCH, "takes 11.5 us on in_proj and 5.8 on out_proj at one row, against 12.3 and 6.4 launched\n"
+                                "plainly and 12.6 and 6.8 for `torch._scaled_mm`"))
+      for sel in ({"N": 10304, "M": 1, "kernel": "gemv", "tile": [4, 1024, 2], "pdl": True},
+                  {"N": 2688, "M": 1, "kernel": "gemv", "tile": [4, 1024, 2], "pdl": True},
+                  {"N": 10304, "M": 1, "kernel": "_scaled_mm"}, {"N": 2688, "M": 1, "kernel": "_scaled_mm"})],
+    *[(BENCH, "against 12.3 and 6.4 launched\nplainly", "kernels-sweeps-fp8-gemv-h100.json",
+       ("rows", {"N": n, "M": 1, "kernel": "gemv", "tile": [4, 1024, 2], "pdl": False}, "ms"), lambda ms: f"{ms * 1e3:.1f}")
+      for n in (10304, 2688)],
+    *[(BENCH, "(1 x 1024:\n16.3 and 7.0)", "kernels-sweeps-fp8-gemv-h100.json",
+       ("rows", {"N": n, "M": 1, "kernel": "gemv", "tile": [1, 1024, 2], "pdl": True}, "ms"), lambda ms: f"{ms * 1e3:.1f}")
+      for n in (10304, 2688)],
+    (BENCH, "(`max_m` 1)", "kernels-sweeps-fp8-gemv-h100.json", ("pick", "max_m"), str),
     (README, "on another H100 gave\n1.82x and 2.06x (decode-b1-one-graph-rerun-h100.json)", "decode-b1-one-graph-rerun-h100.json",
      ("batches", "1", "speedup_over_bf16_graph"),
      lambda v: "{:.2f}x and {:.2f}x".format(v["nemotron-h-w4a16-4o6_graph"], v["modelopt-lightning_graph"])),
