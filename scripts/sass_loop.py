@@ -1,6 +1,6 @@
 """Counts the instructions of a Triton kernel's innermost loop on sm_90, without a GPU.
 
-    python scripts/sass_loop.py fp8-gemv|fp8-gemv-pdl|moe-gemv|packed|packed-overlap|route-tail|attention-combine [--out ...]
+    python scripts/sass_loop.py fp8-gemv|fp8-gemv-pdl|mamba-step-pdl|moe-gemv|packed|packed-overlap|route-tail|attention-combine [--out ...]
 
 Triton compiles the kernel ahead of time for sm_90 (its bundled ptxas), cuobjdump (bundled too)
 disassembles it, and the loop is the last innermost one (a backward branch's range that holds no
@@ -180,6 +180,39 @@ def fp8_gemv_pdl(tiles=((4, 1024, 2), (1, 1024, 2), (1, 512, 1)), even_k=(False,
     return rows
 
 
+def mamba_step_pdl() -> list:
+    """`mamba._mamba_step_kernel` as a Nemotron-3-Nano mixer launches it at decode (64 heads of 64,
+    8 groups, N = 128, 4 taps, bf16, FP8 output), plainly and as a programmatic dependent launch:
+    the global loads before its wait for the launch before it (ACQBULK), against the state rows'
+    16-byte loads per thread ("state_loads": BLOCK_P x N fp32 over 128 threads) and the head's
+    three parameters; stores before the wait (must be 0: it writes nothing that launch may still
+    read or write); whether the trigger for the launch after it (PREEXIT) follows the wait."""
+    from fp4kit.kernels import mamba
+
+    sig = {"proj_ptr": "*bf16", "conv_ptr": "*bf16", "ssm_ptr": "*fp32", "cw_ptr": "*bf16", "cb_ptr": "*bf16",
+           "dtb_ptr": "*fp32", "alog_ptr": "*fp32", "d_ptr": "*fp32", "nw_ptr": "*bf16", "scale_ptr": "*fp32",
+           "gated_ptr": "*fp32", "out_ptr": "*u8", "cnt_ptr": "*i32", "stride_proj": "i32", "eps": "fp32",
+           "inv_group": "fp32"}
+    sig.update({name: "constexpr" for name in ("H", "P", "N", "G", "S", "K", "HALF", "BIAS", "D_WIDE", "OUT_FP8",
+                                               "LIBDEVICE", "BLOCK_P", "BLOCK_N", "BLOCK_GS", "S_PAD", "PDL")})
+    rows = []
+    for pdl in (False, True):
+        consts = dict(H=64, P=64, N=128, G=8, S=4, K=4, HALF=1, BIAS=True, D_WIDE=True, OUT_FP8=True, LIBDEVICE=True,
+                      BLOCK_P=mamba.BLOCK_P, BLOCK_N=128, BLOCK_GS=512, S_PAD=4, PDL=pdl)
+        regs, sass, stack = compile_sm90(mamba._mamba_step_kernel, sig, consts, 4,
+                                         ("proj_ptr", "conv_ptr", "ssm_ptr", "stride_proj"))
+        seq = [_OP.search(ln).group(1) for ln in sass.splitlines() if _OP.search(ln)]
+        wait = seq.index("ACQBULK") if "ACQBULK" in seq else None
+        trigger = seq.index("PREEXIT") if "PREEXIT" in seq else None
+        rows.append({"pdl": pdl, "registers": regs, "stack": stack, "instructions": len(seq),
+                     "state_loads": mamba.BLOCK_P * 128 * 4 // (16 * 128),
+                     "loads_before_wait": None if wait is None else seq[:wait].count("LDG"),
+                     "stores_before_wait": None if wait is None else seq[:wait].count("STG"),
+                     "wait_before_trigger": wait is not None and trigger is not None and wait < trigger,
+                     "ops": _counts(seq)})
+    return rows
+
+
 def moe_gemv(tiles=((4, 512, 1, None), (8, 512, 1, None), (8, 512, 1, 96), (4, 1024, 2, None), (4, 512, 1, None, 2),
                    (4, 512, 1, None, 3), (8, 512, 1, None, 2))) -> list:
     """`_moe_small_kernel`'s K loop on the CUDA cores (`tiles.gemv_accumulate`) as one token's up
@@ -299,7 +332,7 @@ def attention_combine() -> list:
              "loads_before_exp": seq[:first_exp].count("LDG"), "ops": _counts(seq)}]
 
 
-KERNELS = {"fp8-gemv": fp8_gemv, "fp8-gemv-pdl": fp8_gemv_pdl, "moe-gemv": moe_gemv, "packed": packed, "packed-overlap": packed_overlap,
+KERNELS = {"fp8-gemv": fp8_gemv, "fp8-gemv-pdl": fp8_gemv_pdl, "mamba-step-pdl": mamba_step_pdl, "moe-gemv": moe_gemv, "packed": packed, "packed-overlap": packed_overlap,
            "route-tail": route_tail, "attention-combine": attention_combine}
 
 

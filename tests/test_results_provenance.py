@@ -1017,6 +1017,12 @@ FIGURES = [
     (BENCH, "and no store\nbefore its trigger", "fp8-gemv-pdl-sass.json",
      ("rows", {"tile": [4, 1024, 2], "even_k": False}),
      lambda r: "no store" if r["stores_before_trigger"] == 0 and r["wait_before_trigger"] and r["loop_same"] else "?"),
+    *[(BENCH, text, "mamba-step-pdl-sass.json", ("rows", {"pdl": True}, key), str)
+      for text, key in (("it issues 7 loads before its wait", "loads_before_wait"),
+                        ("its state\nrows' 4 per thread", "state_loads"))],
+    (BENCH, "the head's three parameters, no store", "mamba-step-pdl-sass.json", ("rows", {"pdl": True}),
+     lambda r: "no store" if r["stores_before_wait"] == 0 and r["loads_before_wait"] == r["state_loads"] + 3
+     and r["wait_before_trigger"] else "?"),
     (BENCH, "its 3.86 instructions per weight", "moe-small-mma-sass.json",
      ("rows", {"rows": 1, "warps": 1, "kwarps": 4}, "per_weight"), _f(2)),
     (BENCH, "the packed kernel's (`packed`) 4.0 per weight at 64 rows", "packed-sass.json",

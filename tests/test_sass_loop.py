@@ -72,6 +72,17 @@ def test_the_programmatic_dependent_fp8_gemv_requests_only_weights_before_its_wa
         assert r["stores_before_trigger"] == 0 and r["wait_before_trigger"] and r["loop_same"]
 
 
+def test_the_programmatic_dependent_mamba_step_reads_only_its_state_and_parameters_before_its_wait():
+    # As a programmatic dependent launch the step kernel loads its SSM state rows (4 x 16 bytes per
+    # thread) and the head's dt_bias, A_log and D, nothing of proj, before its wait, stores
+    # nothing before it, and triggers the launch after it only after it; the plain launch has
+    # neither instruction.
+    plain, early = _compiled_rows("mamba_step_pdl()")
+    assert plain["loads_before_wait"] is None and not plain["wait_before_trigger"]
+    assert early["state_loads"] == 4 and early["loads_before_wait"] == early["state_loads"] + 3
+    assert early["stores_before_wait"] == 0 and early["wait_before_trigger"]
+
+
 def test_a_register_cap_is_compiled_in():
     # The MoE GEMV's one-warp 8 x 512 tile, uncapped and under a cap of 96 registers.
     free, capped = _compiled_rows("moe_gemv(tiles=((8, 512, 1, None), (8, 512, 1, 96)))")

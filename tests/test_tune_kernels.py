@@ -107,7 +107,7 @@ def test_a_pick_is_made_again_from_a_results_file_without_sweeping(tmp_path, mon
 
 def test_every_table_says_who_chose_it():
     doc = json.loads(launch.tuning_path("h200").read_text())
-    for kernel in ("w4a16", "moe", "packed", "fp8", "router"):
+    for kernel in ("w4a16", "moe", "packed", "fp8", "router", "mamba"):
         entry = doc["kernels"][kernel]
         assert set(entry["chosen_by"]) == set(entry["tables"]), kernel
         for name, by in entry["chosen_by"].items():

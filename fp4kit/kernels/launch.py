@@ -61,7 +61,7 @@ def gpu_of(device: torch.device | None) -> str:
 
 
 def table(kernel: str, device: torch.device | None = None) -> Mapping:
-    """`kernel`'s tables ("quantize", "w4a16", "moe", "packed", "fp8", "router") for `device`."""
+    """`kernel`'s tables ("quantize", "w4a16", "moe", "packed", "fp8", "router", "mamba") for `device`."""
     return tables(gpu_of(device))[kernel]
 
 

@@ -19,7 +19,9 @@ to an fp32 scratch row and counts itself in at its group's counter. The last of 
 programs to arrive reads the group's scratch back (through L2), takes the mean square in fp32,
 writes the normalised, weighted output in the activation dtype, shifts the group's B and C rows
 of the conv state (every program of the group has read them by then) and puts the counter back
-to 0 for the next launch.
+to 0 for the next launch. With the launch table's "mamba" STEP "pdl" (or `pdl=True`) on Hopper it
+is a programmatic dependent of in_proj's launch: its programs request their state rows while
+in_proj finishes and read proj only after it.
 
 Arithmetic: `mamba_step_reference`, which is `conv_update` and `state_update` (transformers'
 decode functions written element-wise, with its roundings: every product and sum of 16-bit values
@@ -43,7 +45,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from . import backend, launch
 from .backend import check_backend, current_device, interpreted, launch_cached, launch_options, next_power_of_2
 from .fp8 import _e4m3_signed, _round_half, cast_e4m3
 from .tiles import split_counters
@@ -118,8 +122,14 @@ def _mamba_step_kernel(proj_ptr, conv_ptr, ssm_ptr, cw_ptr, cb_ptr, dtb_ptr, alo
                        H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
                        K: tl.constexpr, HALF: tl.constexpr, BIAS: tl.constexpr, D_WIDE: tl.constexpr,
                        OUT_FP8: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK_P: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_GS: tl.constexpr, S_PAD: tl.constexpr):
-    """Program (h * PB + p-block, b); see the module docstring."""
+                       BLOCK_N: tl.constexpr, BLOCK_GS: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (h * PB + p-block, b); see the module docstring. PDL: a programmatic dependent
+    launch (`backend.pdl`) behind the launch that writes proj (in_proj): the SSM state rows and the
+    head's parameters, which that launch does not write, are requested first, then the program
+    waits for it (`gdc_wait`) before it reads proj or writes anything; once its own state update is
+    counted in it lets the launch after it (out_proj) start, which waits for this one in turn. The
+    same loads and arithmetic: the plain launch's bytes. LIBDEVICE false (Triton's interpreter):
+    no grid-dependency instructions."""
     PB: tl.constexpr = (P + BLOCK_P - 1) // BLOCK_P
     HG: tl.constexpr = H // G
     I: tl.constexpr = H * P
@@ -139,10 +149,12 @@ def _mamba_step_kernel(proj_ptr, conv_ptr, ssm_ptr, cw_ptr, cb_ptr, dtb_ptr, alo
     offs = ((b * H + h) * P + p[:, None]) * N + n[None, :]
     st_ok = p_ok[:, None] & n_ok[None, :]
     state = tl.load(ssm_ptr + offs, mask=st_ok, other=0.0)
-    dt = tl.load(row + I + CD + h).to(tl.float32)
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     a = -_fn(tl.load(alog_ptr + h).to(tl.float32), EXP, LIBDEVICE)
     skip = tl.load(d_ptr + h).to(tl.float32)
+    if PDL and LIBDEVICE:
+        gdc_wait()
+    dt = tl.load(row + I + CD + h).to(tl.float32)
     gate = tl.load(row + h * P + p, mask=p_ok, other=0.0).to(tl.float32)
     # 1. the convolution: this block's x channels, the group's B and C channels
     cx = h * P + p
@@ -173,6 +185,8 @@ def _mamba_step_kernel(proj_ptr, conv_ptr, ssm_ptr, cw_ptr, cb_ptr, dtb_ptr, alo
     tl.store(gated_ptr + b * I + cx, gated, mask=p_ok)
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + b * G + g, 1, sem="acq_rel", scope="gpu")
+    if PDL and LIBDEVICE:
+        gdc_launch_dependents()
     if arrived == HG * PB - 1:
         q = tl.arange(0, BLOCK_GS)
         q_ok = q < GS
@@ -358,7 +372,7 @@ def mamba_step_reference(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state
 def mamba_step(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, conv_weight: torch.Tensor,
                conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor,
                norm_weight: torch.Tensor, eps: float, groups: int, out_scale: torch.Tensor | None = None, *,
-               backend: str = "triton") -> torch.Tensor:
+               backend: str = "triton", pdl: bool | None = None) -> torch.Tensor:
     """One decode step of a Nemotron-H Mamba-2 mixer between in_proj and out_proj: out_proj's
     input [batch, I] in proj's dtype, or with `out_scale` (FP8Linear's fp32 input_scale, one
     element) quantized to float8_e4m3fn as FP8Linear quantizes it (e4m3(clamp(x / scale, +-448)));
@@ -369,7 +383,9 @@ def mamba_step(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Te
     P, N] fp32, contiguous; conv_weight: [CD, K] in proj's dtype (K <= S + 1); conv_bias: [CD] or
     None; dt_bias, A_log, D: [H]; norm_weight: [I] (these bf16, fp16 or fp32); eps: the norm's
     epsilon; groups: G, with I = H * P and CD = I + 2 * G * N. backend: "triton"
-    (`_mamba_step_kernel`) or "torch" (`mamba_step_reference`)."""
+    (`_mamba_step_kernel`) or "torch" (`mamba_step_reference`). pdl: launch the kernel as a
+    programmatic dependent of the launch before it (None: the launch table's "mamba" STEP "pdl");
+    where `backend.pdl` allows it, and in Triton's interpreter as the same loads in that order."""
     if isinstance(conv_weight, torch.Tensor) and conv_weight.dim() == 3 and conv_weight.shape[1] == 1:
         conv_weight = conv_weight.view(conv_weight.shape[0], conv_weight.shape[2])  # nn.Conv1d's [CD, 1, K]
     batch, heads, head_dim, size, channels, columns, taps = _sizes(proj, conv_state, ssm_state, conv_weight, groups)
@@ -386,6 +402,8 @@ def mamba_step(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Te
                          f"{getattr(out_scale, 'dtype', type(out_scale))} {tuple(getattr(out_scale, 'shape', ()))}")
     check_backend(backend, _mamba_step_kernel, proj, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
                   norm_weight, out_scale, what=_WHAT)
+    if pdl is None:
+        pdl = _table_pdl()
     if backend == "torch":
         return mamba_step_reference(proj, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
                                     norm_weight, eps, groups, out_scale)
@@ -410,5 +428,18 @@ def mamba_step(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Te
                       LIBDEVICE=not interpreted(_mamba_step_kernel), BLOCK_P=block_p,
                       BLOCK_N=next_power_of_2(size), BLOCK_GS=next_power_of_2(group),
                       S_PAD=max(next_power_of_2(columns), 2), num_warps=4, **launch_options())
+        native = not interpreted(_mamba_step_kernel)
+        pdl = bool(pdl) and (not native or backend_pdl(proj.device))
+        consts.update(PDL=pdl, **({"launch_pdl": True} if pdl and native else {}))
         launch_cached(_mamba_step_kernel, (heads * -(-head_dim // block_p), batch), *args, **consts)
     return out
+
+
+def backend_pdl(device: torch.device) -> bool:
+    """Whether the step kernel can be a programmatic dependent launch on `device` (`backend.pdl`)."""
+    return backend.pdl(device, _mamba_step_kernel)
+
+
+def _table_pdl() -> bool:
+    """The launch table's "mamba" STEP "pdl" (False where the tuning file has no such entry)."""
+    return bool(launch.tables().get("mamba", {}).get("STEP", {}).get("pdl", False))

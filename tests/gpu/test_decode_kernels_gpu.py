@@ -19,6 +19,8 @@ if not torch.cuda.is_available():
 from fp4kit.kernels import mamba, router  # noqa: E402
 from fp4kit.kernels.tiles import split_counters  # noqa: E402
 
+from .helpers import write_late  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 
@@ -103,6 +105,51 @@ def test_the_one_launch_mamba_step_on_nano_shapes(batch):
     scale = (out.float().abs().amax() / 448).reshape(1)
     q = mamba.mamba_step(*[a.clone() for a in args], 1e-5, groups, scale)
     assert torch.equal(q.view(torch.uint8), e4m3_cast(out.float() / scale).view(torch.uint8))
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_the_programmatic_dependent_mamba_step_reads_proj_only_after_the_launch_before(batch):
+    # pdl: the SSM state rows and the head's parameters are requested before the wait for the
+    # launch before. Here that launch lets the step start at once and writes its proj late: the
+    # output and both states are those of the new proj, the plain launch's bytes, eagerly and over
+    # replays of a CUDA graph (a program that read proj before its wait would see the old one).
+    assert mamba.backend_pdl(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(70 + batch)
+    heads, head_dim, size, groups = 64, 64, 128, 8
+    inter = heads * head_dim
+    channels = inter + 2 * groups * size
+
+    def rand(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(shape, device="cuda", generator=g) * scale).to(dtype)
+
+    old, new = rand(batch, inter + channels + heads, scale=2.0), rand(batch, inter + channels + heads, scale=2.0)
+    rest = (rand(batch, channels, 4), rand(batch, heads, head_dim, size, dtype=torch.float32),
+            rand(channels, 4, scale=0.5), rand(channels, scale=0.1), rand(heads, dtype=torch.float32),
+            rand(heads, dtype=torch.float32), rand(heads, dtype=torch.float32), rand(inter, scale=0.1) + 1)
+    plain = [new.clone(), *(a.clone() for a in rest)]
+    want = mamba.mamba_step(*plain, 1e-5, groups, pdl=False)
+    states = [a.clone() for a in rest[:2]]
+    proj = old.clone()
+    work = [proj, *(a.clone() for a in rest)]
+
+    def step():
+        for t, s in zip(work[1:3], states):
+            t.copy_(s)
+        proj.copy_(old)
+        write_late(new, proj)
+        return mamba.mamba_step(*work, 1e-5, groups, pdl=True)
+
+    assert torch.equal(step(), want)
+    assert torch.equal(work[1], plain[1]) and torch.equal(work[2], plain[2])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step()
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        assert torch.equal(work[1], plain[1]) and torch.equal(work[2], plain[2])
 
 
 def test_the_triton_step_ops_give_the_eager_steps_tokens():

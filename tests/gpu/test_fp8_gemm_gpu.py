@@ -16,14 +16,13 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.language.extra.cuda import gdc_launch_dependents  # noqa: E402
 
 from fp4kit.formats import e4m3  # noqa: E402
 from fp4kit.kernels import fp8_gemm as fg  # noqa: E402
 from fp4kit.kernels import launch  # noqa: E402
 from fp4kit.modules import FP8Linear  # noqa: E402
+
+from .helpers import write_late  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -108,19 +107,6 @@ def test_matrix_unit_kernel_on_mamba_shapes(n, k, m):
     assert torch.equal(fg.fp8_matmul(xq, w, xs, ws, torch.bfloat16, tables=MMA_TABLE), got.float().to(torch.bfloat16))
 
 
-@triton.jit
-def _late_writer(src_ptr, dst_ptr, n, spin, BLOCK: tl.constexpr):
-    """dst[:n] = src[:n] (bytes), written late: the launch after this one may start at once
-    (`gdc_launch_dependents` first), then each program spins `spin` dependent steps."""
-    gdc_launch_dependents()
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(src_ptr + offs, mask=offs < n, other=0)
-    t = v.to(tl.float32) + 1.0
-    for _ in range(spin):
-        t = t * 1.0000001 + 1e-7
-    tl.store(dst_ptr + offs, tl.where(t == -1.0, 0, v), mask=offs < n)  # t is never -1: v, after the spin
-
-
 @pytest.mark.parametrize("n,k,m", [(10304, 2688, 1), (2688, 4096, 1), (1000, 200, 2)])
 def test_the_programmatic_dependent_gemv_reads_its_input_only_after_the_launch_before(n, k, m):
     # "pdl": the GEMV's first weight tile is requested before it waits for the launch before it.
@@ -138,8 +124,7 @@ def test_the_programmatic_dependent_gemv_reads_its_input_only_after_the_launch_b
 
     def step():
         x.copy_(old)
-        _late_writer[(triton.cdiv(x.numel(), 1024),)](new.view(torch.uint8), x.view(torch.uint8), x.numel(), 20000,
-                                                      BLOCK=1024)
+        write_late(new, x)
         return fg.fp8_matmul(x, w, xs, ws, torch.float32, cfg=dict(cfg, pdl=True))
 
     assert torch.equal(step(), want)

@@ -117,6 +117,16 @@ def test_the_kernel_leaves_its_counters_at_zero_and_repeats_itself():
     assert all(torch.equal(a, b) for a, b in zip(first[1:3], again[1:3]))
 
 
+def test_the_programmatic_dependent_launch_is_the_plain_one_bit_for_bit():
+    # pdl: the state rows and the head's parameters are read before proj (on a GPU, before the
+    # wait for the launch that writes proj): the same values, so the same output and states.
+    args = _inputs(2, 8, 16, 32, 2, seed=5)
+    plain, early = _copy(args), _copy(args)
+    out = mamba.mamba_step(*plain, 1e-5, 2, pdl=False)
+    assert torch.equal(mamba.mamba_step(*early, 1e-5, 2, pdl=True), out)
+    assert all(torch.equal(a, b) for a, b in zip(plain[1:3], early[1:3]))
+
+
 def test_the_torch_backend_is_the_reference():
     args = _inputs(2, 4, 8, 16, 2, seed=5)
     ours, ref = _copy(args), _copy(args)
