@@ -114,6 +114,14 @@ def _rows(fn, signature, divisible, launches) -> list:
     return out
 
 
+# `_fp8_gemv_kernel`'s signature, and the arguments a launch on the Mamba projections sees as
+# multiples of 16
+_FP8_GEMV_SIG = {"x_ptr": "*u8", "w_ptr": "*u8", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
+                 "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "BLOCK_M": "constexpr",
+                 "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "NATIVE": "constexpr",
+                 "PDL": "constexpr"}
+_FP8_GEMV_DIVISIBLE = ("x_ptr", "w_ptr", "xs_ptr", "ws_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om")
+
 # (BLOCK_N, BLOCK_K, warps): BLOCK_K = 512 x warps gives each lane 16 columns of every weight row,
 # the activations' own layout; the others put the activation tile through shared memory
 FP8_GEMV_TILES = ((1, 512, 1), (2, 512, 1), (4, 512, 1), (2, 1024, 2), (4, 1024, 2), (4, 2048, 4), (8, 512, 4),
@@ -126,11 +134,7 @@ def fp8_gemv(rows=(1, 2, 4), tiles=FP8_GEMV_TILES, pdl=False) -> list:
     M = 1, a constant); pdl: as a programmatic dependent launch (rows tagged "pdl")."""
     from fp4kit.kernels import fp8_gemm as fg
 
-    sig = {"x_ptr": "*u8", "w_ptr": "*u8", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
-           "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "BLOCK_M": "constexpr",
-           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "NATIVE": "constexpr",
-           "PDL": "constexpr"}
-    divisible = ("x_ptr", "w_ptr", "xs_ptr", "ws_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om")
+    sig, divisible = dict(_FP8_GEMV_SIG), _FP8_GEMV_DIVISIBLE
     out = []
     for bm in rows:  # one row: M = 1, which Triton makes a constant
         s, fixed = (dict(sig, M="constexpr"), {"M": 1}) if bm == 1 else (sig, {})
@@ -153,11 +157,7 @@ def fp8_gemv_pdl(tiles=((4, 1024, 2), (1, 1024, 2), (1, 512, 1)), even_k=(False,
     plain launch's."""
     from fp4kit.kernels import fp8_gemm as fg
 
-    sig = {"x_ptr": "*u8", "w_ptr": "*u8", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "out_ptr": "*bf16", "M": "constexpr",
-           "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "BLOCK_M": "constexpr",
-           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "NATIVE": "constexpr",
-           "PDL": "constexpr"}
-    divisible = ("x_ptr", "w_ptr", "xs_ptr", "ws_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om")
+    sig, divisible = dict(_FP8_GEMV_SIG, M="constexpr"), _FP8_GEMV_DIVISIBLE
     rows = []
     for even in even_k:
         for bn, bk, nw in tiles:

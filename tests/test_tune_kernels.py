@@ -20,6 +20,16 @@ from sweeps.common import updated, with_maxnreg  # noqa: E402
 from fp4kit.kernels import launch  # noqa: E402
 
 
+def _tuning_copy(tmp_path, monkeypatch) -> tuple[dict, Path]:
+    """(the package's tuning file as read, a copy of it in tmp_path that `launch.tuning_path` names
+    for the test)."""
+    before = json.loads(launch.tuning_path("h200").read_text())
+    path = tmp_path / "h200.json"
+    path.write_text(json.dumps(before))
+    monkeypatch.setattr(launch, "tuning_path", lambda gpu: path)
+    return before, path
+
+
 def test_every_sweep_names_a_table_of_its_kernel():
     known = tune_kernels.sweeps()
     assert {"w4a16.gemv", "w4a16.mma", "w4a16.mma_wide", "w4a16.row_mma", "w4a16.decode", "w4a16.mid", "moe.decode",
@@ -31,10 +41,7 @@ def test_every_sweep_names_a_table_of_its_kernel():
 
 def test_write_pick_records_the_table_and_who_chose_it(tmp_path, monkeypatch):
     # The pick and its chosen_by go into the tuning file given; the other tables stay as they were.
-    before = json.loads(launch.tuning_path("h200").read_text())
-    path = tmp_path / "h200.json"
-    path.write_text(json.dumps(before))
-    monkeypatch.setattr(launch, "tuning_path", lambda gpu: path)
+    before, path = _tuning_copy(tmp_path, monkeypatch)
     chosen_by = {"command": "python scripts/tune_kernels.py w4a16.mid", "date": "2027-01-01T00:00Z", "results": "r.json"}
     mid = dict(launch.thaw(launch.table("w4a16")["MID"]), programs_per_sm=8)
     tune_kernels.write_pick("h200", "w4a16", "MID", launch.freeze(mid), chosen_by)
@@ -47,10 +54,7 @@ def test_write_pick_records_the_table_and_who_chose_it(tmp_path, monkeypatch):
 
 def test_later_sweeps_of_one_run_see_the_earlier_picks(tmp_path, monkeypatch):
     # Two sweeps in one command: the second builds its candidates on the table the first wrote.
-    before = json.loads(launch.tuning_path("h200").read_text())
-    path = tmp_path / "h200.json"
-    path.write_text(json.dumps(before))
-    monkeypatch.setattr(launch, "tuning_path", lambda gpu: path)
+    before, path = _tuning_copy(tmp_path, monkeypatch)
     monkeypatch.setattr(tune_kernels, "ROOT", tmp_path)
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     launch.tables.cache_clear()
@@ -72,10 +76,7 @@ def test_later_sweeps_of_one_run_see_the_earlier_picks(tmp_path, monkeypatch):
 def test_a_pick_is_made_again_from_a_results_file_without_sweeping(tmp_path, monkeypatch):
     # --rows: the named sweep's pick from the rows a run of it wrote; nothing is timed, the rows
     # file stays as it was, and the table records the command and that file.
-    before = json.loads(launch.tuning_path("h200").read_text())
-    path = tmp_path / "h200.json"
-    path.write_text(json.dumps(before))
-    monkeypatch.setattr(launch, "tuning_path", lambda gpu: path)
+    before, path = _tuning_copy(tmp_path, monkeypatch)
     monkeypatch.setattr(tune_kernels, "ROOT", tmp_path)
     rows_file = tmp_path / "benchmarks" / "results" / "kernels-sweeps-fp8-gemv-h200.json"
     rows_file.parent.mkdir(parents=True)

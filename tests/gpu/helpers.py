@@ -46,3 +46,17 @@ def write_late(src: torch.Tensor, dst: torch.Tensor, spin: int = 20000) -> None:
     its wait sees the old bytes."""
     n = dst.numel() * dst.element_size()
     _late_writer[(triton.cdiv(n, 1024),)](src.view(torch.uint8), dst.view(torch.uint8), n, spin, BLOCK=1024)
+
+
+def eager_and_replayed(step, check, replays: int = 10) -> None:
+    """check(step()) on an eager call, then check(out) after each of `replays` replays of a CUDA
+    graph of step (out: the graph's output)."""
+    check(step())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out)

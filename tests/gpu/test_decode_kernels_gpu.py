@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 from fp4kit.kernels import mamba, router  # noqa: E402
 from fp4kit.kernels.tiles import split_counters  # noqa: E402
 
-from .helpers import write_late  # noqa: E402
+from .helpers import eager_and_replayed, write_late  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -139,17 +139,11 @@ def test_the_programmatic_dependent_mamba_step_reads_proj_only_after_the_launch_
         write_late(new, proj)
         return mamba.mamba_step(*work, 1e-5, groups, pdl=True)
 
-    assert torch.equal(step(), want)
-    assert torch.equal(work[1], plain[1]) and torch.equal(work[2], plain[2])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = step()
-    for _ in range(10):
-        graph.replay()
-        torch.cuda.synchronize()
+    def check(got):
         assert torch.equal(got, want)
         assert torch.equal(work[1], plain[1]) and torch.equal(work[2], plain[2])
+
+    eager_and_replayed(step, check)
 
 
 def test_the_triton_step_ops_give_the_eager_steps_tokens():

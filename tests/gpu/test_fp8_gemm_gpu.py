@@ -22,7 +22,7 @@ from fp4kit.kernels import fp8_gemm as fg  # noqa: E402
 from fp4kit.kernels import launch  # noqa: E402
 from fp4kit.modules import FP8Linear  # noqa: E402
 
-from .helpers import write_late  # noqa: E402
+from .helpers import eager_and_replayed, write_late  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -127,12 +127,7 @@ def test_the_programmatic_dependent_gemv_reads_its_input_only_after_the_launch_b
         write_late(new, x)
         return fg.fp8_matmul(x, w, xs, ws, torch.float32, cfg=dict(cfg, pdl=True))
 
-    assert torch.equal(step(), want)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = step()
-    for _ in range(10):
-        graph.replay()
-        torch.cuda.synchronize()
+    def check(got):
         assert torch.equal(got, want)
+
+    eager_and_replayed(step, check)
