@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from benchlib.record import run_record, write_results
 
-from fp4kit.decode import DEFAULT_STEP_OPS, STEP_OPS, generate
+from fp4kit.decode import DEFAULT_STEP_OPS, STEP_OPS, generate, inductor_pdl
 from fp4kit.export.load import load_quantized
 from fp4kit.export.modelopt import export_checkpoint
 from fp4kit.quantize import DEFAULT_RECIPE, quantize
@@ -177,7 +177,8 @@ def main() -> None:
             for name, (m, ops) in runs.items()}
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {**run_record(), "source": source, "pattern": model.config.hybrid_override_pattern, "recipe": args.recipe,
-              "compile": args.compile, "step_ops": step_ops, "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps,
+              "compile": args.compile, "inductor_pdl": args.compile and device.type == "cuda" and inductor_pdl(),
+              "step_ops": step_ops, "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps,
               "measure": "CUDA kernel time" if device.type == "cuda" else "CPU time of aten operators",
               "per_step": steps,
               "per_step_total_us": {name: sum(v["us"] for v in s.values()) for name, s in steps.items()},

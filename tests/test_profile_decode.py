@@ -69,7 +69,7 @@ def test_the_tiny_run_profiles_every_model_under_each_step_ops(tmp_path):
                    timeout=600)
     doc = json.loads(out.read_text())
     names = ["bf16", "nemotron-h-w4a16-4o6", "bf16 (transformers ops)", "nemotron-h-w4a16-4o6 (transformers ops)"]
-    assert doc["step_ops"] == ["fp4kit", "transformers"]
+    assert doc["step_ops"] == ["fp4kit", "transformers"] and doc["inductor_pdl"] is False
     assert sorted(doc["per_step"]) == sorted(doc["per_step_total_us"]) == sorted(names)
     for name in names:
         assert doc["per_step_total_us"][name] == pytest.approx(sum(v["us"] for v in doc["per_step"][name].values()))
