@@ -348,15 +348,17 @@ CACHE_GRANULE = 1024
 INDUCTOR_PDL_ENV = "FP4KIT_INDUCTOR_PDL"
 
 
-def inductor_pdl() -> bool:
-    """Whether a compiled step's Inductor kernels on a GPU are programmatic dependent launches
-    (Inductor's triton.enable_pdl, which takes effect from Hopper on): each starts while the launch
-    before it finishes and waits for it before reading its output, and lets the launch after it
-    start once its loads are done, as fp4kit's FP8 GEMV does. On unless the environment variable
-    FP4KIT_INDUCTOR_PDL is "0", where the installed torch's Inductor has the option."""
+def inductor_pdl(device_type: str = "cuda") -> bool:
+    """Whether a compiled step's Inductor kernels on `device_type` are programmatic dependent
+    launches (Inductor's triton.enable_pdl, which takes effect from Hopper on): each starts while
+    the launch before it finishes and waits for it before reading its output, and lets the launch
+    after it start once its loads are done, as fp4kit's FP8 GEMV does. On a GPU unless the
+    environment variable FP4KIT_INDUCTOR_PDL is "0", where the installed torch's Inductor has the
+    option; never elsewhere."""
     import torch._inductor.config as inductor_config
 
-    return os.environ.get(INDUCTOR_PDL_ENV, "1") != "0" and hasattr(inductor_config.triton, "enable_pdl")
+    return (device_type == "cuda" and os.environ.get(INDUCTOR_PDL_ENV, "1") != "0"
+            and hasattr(inductor_config.triton, "enable_pdl"))
 
 
 def compile_options(device_type: str) -> dict:
@@ -366,7 +368,7 @@ def compile_options(device_type: str) -> dict:
         # Inductor's vectorized C++ (torch 2.13) fails to build the bit-level E4M3 emulation of
         # FP8 layers (an int vector operator it does not define); scalar loops build and agree.
         options["cpp.simdlen"] = 1
-    if device_type == "cuda" and inductor_pdl():
+    if inductor_pdl(device_type):
         options["triton.enable_pdl"] = True
     return options
 

@@ -350,7 +350,7 @@ def main() -> None:
     kernels = mamba_kernels()
     results = {
         **run_record(), "device": str(device), "quantize_backend": quantizer, "load_backend": backend, "decode": how,
-        "compile": args.compile, "inductor_pdl": args.compile and device.type == "cuda" and inductor_pdl(),
+        "compile": args.compile, "inductor_pdl": args.compile and inductor_pdl(device.type),
         "mamba_kernels": kernels, "step_ops": step_ops,
         "sequential_shared": args.sequential_shared,
         "model": {

@@ -177,7 +177,7 @@ def main() -> None:
             for name, (m, ops) in runs.items()}
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {**run_record(), "source": source, "pattern": model.config.hybrid_override_pattern, "recipe": args.recipe,
-              "compile": args.compile, "inductor_pdl": args.compile and device.type == "cuda" and inductor_pdl(),
+              "compile": args.compile, "inductor_pdl": args.compile and inductor_pdl(device.type),
               "step_ops": step_ops, "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps,
               "measure": "CUDA kernel time" if device.type == "cuda" else "CPU time of aten operators",
               "per_step": steps,

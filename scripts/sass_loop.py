@@ -70,6 +70,14 @@ def ops_after(sass: str, opcode: str) -> dict:
     return _counts(seq[seq.index(opcode):]) if opcode in seq else {}
 
 
+def _grid_dependency(sass: str) -> tuple[list[str], int | None, int | None]:
+    """(a listing's opcodes in order, the index of its grid-dependency wait (ACQBULK, PTX
+    griddepcontrol.wait) and of its trigger (PREEXIT, griddepcontrol.launch_dependents); None
+    where it has none)."""
+    seq = [_OP.search(ln).group(1) for ln in sass.splitlines() if _OP.search(ln)]
+    return seq, *(seq.index(op) if op in seq else None for op in ("ACQBULK", "PREEXIT"))
+
+
 def compile_sm90(fn, signature: dict, constants: dict, num_warps: int, divisible: tuple,
                  maxnreg: int | None = None) -> tuple[int, str, int]:
     """(registers, SASS listing, stack bytes per thread) of `fn` compiled for sm_90 with these
@@ -166,9 +174,7 @@ def fp8_gemv_pdl(tiles=((4, 1024, 2), (1, 1024, 2), (1, 512, 1)), even_k=(False,
                 consts = dict(M=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, NATIVE=True, PDL=pdl)
                 listings[pdl] = compile_sm90(fg._fp8_gemv_kernel, sig, consts, nw, divisible)
             regs, sass, stack = listings[True]
-            seq = [_OP.search(ln).group(1) for ln in sass.splitlines() if _OP.search(ln)]
-            wait = seq.index("ACQBULK") if "ACQBULK" in seq else None
-            trigger = seq.index("PREEXIT") if "PREEXIT" in seq else None
+            seq, wait, trigger = _grid_dependency(sass)
             loop = loop_ops(sass)
             rows.append({"tile": [bn, bk, nw], "even_k": even, "pdl": True, "registers": regs, "stack": stack,
                          "plain_registers": listings[False][0], "tile_loads": bn * bk // (16 * 32 * nw),
@@ -201,9 +207,7 @@ def mamba_step_pdl() -> list:
                       BLOCK_P=mamba.BLOCK_P, BLOCK_N=128, BLOCK_GS=512, S_PAD=4, PDL=pdl)
         regs, sass, stack = compile_sm90(mamba._mamba_step_kernel, sig, consts, 4,
                                          ("proj_ptr", "conv_ptr", "ssm_ptr", "stride_proj"))
-        seq = [_OP.search(ln).group(1) for ln in sass.splitlines() if _OP.search(ln)]
-        wait = seq.index("ACQBULK") if "ACQBULK" in seq else None
-        trigger = seq.index("PREEXIT") if "PREEXIT" in seq else None
+        seq, wait, trigger = _grid_dependency(sass)
         rows.append({"pdl": pdl, "registers": regs, "stack": stack, "instructions": len(seq),
                      "state_loads": mamba.BLOCK_P * 128 * 4 // (16 * 128),
                      "loads_before_wait": None if wait is None else seq[:wait].count("LDG"),

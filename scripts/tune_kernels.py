@@ -74,13 +74,14 @@ def main(argv=None) -> int:
             print("error: --rows picks for one sweep; name exactly one", file=sys.stderr)
             return 2
         source = Path(args.rows).resolve()
-        written = json.loads(source.read_text()).get("sweep")
+        swept = json.loads(source.read_text())
+        written = swept.get("sweep")
         if written != args.names[0]:
             print(f"error: {args.rows} holds the rows of sweep {written!r}, not {args.names[0]!r}", file=sys.stderr)
             return 2
     for name in args.names:
         sweep = known[name]
-        rows = json.loads(source.read_text())["rows"] if args.rows else sweep.run()
+        rows = swept["rows"] if args.rows else sweep.run()
         pick = sweep.pick(rows)
         print(f"{name}: {sweep.kernel}.{sweep.table} = {json.dumps(pick)}")
         if args.dry_run:

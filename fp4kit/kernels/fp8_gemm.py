@@ -214,7 +214,7 @@ def row_class(m: int) -> int:
 
 
 @torch.compiler.assume_constant_result
-def _table_max_m(n: int, k: int) -> int:
+def _table_max_m(n: int | None = None, k: int | None = None) -> int:
     """The launch table's reach for an [n, k] weight (`_max_m`; one table for every device,
     `launch.gpu_of`). A constant to code that torch.compile traces: the table is read here, not
     traced (reading it is a file read dynamo cannot follow, which broke the compiled graph at every
@@ -243,10 +243,7 @@ def use_gemv(m: int, device: torch.device, tables: Mapping | None = None, n: int
              k: int | None = None) -> bool:
     """Whether `fp8_matmul` is the launch for M activation rows of an [n, k] weight (up to the
     table's reach for that shape, of either kernel; without n and k, up to its max_m)."""
-    if tables is None:
-        max_m = _table_max_m(n, k) if n is not None and k is not None else _max_m(launch.table("fp8"))
-    else:
-        max_m = _max_m(tables, n, k)
+    max_m = _table_max_m(n, k) if tables is None else _max_m(tables, n, k)
     return 1 <= m <= max_m
 
 

@@ -402,8 +402,6 @@ def mamba_step(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Te
                          f"{getattr(out_scale, 'dtype', type(out_scale))} {tuple(getattr(out_scale, 'shape', ()))}")
     check_backend(backend, _mamba_step_kernel, proj, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
                   norm_weight, out_scale, what=_WHAT)
-    if pdl is None:
-        pdl = _table_pdl()
     if backend == "torch":
         return mamba_step_reference(proj, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D,
                                     norm_weight, eps, groups, out_scale)
@@ -419,25 +417,20 @@ def mamba_step(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Te
     gpu = proj.get_device()
     with torch.cuda.device(gpu) if gpu >= 0 and gpu != current_device() else contextlib.nullcontext():
         counters = split_counters(proj.device, batch * groups)
-        block_p = min(BLOCK_P if not interpreted(_mamba_step_kernel) else 64, next_power_of_2(head_dim))
+        native = not interpreted(_mamba_step_kernel)
+        block_p = min(BLOCK_P if native else 64, next_power_of_2(head_dim))
         args = (proj, conv_state, ssm_state, conv_weight, conv_weight if conv_bias is None else conv_bias,
                 dt_bias, A_log, D, norm_weight, dt_bias if out_scale is None else out_scale, gated,
                 out if out_scale is None else out.view(torch.uint8), counters, proj.stride(0), float(eps), 1.0 / group)
+        pdl = bool(_table_pdl() if pdl is None else pdl) and (not native or backend.pdl(proj.device, _mamba_step_kernel))
         consts = dict(H=heads, P=head_dim, N=size, G=groups, S=columns, K=taps, HALF=_HALF[proj.dtype],
                       BIAS=conv_bias is not None, D_WIDE=D.dtype != proj.dtype, OUT_FP8=out_scale is not None,
-                      LIBDEVICE=not interpreted(_mamba_step_kernel), BLOCK_P=block_p,
+                      LIBDEVICE=native, BLOCK_P=block_p,
                       BLOCK_N=next_power_of_2(size), BLOCK_GS=next_power_of_2(group),
-                      S_PAD=max(next_power_of_2(columns), 2), num_warps=4, **launch_options())
-        native = not interpreted(_mamba_step_kernel)
-        pdl = bool(pdl) and (not native or backend_pdl(proj.device))
-        consts.update(PDL=pdl, **({"launch_pdl": True} if pdl and native else {}))
+                      S_PAD=max(next_power_of_2(columns), 2), PDL=pdl, **({"launch_pdl": True} if pdl and native else {}),
+                      num_warps=4, **launch_options())
         launch_cached(_mamba_step_kernel, (heads * -(-head_dim // block_p), batch), *args, **consts)
     return out
-
-
-def backend_pdl(device: torch.device) -> bool:
-    """Whether the step kernel can be a programmatic dependent launch on `device` (`backend.pdl`)."""
-    return backend.pdl(device, _mamba_step_kernel)
 
 
 def _table_pdl() -> bool:

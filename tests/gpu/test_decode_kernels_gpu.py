@@ -113,7 +113,7 @@ def test_the_programmatic_dependent_mamba_step_reads_proj_only_after_the_launch_
     # launch before. Here that launch lets the step start at once and writes its proj late: the
     # output and both states are those of the new proj, the plain launch's bytes, eagerly and over
     # replays of a CUDA graph (a program that read proj before its wait would see the old one).
-    assert mamba.backend_pdl(torch.device("cuda"))
+    assert mamba.backend.pdl(torch.device("cuda"), mamba._mamba_step_kernel)
     g = torch.Generator(device="cuda").manual_seed(70 + batch)
     heads, head_dim, size, groups = 64, 64, 128, 8
     inter = heads * head_dim
