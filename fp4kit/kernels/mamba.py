@@ -422,7 +422,7 @@ def mamba_step(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Te
         args = (proj, conv_state, ssm_state, conv_weight, conv_weight if conv_bias is None else conv_bias,
                 dt_bias, A_log, D, norm_weight, dt_bias if out_scale is None else out_scale, gated,
                 out if out_scale is None else out.view(torch.uint8), counters, proj.stride(0), float(eps), 1.0 / group)
-        pdl = bool(_table_pdl() if pdl is None else pdl) and (not native or backend.pdl(proj.device, _mamba_step_kernel))
+        pdl = _launch_pdl(pdl, proj.device, native)
         consts = dict(H=heads, P=head_dim, N=size, G=groups, S=columns, K=taps, HALF=_HALF[proj.dtype],
                       BIAS=conv_bias is not None, D_WIDE=D.dtype != proj.dtype, OUT_FP8=out_scale is not None,
                       LIBDEVICE=native, BLOCK_P=block_p,
@@ -433,6 +433,9 @@ def mamba_step(proj: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Te
     return out
 
 
-def _table_pdl() -> bool:
-    """The launch table's "mamba" STEP "pdl" (False where the tuning file has no such entry)."""
-    return bool(launch.tables().get("mamba", {}).get("STEP", {}).get("pdl", False))
+def _launch_pdl(pdl: bool | None, device: torch.device, native: bool) -> bool:
+    """Whether the step goes as a programmatic dependent launch: `pdl`, or where None the launch
+    table's "mamba" STEP "pdl" (False where the tuning file has no such entry); natively only where
+    `backend.pdl` allows it on `device`, in Triton's interpreter as the same loads in that order."""
+    want = launch.tables().get("mamba", {}).get("STEP", {}).get("pdl", False) if pdl is None else pdl
+    return bool(want) and (not native or backend.pdl(device, _mamba_step_kernel))

@@ -127,6 +127,18 @@ def test_the_programmatic_dependent_launch_is_the_plain_one_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(plain[1:3], early[1:3]))
 
 
+def test_the_dependent_launch_goes_native_only_where_the_device_allows_it(monkeypatch):
+    # The native branch asks `backend.pdl` (a CPU device: never); in the interpreter the same loads
+    # run in the dependent order whenever asked; None takes the launch table's "mamba" STEP "pdl".
+    cpu = torch.device("cpu")
+    assert not mamba._launch_pdl(True, cpu, native=True)
+    assert mamba._launch_pdl(True, cpu, native=False)
+    assert not mamba._launch_pdl(False, cpu, native=False)
+    for on in (True, False):
+        monkeypatch.setattr(mamba.launch, "tables", lambda gpu=None, on=on: {"mamba": {"STEP": {"pdl": on}}})
+        assert mamba._launch_pdl(None, cpu, native=False) is on
+
+
 def test_the_torch_backend_is_the_reference():
     args = _inputs(2, 4, 8, 16, 2, seed=5)
     ours, ref = _copy(args), _copy(args)
