@@ -125,7 +125,9 @@ def _programs(command: str) -> list[str]:
         elif words[0] in ("python", "python3") and words[1] == "-m":
             out.append(words[2].replace(".", "/") + ".py")
         elif words[0] in ("python", "python3") and words[1] == "-c":
-            out += [m.replace(".", "/") for m in re.findall(r"(?:from|import)\s+(fp4kit[\w.]*)", words[2])]
+            # fp4kit's modules, and the sweeps under scripts/ (on PYTHONPATH as `sweeps`)
+            out += [("scripts/" if m.startswith("sweeps") else "") + m.replace(".", "/")
+                    for m in re.findall(r"(?:from|import)\s+((?:fp4kit|sweeps)\b[\w.]*)", words[2])]
         elif words[0] in ("python", "python3"):
             out.append(words[1])
         else:
@@ -1115,6 +1117,15 @@ FIGURES = [
     (README, "at batches 16 and 64, 1.84x / 1.92x and 1.49x / 1.50x", "decode-graph-compiled-pdl-h100.json", ("batches",),
      lambda b: "{:.2f}x / {:.2f}x and {:.2f}x / {:.2f}x".format(*(b[n]["speedup_over_bf16_graph"][f"{r}_graph"]
                                                                for n in ("16", "64") for r in ("nemotron-h-w4a16-4o6", "modelopt-lightning")))),
+    (README, "and 2.14x on another H100 (decode-b1-lightning-rerun-h100.json)", "decode-b1-lightning-rerun-h100.json",
+     ("batches", "1", "speedup_over_bf16_graph", "modelopt-lightning_graph"), lambda v: f"and {v:.2f}x"),
+    # MoE CUDA-core tiles whose K lanes divide Nano's K, against the table's 8 x 512 tile
+    (README, "one token's experts take 27.70 us at best against 21.86 on the table's\ntile, two tokens' 42.59 against 41.27",
+     "kernels-sweeps-moe-gemv-unpadded-h100.json", ("rows",),
+     lambda rows: "one token's experts take {:.2f} us at best against {:.2f} on the table's tile, two tokens' {:.2f} "
+                  "against {:.2f}".format(*(1e3 * min(r["ms"] for r in rows if r["tokens"] == t and r["path"] == "gemv"
+                                                      and (r["tile"] == [1, 8, 512, 1]) == table)
+                                            for t in (1, 2) for table in (False, True)))),
     (README, "BF16 450.9, the default recipe 860.2 (1.91x)\nand `modelopt-lightning` 984.1 tokens/s (2.18x) at batch 1, 2.16x on a rerun",
      "decode-graph-compiled-pdl-h100.json", ("batches", "1"),
      lambda d: "BF16 {:.1f}, the default recipe {:.1f} ({:.2f}x) and `modelopt-lightning` {:.1f} tokens/s ({:.2f}x)".format(
