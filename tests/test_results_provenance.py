@@ -315,6 +315,8 @@ _B1_CELLS = (
 )
 
 
+_MAMBA_AB = ("decode-b1-mamba-plain-h200.json", "decode-b1-mamba-pdl-h200.json", "decode-b1-mamba-pdl-rerun-h200.json",
+             "decode-b1-mamba-plain-rerun-h200.json")
 FIGURES = [
     # README: calibration, ModelOpt parity, verify
     (README, "the calibration pass costs **1.014x** a plain forward", "calibration-overhead-h200.json",
@@ -1119,6 +1121,15 @@ FIGURES = [
                                                                for n in ("16", "64") for r in ("nemotron-h-w4a16-4o6", "modelopt-lightning")))),
     (README, "and 2.14x on another H100 (decode-b1-lightning-rerun-h100.json)", "decode-b1-lightning-rerun-h100.json",
      ("batches", "1", "speedup_over_bf16_graph", "modelopt-lightning_graph"), lambda v: f"and {v:.2f}x"),
+    # the Mamba step as a programmatic dependent: plain, dependent, dependent, plain on one H200
+    (README, "the decode steps alone 2.13x, 2.17x, 2.17x and 2.12x", "decode-b1-mamba-plain-h200.json", ("batches", "1"),
+     lambda d: "the decode steps alone " + ", ".join(
+         f"{_steps_over_bf16(_load(n)['batches']['1'], 'modelopt-lightning'):.2f}x" for n in _MAMBA_AB[:3])
+     + f" and {_steps_over_bf16(_load(_MAMBA_AB[3])['batches']['1'], 'modelopt-lightning'):.2f}x"),
+    (README, "a one-token generate, 1.96x, 2.08x, 2.24x and 2.14x", "decode-b1-mamba-plain-h200.json", ("batches", "1"),
+     lambda d: "a one-token generate, " + ", ".join(
+         f"{_load(n)['batches']['1']['speedup_over_bf16_graph']['modelopt-lightning_graph']:.2f}x" for n in _MAMBA_AB[:3])
+     + f" and {_load(_MAMBA_AB[3])['batches']['1']['speedup_over_bf16_graph']['modelopt-lightning_graph']:.2f}x"),
     # MoE CUDA-core tiles whose K lanes divide Nano's K, against the table's 8 x 512 tile
     (README, "one token's experts take 27.70 us at best against 21.86 on the table's\ntile, two tokens' 42.59 against 41.27",
      "kernels-sweeps-moe-gemv-unpadded-h100.json", ("rows",),
