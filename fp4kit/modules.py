@@ -348,6 +348,26 @@ class NVFP4Experts(nn.Module):
         return moe_experts_and_shared(hidden_states, top_k_index, top_k_weights, self.stack("up_proj"),
                                       self.stack("down_proj"), up.qweight, down.qweight)
 
+    def routed_with_shared(self, hidden_states: torch.Tensor, route_x: torch.Tensor, router_weight: torch.Tensor,
+                           router_bias: torch.Tensor, top_k: int, norm: bool, scale: float,
+                           shared: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """`with_shared` with the experts picked in the same call by the one-launch router
+        (`kernels.router.route(route_x, router_weight, router_bias, top_k, norm=norm,
+        scale=scale)`), by `kernels.moe_gemm.routed_experts_and_shared`: on a GPU the shared
+        expert's launches go to the second stream before the router's."""
+        up, down = shared.up_proj, shared.down_proj
+        if torch.compiler.is_compiling():  # one opaque operator to the compiler
+            return kernel_ops.routed_experts_and_shared(
+                hidden_states, route_x, router_weight, router_bias, top_k, norm, scale, self.up_proj_weight,
+                self.up_proj_weight_scale, self.up_proj_weight_scale_2, self.down_proj_weight,
+                self.down_proj_weight_scale, self.down_proj_weight_scale_2, up.weight, up.weight_scale,
+                up.weight_scale_2, down.weight, down.weight_scale, down.weight_scale_2)
+        from .kernels.moe_gemm import routed_experts_and_shared
+
+        return routed_experts_and_shared(hidden_states, route_x, router_weight, router_bias, top_k,
+                                         self.stack("up_proj"), self.stack("down_proj"), up.qweight, down.qweight,
+                                         norm=norm, scale=scale)
+
     def _loop(self, hidden_states, top_k_index, top_k_weights, up_w, down_w, up_scale=None, down_scale=None):
         # transformers' eager NemotronHExperts.forward, statement for statement (up_w / down_w:
         # expert index -> its dequantized weight); with input scales, each linear takes NVFP4

@@ -84,6 +84,40 @@ def test_compiled_block_calls_one_operator_with_the_same_output(checkpoint):
     assert torch.equal(compiled, eager)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_one_launch_router_runs_inside_the_call(checkpoint, monkeypatch, compiled):
+    # Within one_launch_routing (generate's step) the block hands its router to the call, so the
+    # shared expert's launches can go out before the router's: the output is the block's own
+    # forward's, whose router runs the same launch. The CPU stands in for a GPU here: the router's
+    # rows are taken as the kernels' (its kernel runs in the interpreter).
+    model = _on_triton(load_quantized(checkpoint, backend="torch"))
+    nemotron_h.overlap_shared_experts(model)
+    monkeypatch.setattr(nemotron_h, "_kernel_rows", lambda x: True)
+    block = _moe_blocks(model)[0]
+    x = torch.randn((1, 3, model.config.hidden_size), generator=torch.Generator().manual_seed(2)).bfloat16()
+    calls = {"routed_with_shared": [], "with_shared": []}
+    for name in calls:
+        real = getattr(NVFP4Experts, name)
+
+        def spy(self, *args, _real=real, _name=name):
+            calls[_name].append(torch.compiler.is_compiling())
+            return _real(self, *args)
+
+        monkeypatch.setattr(NVFP4Experts, name, spy)
+    with torch.no_grad(), nemotron_h.single_group_routing(model) as n, nemotron_h.one_launch_routing():
+        assert n == len(_moe_blocks(model))
+        run = torch.compile(block, fullgraph=True, dynamic=False, options={"cpp.simdlen": 1}) if compiled else block
+        got = run(x)
+        own = nemotron_h._classes().NemotronHMoE.forward(block, x)
+        more_rows = block(torch.randn((1, 65, model.config.hidden_size)).bfloat16())  # past ROUTE_MAX_TOKENS
+    assert torch.equal(got, own)
+    assert more_rows.shape == (1, 65, model.config.hidden_size)
+    assert calls == {"routed_with_shared": [compiled], "with_shared": [False]}
+    with torch.no_grad():
+        block(x)  # outside one_launch_routing: the router's own forward, then the experts
+    assert calls["with_shared"] == [False, False]
+
+
 def test_blocks_off_the_triton_modules_keep_their_forward(checkpoint):
     model = load_quantized(checkpoint, backend="torch")  # the emulation: nothing to overlap
     assert nemotron_h.overlap_shared_experts(model) == 0

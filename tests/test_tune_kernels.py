@@ -243,14 +243,18 @@ def test_pick_fp8_mma_one_tile_and_max_m_against_the_library():
 
 
 def test_pick_route_sums_relative_times_over_token_counts():
-    def row(t, per, warps, ms):
-        return {"T": t, "experts": per, "num_warps": warps, "ms": ms}
+    def row(t, per, warps, ms, pdl=False):
+        return {"T": t, "experts": per, "num_warps": warps, "pdl": pdl, "ms": ms}
 
     rows = [row(1, 4, 8, 7.1), row(1, 4, 4, 7.2), row(1, 1, 1, 6.1),
             row(16, 4, 8, 15.3), row(16, 4, 4, 11.5), row(16, 1, 1, 15.3),
             row(64, 4, 8, 40.9), row(64, 4, 4, 28.6), row(64, 1, 1, None)]  # a failed launch is never picked
-    assert sr.pick_route(rows) == {"experts": 4, "num_warps": 4}
-    assert sr.pick_route([r for r in rows if r["T"] == 1]) == {"experts": 1, "num_warps": 1}
+    assert sr.pick_route(rows) == {"experts": 4, "num_warps": 4, "pdl": False}
+    assert sr.pick_route([r for r in rows if r["T"] == 1]) == {"experts": 1, "num_warps": 1, "pdl": False}
+    # the dependent launch is one more candidate of the same shape, picked where its sum is smaller
+    dependent = [row(1, 4, 4, 6.9, True), row(16, 4, 4, 11.0, True), row(64, 4, 4, 28.0, True)]
+    assert sr.pick_route(rows + dependent) == {"experts": 4, "num_warps": 4, "pdl": True}
+    assert sr.pick_route(rows + [dict(r, ms=r["ms"] + 1.0) for r in dependent])["pdl"] is False
 
 
 def test_pick_mma_sums_relative_times_over_problems():

@@ -497,9 +497,6 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     return _moe_sorted(x, top_k_index, weights, up_proj, down_proj, cfg, lut, table)
 
 
-_SIDE_STREAMS: dict = {}  # device index -> the stream the shared expert runs on
-
-
 def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                            up_proj: nvfp4.NVFP4Tensor, down_proj: nvfp4.NVFP4Tensor, shared_up: nvfp4.NVFP4Tensor,
                            shared_down: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -509,6 +506,38 @@ def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tenso
     go to a second stream, which waits for the caller's work so far and which the caller's stream
     waits for before it goes on: its small GEMVs run beside the routed experts' instead of after
     them (in a CUDA graph, as a branch of the graph)."""
+    return _beside_shared(hidden_states, shared_up, shared_down,
+                          lambda: moe_experts(hidden_states, top_k_index, top_k_weights, up_proj, down_proj))
+
+
+def routed_experts_and_shared(hidden_states: torch.Tensor, route_x: torch.Tensor, router_weight: torch.Tensor,
+                              router_bias: torch.Tensor, top_k: int, up_proj: nvfp4.NVFP4Tensor,
+                              down_proj: nvfp4.NVFP4Tensor, shared_up: nvfp4.NVFP4Tensor,
+                              shared_down: nvfp4.NVFP4Tensor, *, norm: bool = True,
+                              scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_experts_and_shared` with the router in the same call: `router.route(route_x,
+    router_weight, router_bias, top_k, norm=norm, scale=scale)` picks the experts and their
+    weights (route_x: the router's fp32 rows of hidden_states). The shared expert needs no
+    routing, so on a GPU its launches go to the second stream before the router's launch and run
+    beside it too, not only beside the routed experts. The same launches on the same values as
+    the router followed by `moe_experts_and_shared`, so the same outputs bit for bit."""
+    from .router import route
+
+    def routed() -> torch.Tensor:
+        _, weights, chosen = route(route_x, router_weight, router_bias, top_k, norm=norm, scale=scale)
+        return moe_experts(hidden_states, chosen, weights, up_proj, down_proj)
+
+    return _beside_shared(hidden_states, shared_up, shared_down, routed)
+
+
+_SIDE_STREAMS: dict = {}  # device index -> the stream the shared expert runs on
+
+
+def _beside_shared(hidden_states: torch.Tensor, shared_up: nvfp4.NVFP4Tensor, shared_down: nvfp4.NVFP4Tensor,
+                   main_work) -> tuple[torch.Tensor, torch.Tensor]:
+    """(main_work(), the shared expert down(relu^2(up(hidden_states)))): on a GPU the shared
+    expert's launches on the device's second stream, queued before main_work's on the caller's
+    stream (module docstring of `moe_experts_and_shared`); elsewhere one after the other."""
     from .w4a16_gemm import w4a16_matmul
 
     def shared() -> torch.Tensor:
@@ -517,7 +546,7 @@ def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tenso
 
     device = hidden_states.device
     if device.type != "cuda":
-        return moe_experts(hidden_states, top_k_index, top_k_weights, up_proj, down_proj), shared()
+        return main_work(), shared()
     index = device.index if device.index is not None else torch.cuda.current_device()
     side = _SIDE_STREAMS.get(index)
     if side is None:
@@ -526,13 +555,13 @@ def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tenso
     side.wait_stream(main)
     with torch.cuda.stream(side):
         out_shared = shared()
-    routed = moe_experts(hidden_states, top_k_index, top_k_weights, up_proj, down_proj)
+    out_main = main_work()
     main.wait_stream(side)
     # out_shared's memory returns to the side stream's pool when the caller drops it; the side
     # stream is this function's alone and waits for the caller's stream before its next use, so
     # no later write there can overtake the caller's reads (no record_stream, which a CUDA graph
     # capture would have to track).
-    return routed, out_shared
+    return out_main, out_shared
 
 
 def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables, combine=True):

@@ -11,6 +11,8 @@ directly: the dispatcher adds host time to every call.
                 down_packed, down_block_scale, down_global_scale)  kernels.moe_gemm.moe_experts
     moe_experts_and_shared(the same, then the shared expert's up and down packed, block_scale,
                 global_scale)                                 kernels.moe_gemm.moe_experts_and_shared
+    routed_experts_and_shared(hidden, route_x, router_weight, router_bias, k, norm, scale, then the
+                expert and shared expert tensors as above)    kernels.moe_gemm.routed_experts_and_shared
     topk_gather(scores, bias, k)                                  kernels.router.topk_gather
     route(x, weight, bias, k, norm, scale)                        kernels.router.route
     decode_attention(query, key, value, mask, scale)              kernels.attention.decode_attention
@@ -92,6 +94,33 @@ def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tenso
 def _(hidden_states, top_k_index, top_k_weights, up_packed, up_block_scale, up_global_scale, down_packed,
       down_block_scale, down_global_scale, shared_up_packed, shared_up_block_scale, shared_up_global_scale,
       shared_down_packed, shared_down_block_scale, shared_down_global_scale):
+    return (torch.empty_like(hidden_states, memory_format=torch.contiguous_format),
+            hidden_states.new_empty((*hidden_states.shape[:-1], shared_down_packed.shape[0])))
+
+
+@torch.library.custom_op("fp4kit::routed_experts_and_shared", mutates_args=())
+def routed_experts_and_shared(hidden_states: torch.Tensor, route_x: torch.Tensor, router_weight: torch.Tensor,
+                              router_bias: torch.Tensor, k: int, norm: bool, scale: float,
+                              up_packed: torch.Tensor, up_block_scale: torch.Tensor, up_global_scale: torch.Tensor,
+                              down_packed: torch.Tensor, down_block_scale: torch.Tensor,
+                              down_global_scale: torch.Tensor, shared_up_packed: torch.Tensor,
+                              shared_up_block_scale: torch.Tensor, shared_up_global_scale: torch.Tensor,
+                              shared_down_packed: torch.Tensor, shared_down_block_scale: torch.Tensor,
+                              shared_down_global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from .moe_gemm import routed_experts_and_shared as launch
+
+    return launch(hidden_states, route_x, router_weight, router_bias, k,
+                  nvfp4.NVFP4Tensor(up_packed, up_block_scale, up_global_scale),
+                  nvfp4.NVFP4Tensor(down_packed, down_block_scale, down_global_scale),
+                  nvfp4.NVFP4Tensor(shared_up_packed, shared_up_block_scale, shared_up_global_scale),
+                  nvfp4.NVFP4Tensor(shared_down_packed, shared_down_block_scale, shared_down_global_scale),
+                  norm=norm, scale=scale)
+
+
+@routed_experts_and_shared.register_fake
+def _(hidden_states, route_x, router_weight, router_bias, k, norm, scale, up_packed, up_block_scale,
+      up_global_scale, down_packed, down_block_scale, down_global_scale, shared_up_packed, shared_up_block_scale,
+      shared_up_global_scale, shared_down_packed, shared_down_block_scale, shared_down_global_scale):
     return (torch.empty_like(hidden_states, memory_format=torch.contiguous_format),
             hidden_states.new_empty((*hidden_states.shape[:-1], shared_down_packed.shape[0])))
 

@@ -29,9 +29,11 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from . import launch
-from .backend import Constants, check_backend, current_device, interpreted, launch_cached, launch_options, next_power_of_2
+from .backend import (Constants, check_backend, current_device, interpreted, launch_cached, launch_options,
+                      next_power_of_2, pdl as pdl_possible)
 from .tiles import split_counters
 
 _WHAT = "kernels.router_topk"
@@ -95,27 +97,47 @@ def _topk_gather_kernel(s_ptr, b_ptr, ids_ptr, w_ptr, E, stride_s,
 
 
 @triton.jit
+def _route_weight(w_ptr, r, r_ok, k, K, stride_w):
+    """The router weight's rows r at columns k, as fp32; zeros past E and K."""
+    return tl.load(w_ptr + r[:, None].to(tl.int64) * stride_w + k[None, :], mask=r_ok[:, None] & (k[None, :] < K),
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _route_kernel(x_ptr, w_ptr, b_ptr, logits_ptr, ids_ptr, wout_ptr, cnt_ptr, E, K, stride_x, stride_w, scale,
                   TOPK: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_E: tl.constexpr, TOPK_P2: tl.constexpr):
+                  BLOCK_E: tl.constexpr, TOPK_P2: tl.constexpr, PDL: tl.constexpr = False,
+                  NATIVE: tl.constexpr = True):
     """One token's router (program axis 1) in one launch. Each program computes the fp32 logits of
     BLOCK_R experts (fp32 products of the token's row and the weight rows, summed in fp32), stores
     them and counts itself in at the token's counter; the last of the token's programs to arrive
     reads the E logits back (through L2, where the others' stores are), takes the sigmoid scores,
     picks as `_topk_gather_kernel` does, normalises the picked scores by their sum (+ 1e-20, in
-    pick order) where NORM, scales them, and puts the counter back to 0 for the next launch."""
+    pick order) where NORM, scales them, and puts the counter back to 0 for the next launch.
+
+    PDL: the launch is a programmatic dependent of the one before it (`backend.pdl`), which may
+    still be writing x (in a decode step, the norm before the router): the program requests its
+    first K tile of the router's weight, which no launch writes, then waits for that launch to
+    complete (`gdc_wait`) before it reads x or touches the logits and counters. The same products
+    summed in the same order: the plain launch's values bit for bit. In Triton's interpreter
+    (NATIVE false) only the early weight load is taken."""
     pid = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < E
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = 0
+    if PDL:
+        w = _route_weight(w_ptr, r, r_ok, kk, K, stride_w)
+        if NATIVE:
+            gdc_wait()
+        acc += w * tl.load(x_ptr + t * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
+        k_first = BLOCK_K
+    for k0 in range(k_first, K, BLOCK_K):
         k = k0 + kk
         x = tl.load(x_ptr + t * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + r[:, None].to(tl.int64) * stride_w + k[None, :], mask=r_ok[:, None] & (k[None, :] < K),
-                    other=0.0).to(tl.float32)
-        acc += w * x[None, :]
+        acc += _route_weight(w_ptr, r, r_ok, k, K, stride_w) * x[None, :]
     tl.store(logits_ptr + t * E + r, tl.sum(acc, axis=1), mask=r_ok)
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
@@ -268,21 +290,27 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, *, 
             if tables is None:
                 programs, consts = _default_route_plan(n, kdim, k, bool(norm), x.device)
             else:
-                programs, consts = _route_plan(n, kdim, k, bool(norm), tables)
+                programs, consts = _route_plan(n, kdim, k, bool(norm), tables, x.device)
             launch_cached(_route_kernel, (programs, t), *args, constants=consts)
     return logits, weights, chosen
 
 
-def _route_plan(n: int, kdim: int, k: int, norm: bool, tables: Mapping) -> tuple[int, Constants]:
+def _route_plan(n: int, kdim: int, k: int, norm: bool, tables: Mapping,
+                device: torch.device) -> tuple[int, Constants]:
     """(programs per token, the kernel's constants) for E = n experts over kdim columns, from the
-    ROUTE table's experts per program and warps."""
+    ROUTE table's experts per program and warps, and its "pdl" (absent: off): the launch as a
+    programmatic dependent of the one before it where `backend.pdl` allows that on `device` (in
+    Triton's interpreter the kernel takes the early weight load alone)."""
     c = tables["ROUTE"]
     per, warps = int(c["experts"]), int(c["num_warps"])
     if per < 1 or per & (per - 1) or warps < 1 or warps & (warps - 1) or warps > 16:
         raise ValueError(f"kernels.route: the ROUTE table's experts and num_warps (<= 16) must be powers of two, "
                          f"got experts={per}, num_warps={warps}")
+    native = not interpreted(_route_kernel)
+    pdl = bool(c.get("pdl", False)) and (not native or pdl_possible(device, _route_kernel))
     consts = Constants(TOPK=k, NORM=norm, BLOCK_R=per, BLOCK_K=min(ROUTE_BLOCK_K, max(next_power_of_2(kdim), 16)),
-                       BLOCK_E=max(next_power_of_2(n), 16), TOPK_P2=max(next_power_of_2(k), 2), num_warps=warps,
+                       BLOCK_E=max(next_power_of_2(n), 16), TOPK_P2=max(next_power_of_2(k), 2), PDL=pdl,
+                       NATIVE=native, num_warps=warps, **({"launch_pdl": True} if pdl and native else {}),
                        **launch_options())
     return -(-n // per), consts
 
@@ -290,4 +318,4 @@ def _route_plan(n: int, kdim: int, k: int, norm: bool, tables: Mapping) -> tuple
 @functools.lru_cache(maxsize=256)
 def _default_route_plan(n: int, kdim: int, k: int, norm: bool, device: torch.device) -> tuple[int, Constants]:
     """`_route_plan` under the device's own launch table (frozen for the process), kept per shape."""
-    return _route_plan(n, kdim, k, norm, launch.table("router", device))
+    return _route_plan(n, kdim, k, norm, launch.table("router", device), device)

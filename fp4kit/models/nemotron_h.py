@@ -262,15 +262,37 @@ def single_group_routing(model: nn.Module):
 _OVERLAPPED_CLASSES: dict[type, type] = {}
 
 
+def _one_launch_router(router: nn.Module, rows: torch.Tensor):
+    """(the router's fp32 rows, its fp32 weight) where `_one_group_route` would run `router` on
+    `rows` as one launch (`kernels.router.route`): a single-group router on its short forward,
+    within `one_launch_routing`, on a GPU; else None."""
+    if not (_ONE_LAUNCH and type(router) in _SHORT_CLASSES.values()):
+        return None
+    x = rows.view(-1, router.hidden_dim).to(torch.float32)
+    if not (_kernel_rows(x) and x.shape[0] <= router_kernels.ROUTE_MAX_TOKENS):
+        return None
+    weight = getattr(router, "_weight_fp32", None)
+    return x, router.weight.to(torch.float32) if weight is None else weight
+
+
 def _overlapped_moe_forward(self, hidden_states):
     """`NemotronHMoE.forward` with the routed experts and the shared expert in one call
     (`NVFP4Experts.with_shared`: on a GPU the shared expert on a second stream beside the routed
-    experts): the same kernels on the same values, so the same output bit for bit; installed only
-    where a probe shows that (`overlap_shared_experts`)."""
+    experts; where the router runs as one launch, `NVFP4Experts.routed_with_shared`, the router
+    in the call too and the shared expert beside it as well): the same kernels on the same values,
+    so the same output bit for bit; installed only where a probe shows that
+    (`overlap_shared_experts`)."""
     orig_shape = hidden_states.shape
-    _, topk_weights, topk_indices = self.gate(hidden_states)
     rows = hidden_states.view(-1, hidden_states.shape[-1])
-    routed, shared = self.experts.with_shared(rows, topk_indices, topk_weights, self.shared_experts)
+    one_launch = _one_launch_router(self.gate, rows)
+    if one_launch is None:
+        _, topk_weights, topk_indices = self.gate(hidden_states)
+        routed, shared = self.experts.with_shared(rows, topk_indices, topk_weights, self.shared_experts)
+    else:
+        g = self.gate
+        routed, shared = self.experts.routed_with_shared(rows, *one_launch, g.e_score_correction_bias, g.top_k,
+                                                         bool(g.norm_topk_prob), float(g.routed_scaling_factor),
+                                                         self.shared_experts)
     return routed.view(*orig_shape) + shared.view(*orig_shape)
 
 

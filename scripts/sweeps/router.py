@@ -1,8 +1,10 @@
 """Launch-shape sweep of the one-launch MoE router (fp4kit.kernels.router.route) on a GPU.
 
-`sweep_route` times the router's experts per program and warps on Nemotron-3-Nano's router (128
-experts over 2688 columns, top 6) at 1, 16 and 64 tokens, each launch's pick checked against
-`route_reference` first; `pick_route` turns the rows into the "router" table's ROUTE entry.
+`sweep_route` times the router's experts per program and warps, each launched plainly and as a
+programmatic dependent of the launch before it ("pdl"), on Nemotron-3-Nano's router (128 experts
+over 2688 columns, top 6) at 1, 16 and 64 tokens, each launch's pick checked against
+`topk_gather` on its own logits first; `pick_route` turns the rows into the "router" table's
+ROUTE entry.
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ from fp4kit.kernels import router
 from . import Sweep
 from .common import tensor_copies, time_calls
 
-# (experts per program, warps)
-SHAPES = tuple(itertools.product((1, 2, 4, 8), (1, 2, 4, 8)))
+# (experts per program, warps, pdl)
+SHAPES = tuple(itertools.product((1, 2, 4, 8), (1, 2, 4, 8), (False, True)))
 
 
 def sweep_route(e=128, kdim=2688, k=6, tokens=(1, 16, 64), shapes=SHAPES) -> list:
-    """Rows {T, experts, num_warps, ms}: the CUDA-graph median time of one `route` call (its weight
-    read from memory: the graph runs it over copies of the router's weight that together exceed
-    four times the L2 cache, as a model's step reads its layers' routers), where its picks equal
-    the reference's on the same logits; ms None with an error otherwise."""
+    """Rows {T, experts, num_warps, pdl, ms}: the CUDA-graph median time of one `route` call (its
+    weight read from memory: the graph runs it over copies of the router's weight that together
+    exceed four times the L2 cache, as a model's step reads its layers' routers; with pdl each call
+    a programmatic dependent of the one before), where its picks equal the reference's on the
+    same logits; ms None with an error otherwise."""
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     w = torch.randn((e, kdim), device=dev, generator=g) * 0.02
@@ -34,9 +37,9 @@ def sweep_route(e=128, kdim=2688, k=6, tokens=(1, 16, 64), shapes=SHAPES) -> lis
     rows = []
     for t in tokens:
         x = torch.randn((t, kdim), device=dev, generator=g).to(torch.bfloat16)
-        for per, warps in shapes:
-            table = {"ROUTE": {"experts": per, "num_warps": warps}}
-            row = {"T": t, "experts": per, "num_warps": warps, "weight_copies": len(copies)}
+        for per, warps, pdl in shapes:
+            table = {"ROUTE": {"experts": per, "num_warps": warps, "pdl": pdl}}
+            row = {"T": t, "experts": per, "num_warps": warps, "pdl": pdl, "weight_copies": len(copies)}
             try:
                 logits, weights, chosen = router.route(x, w, bias, k, tables=table)
                 want, _ = router.topk_gather(logits.sigmoid(), bias, k)
@@ -61,13 +64,13 @@ def pick_route(rows) -> dict:
         best[r["T"]] = min(best.get(r["T"], math.inf), ms(r))
     totals = {}
     for r in rows:
-        key = (r["experts"], r["num_warps"])
+        key = (r["experts"], r["num_warps"], r.get("pdl", False))
         totals[key] = totals.get(key, 0.0) + ms(r) / best[r["T"]]
-    per, warps = min(totals, key=totals.get)
-    return {"experts": per, "num_warps": warps}
+    per, warps, pdl = min(totals, key=totals.get)
+    return {"experts": per, "num_warps": warps, "pdl": pdl}
 
 
 SWEEPS = {
     "route": Sweep("router", "ROUTE", sweep_route, pick_route,
-                   "the one-launch router's experts per program and warps"),
+                   "the one-launch router's experts per program, warps and dependent launch"),
 }

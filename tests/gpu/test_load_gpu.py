@@ -67,11 +67,16 @@ def test_load_quantized_generates_on_cuda(tiny_checkpoint):
     assert torch.equal(out[:, :32].cpu(), ids[:2, :32])
 
 
+@pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("tokens", [1, 64])
-def test_moe_blocks_with_the_shared_expert_on_a_second_stream(tiny_checkpoint, tokens):
+def test_moe_blocks_with_the_shared_expert_on_a_second_stream(tiny_checkpoint, tokens, one_launch):
     # load_quantized on CUDA runs each MoE block's shared expert on a second stream beside the
     # routed experts (models.nemotron_h.overlap_shared_experts): the block's output is its own
-    # forward's bit for bit, eagerly and replayed from a CUDA graph.
+    # forward's bit for bit, eagerly and replayed from a CUDA graph. one_launch: within generate's
+    # routing (the router as one launch, inside the block's call, the shared expert's launches
+    # queued before the router's).
+    import contextlib
+
     from fp4kit.models import nemotron_h
 
     folder, ids = tiny_checkpoint
@@ -81,7 +86,12 @@ def test_moe_blocks_with_the_shared_expert_on_a_second_stream(tiny_checkpoint, t
     assert blocks and all(type(b).__name__ == "NemotronHMoEOverlapped" for b in blocks)
     block = blocks[0]
     x = torch.randn((1, tokens, model.config.hidden_size), device="cuda", generator=torch.Generator("cuda").manual_seed(tokens)).bfloat16()
-    with torch.inference_mode():
+    routing = contextlib.ExitStack()
+    if one_launch:
+        assert routing.enter_context(nemotron_h.single_group_routing(model)) == len(blocks)
+        routing.enter_context(nemotron_h.one_launch_routing())
+        assert nemotron_h._one_launch_router(block.gate, x.view(-1, x.shape[-1])) is not None
+    with routing, torch.inference_mode():
         overlapped = block(x)
         own = block_class.forward(block, x)
         assert torch.equal(overlapped, own)

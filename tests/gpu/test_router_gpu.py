@@ -18,6 +18,8 @@ from pathlib import Path  # noqa: E402
 
 from fp4kit.kernels import router  # noqa: E402
 
+from .helpers import eager_and_replayed, write_late  # noqa: E402
+
 _spec = importlib.util.spec_from_file_location("pipeline_models", Path(__file__).parents[1] / "pipeline" / "tiny_models.py")
 models = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(models)
@@ -71,3 +73,32 @@ def test_the_short_router_on_the_gpu_is_the_full_one_and_every_router_takes_it(d
         x = torch.randn((5, routers[0].hidden_dim), device="cuda", generator=g).to(dtype)
         got, want = compiled(routers[0], x), _one_group_route(routers[0], x)
         assert torch.equal(got[2], want[2])  # the same experts under the compiler
+
+
+@pytest.mark.parametrize("t", [1, 7])
+def test_the_programmatic_dependent_router_reads_its_rows_only_after_the_launch_before(t):
+    # "pdl": the router's first weight tile is requested before it waits for the launch before it.
+    # Here that launch lets it start at once and writes the router's rows late: the logits, picks
+    # and weights are those of the new rows, bit for bit the plain launch's, eagerly and over
+    # replays of a CUDA graph (a program that read x before its wait would see the old rows).
+    assert router.pdl_possible(torch.device("cuda"), router._route_kernel)
+    e, kdim, k = 128, 2688, 6
+    g = torch.Generator(device="cuda").manual_seed(t)
+    w = torch.randn((e, kdim), device="cuda", generator=g) * 0.05
+    bias = torch.randn(e, device="cuda", generator=g) * 0.01
+    old, new = (torch.randn((t, kdim), device="cuda", generator=g) for _ in range(2))
+    plain, dependent = ({"ROUTE": {"experts": 4, "num_warps": 4, "pdl": pdl}} for pdl in (False, True))
+    assert router._route_plan(e, kdim, k, True, dependent, torch.device("cuda"))[1]["launch_pdl"]
+    want = router.route(new, w, bias, k, norm=True, scale=2.5, tables=plain)
+    assert not torch.equal(want[2], router.route(old, w, bias, k, norm=True, scale=2.5, tables=plain)[2])
+    x = old.clone()
+
+    def step():
+        x.copy_(old)
+        write_late(new, x)
+        return router.route(x, w, bias, k, norm=True, scale=2.5, tables=dependent)
+
+    def check(got):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+    eager_and_replayed(step, check)

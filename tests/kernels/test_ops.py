@@ -52,6 +52,31 @@ def test_moe_operator_is_the_launcher():
     torch.library.opcheck(torch.ops.fp4kit.moe_experts.default, args, test_utils=FAKE_CHECKS)
 
 
+def test_routed_moe_operator_is_the_router_then_the_experts_and_shared_expert():
+    # the router inside the call: its picks and weights, then the routed experts and the shared
+    # expert, bit for bit as the router's launch followed by moe_experts_and_shared
+    from fp4kit.kernels import router
+
+    n_exp, hid, inter, shared_inter, top_k = 8, 32, 48, 64, 3
+    up, down = _weight(n_exp, inter, hid, seed=3), _weight(n_exp, hid, inter, seed=4)
+    s_up, s_down = _weight(shared_inter, hid, seed=5), _weight(hid, shared_inter, seed=6)
+    x = _rand(5, hid, seed=7)
+    x32 = x.float()
+    gate = _rand(n_exp, hid, seed=8).float()
+    bias = _rand(n_exp, seed=9).float() * 0.1
+    _, wts, idx = router.route(x32, gate, bias, top_k, norm=True, scale=2.5)
+    want = moe_gemm.moe_experts_and_shared(x, idx, wts, up, down, s_up, s_down)
+    got = moe_gemm.routed_experts_and_shared(x, x32, gate, bias, top_k, up, down, s_up, s_down, norm=True, scale=2.5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    args = (x, x32, gate, bias, top_k, True, 2.5, up.packed, up.block_scale, up.global_scale, down.packed,
+            down.block_scale, down.global_scale, s_up.packed, s_up.block_scale, s_up.global_scale, s_down.packed,
+            s_down.block_scale, s_down.global_scale)
+    assert all(torch.equal(a, b) for a, b in zip(ops.routed_experts_and_shared(*args), want))
+    other = moe_gemm.routed_experts_and_shared(x, x32, gate, bias, top_k, up, down, s_up, s_down, norm=False, scale=1.0)
+    assert not torch.equal(other[0], want[0]) and torch.equal(other[1], want[1])  # norm and scale reach the router
+    torch.library.opcheck(torch.ops.fp4kit.routed_experts_and_shared.default, args, test_utils=FAKE_CHECKS)
+
+
 def test_a_compiled_model_calls_the_operators_and_computes_what_eager_code_does(monkeypatch):
     linear = NVFP4Linear(_weight(64, 64), None, input_scale=None, act_quant=False, backend="triton")
     experts = NVFP4Experts(_weight(4, 48, 64, seed=1), _weight(4, 64, 48, seed=2), torch.nn.ReLU(),

@@ -207,15 +207,21 @@ def test_the_one_launch_router_leaves_its_counters_at_zero_and_repeats_itself():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_the_launch_tables_experts_per_program_and_warps_change_no_result():
-    # The grid (experts per program) and the warps come from the ROUTE table; every shape gives
-    # the same logits, picks and weights (each logit is one program's sum, whatever the grid).
+@pytest.mark.parametrize("block_k", [router.ROUTE_BLOCK_K, 32])
+def test_the_launch_tables_experts_per_program_warps_and_dependent_launch_change_no_result(block_k, monkeypatch):
+    # The grid (experts per program), the warps and "pdl" come from the ROUTE table; every shape
+    # gives the same logits, picks and weights (each logit is one program's sum, whatever the
+    # grid), and so does the dependent launch's early first weight tile (here in the interpreter,
+    # its load order alone), with one K tile (Nano's 2688 columns) or several.
+    monkeypatch.setattr(router, "ROUTE_BLOCK_K", block_k)
     x, w, bias = _router_inputs(3, 20, 64, seed=8)
-    want = router.route(x, w, bias, 4)
-    assert dict(launch.table("router")["ROUTE"]).keys() == {"experts", "num_warps"}
-    for per, warps in ((1, 1), (2, 4), (8, 2), (32, 1)):
-        got = router.route(x, w, bias, 4, tables={"ROUTE": {"experts": per, "num_warps": warps}})
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), (per, warps)
+    want = router.route(x, w, bias, 4, tables={"ROUTE": {"experts": 4, "num_warps": 2}})
+    assert dict(launch.table("router")["ROUTE"]).keys() == {"experts", "num_warps", "pdl"}
+    for per, warps, pdl in ((1, 1, False), (2, 4, True), (8, 2, False), (32, 1, True), (4, 4, True)):
+        table = {"ROUTE": {"experts": per, "num_warps": warps, "pdl": pdl}}
+        assert router._route_plan(20, 64, 4, True, table, x.device)[1]["PDL"] is pdl
+        got = router.route(x, w, bias, 4, tables=table)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (per, warps, pdl)
     with pytest.raises(ValueError, match="experts and num_warps"):
         router.route(x, w, bias, 4, tables={"ROUTE": {"experts": 3, "num_warps": 1}})
 
