@@ -289,26 +289,34 @@ def packed_overlap(launches=((16, 3, 2, 0), (32, 3, 2, 0), (64, 2, 2, 0), (64, 3
     return rows
 
 
-def route_tail(launches=((1, 1), (4, 4))) -> list:
+def route_tail(launches=((1, 1, False), (4, 4, False), (4, 4, True))) -> list:
     """`router._route_kernel` as Nemotron-3-Nano's router launches it (128 experts, top 6, K =
-    2688, normalised) per (experts per program, warps): the instructions of the last program's
-    tail, from its arrival at the token's counter (ATOMG) on. Its barriers (BAR) and shuffles
-    (SHFL) are the steps of its reductions, which run one after another."""
+    2688, normalised) per (experts per program, warps, pdl): the instructions of the last
+    program's tail, from its arrival at the token's counter (ATOMG) on. Its barriers (BAR) and
+    shuffles (SHFL) are the steps of its reductions, which run one after another. With pdl, the
+    global loads before the program's wait for the launch before it (ACQBULK) and its stores and
+    atomics there (must be 0)."""
     from fp4kit.kernels import router as rt
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "b_ptr": "*fp32", "logits_ptr": "*fp32", "ids_ptr": "*i64",
            "wout_ptr": "*fp32", "cnt_ptr": "*i32", "E": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32",
            "scale": "fp32"}
-    sig.update({name: "constexpr" for name in ("TOPK", "NORM", "BLOCK_R", "BLOCK_K", "BLOCK_E", "TOPK_P2")})
+    sig.update({name: "constexpr" for name in ("TOPK", "NORM", "BLOCK_R", "BLOCK_K", "BLOCK_E", "TOPK_P2", "PDL",
+                                               "NATIVE")})
     divisible = ("x_ptr", "w_ptr", "b_ptr", "logits_ptr", "ids_ptr", "wout_ptr", "cnt_ptr", "E", "K", "stride_x",
                  "stride_w")
     rows = []
-    for per, nw in launches:
-        consts = dict(TOPK=6, NORM=True, BLOCK_R=per, BLOCK_K=4096, BLOCK_E=128, TOPK_P2=8)
+    for per, nw, pdl in launches:
+        consts = dict(TOPK=6, NORM=True, BLOCK_R=per, BLOCK_K=4096, BLOCK_E=128, TOPK_P2=8, PDL=pdl, NATIVE=True)
         regs, sass, stack = compile_sm90(rt._route_kernel, sig, consts, nw, divisible)
         ops = ops_after(sass, "ATOMG")
-        rows.append({"experts": per, "warps": nw, "registers": regs, "stack": stack,
-                     "tail_instructions": sum(ops.values()), "ops": ops})
+        row = {"experts": per, "warps": nw, "pdl": pdl, "registers": regs, "stack": stack,
+               "tail_instructions": sum(ops.values()), "ops": ops}
+        if pdl:
+            seq, wait, _ = _grid_dependency(sass)
+            row["loads_before_wait"] = None if wait is None else seq[:wait].count("LDG")
+            row["stores_before_wait"] = None if wait is None else seq[:wait].count("STG") + seq[:wait].count("ATOMG")
+        rows.append(row)
     return rows
 
 

@@ -125,10 +125,16 @@ def test_the_routers_tail_takes_one_reduction_per_pick():
     # One maximum per pick (value and expert packed together, carrying the score) and the picks'
     # order worked out on the picks alone: at most 5 barriers per pick of the 6; picking by a
     # maximum and then a minimum per pick, with a reduction per output, took 55.
-    one, four = _compiled_rows("route_tail()")
+    # As a programmatic dependent: the program's router weight rows (4 x 4096 fp32 over 128
+    # threads, 16 bytes a load) are requested before it waits for the launch before it, and
+    # nothing is stored or counted before then; its tail is the plain launch's.
+    one, four, early = _compiled_rows("route_tail()")
     assert (one["warps"], four["warps"]) == (1, 4) and four["stack"] == 0
     assert four["ops"]["BAR"] <= 5 * 6
     assert one["ops"].get("BAR", 0) <= 3  # one warp: its reductions are shuffles
+    assert "loads_before_wait" not in four and (early["experts"], early["warps"], early["pdl"]) == (4, 4, True)
+    assert early["loads_before_wait"] >= 4 * 4096 * 4 // (128 * 16) and early["stores_before_wait"] == 0
+    assert early["ops"]["BAR"] == four["ops"]["BAR"]
 
 
 def test_the_attentions_last_program_has_a_steps_partials_in_flight_together():
