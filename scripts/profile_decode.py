@@ -13,7 +13,11 @@ tokens, the median of `Generation.decode_seconds` per step, the decode steps tim
 difference of two generates would carry their prefills' and captures' run-to-run spread, tens of
 milliseconds, into a few dozen steps); less the step's kernel time, that leaves the time per step
 the device ran no kernel of the step (`per_step_idle_us`: launch gaps within the graph, the host's
-turn between steps; negative where kernels of two streams overlap).
+turn between steps; negative where kernels of two streams overlap). For a checkpoint whose MoE
+blocks run fp4kit's router and expert kernels, `moe_blocks_us` takes one decode step's timeline
+apart block by block (`moe_blocks`): from the end of the compiled kernel before the router to the
+start of the compiled kernel after the experts, when the router ran and when the routed experts'
+and the shared expert's last kernels ended (the shared expert runs on a stream of its own).
 
     python scripts/profile_decode.py [--layers 26] [--batch 1] [--steps 32] [--compile] [--step-ops fp4kit,transformers]
 
@@ -25,6 +29,7 @@ instead (a smoke run; writes to a temporary file unless --out is given).
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import tempfile
 from pathlib import Path
@@ -60,8 +65,11 @@ def kind_of(name: str) -> str:
 
 
 def profiled(model, prompt: list[list[int]], new: int, device: torch.device,
-             compile: bool = False, step_ops: str = DEFAULT_STEP_OPS) -> dict[str, dict[str, float]]:
-    """{kernel name: {"us": time, "count": launches}} over one generate of `new` tokens."""
+             compile: bool = False, step_ops: str = DEFAULT_STEP_OPS, timeline: list | None = None
+             ) -> dict[str, dict[str, float]]:
+    """{kernel name: {"us": time, "count": launches}} over one generate of `new` tokens. timeline:
+    a list that receives each CUDA kernel of that generate as {name, stream, start, end} (us), in
+    order of start."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -70,6 +78,8 @@ def profiled(model, prompt: list[list[int]], new: int, device: torch.device,
         generate(model, None, prompt, new, compile=compile, step_ops=step_ops)
         if cuda:
             torch.cuda.synchronize(device)
+    if timeline is not None and cuda:
+        timeline.extend(kernel_timeline(prof))
     out: dict[str, dict[str, float]] = {}
     for e in prof.key_averages():
         if cuda:
@@ -84,6 +94,63 @@ def profiled(model, prompt: list[list[int]], new: int, device: torch.device,
         row["us"] += us
         row["count"] += e.count
     return out
+
+
+def kernel_timeline(prof) -> list[dict]:
+    """A finished profile's CUDA kernels as {name, stream, start, end} (us), in order of start (read
+    from its Chrome trace, which keeps each kernel's stream)."""
+    with tempfile.TemporaryDirectory(prefix="fp4kit-profile-trace-") as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    rows = [{"name": e["name"], "stream": e.get("args", {}).get("stream"), "start": float(e["ts"]),
+             "end": float(e["ts"]) + float(e.get("dur", 0.0))}
+            for e in events if e.get("ph") == "X" and str(e.get("cat", "")).lower() == "kernel"]
+    return sorted(rows, key=lambda r: r["start"])
+
+
+def last_step(kernels: list[dict]) -> list[dict]:
+    """The kernels of the last decode step that has one before it: those after the next-to-last
+    greedy pick's argmax up to the last one's, inclusive ([] with fewer than three picks)."""
+    picks = [i for i, k in enumerate(kernels) if "ArgMax" in k["name"]]
+    return kernels[picks[-2] + 1:picks[-1] + 1] if len(picks) >= 3 else []
+
+
+COMPILED = "triton_"  # Inductor's kernels: the step's code around the fp4kit operators
+
+
+def moe_blocks(step: list[dict]) -> list[dict]:
+    """Each MoE block of a decode step whose router (`_route_kernel`) and routed experts
+    (`_moe_*` kernels) are fp4kit's, in microseconds from the end of the compiled kernel before
+    the router (the block's input ready): `block` to the start of the first compiled kernel after
+    the routed experts (the join of the block's streams), `router_end`, `routed_end` and
+    `shared_end` (the last kernel in the block that is neither; None where there is none)."""
+    out = []
+    routers = [i for i, k in enumerate(step) if k["name"] == "_route_kernel"]
+    for n, i in enumerate(routers):
+        router = step[i]
+        stop = routers[n + 1] if n + 1 < len(routers) else len(step)
+        routed = [k for k in step[i + 1:stop] if k["name"].startswith("_moe_")]
+        before = [k for k in step[:i] if k["name"].startswith(COMPILED) and k["end"] <= router["start"]]
+        if not routed or not before:
+            continue
+        ready = max(k["end"] for k in before)
+        routed_end = max(k["end"] for k in routed)
+        join = next((k for k in step[i + 1:] if k["name"].startswith(COMPILED) and k["start"] >= router["end"]), None)
+        if join is None:
+            continue
+        shared = [k for k in step if ready <= k["start"] < join["start"] and k is not router and k not in routed]
+        out.append({"block": join["start"] - ready, "router_end": router["end"] - ready,
+                    "routed_end": routed_end - ready,
+                    "shared_end": max(k["end"] for k in shared) - ready if shared else None})
+    return out
+
+
+def summarize_blocks(blocks: list[dict]) -> dict:
+    """`moe_blocks`' figures as per-block lists (rounded to 0.1 us) and the blocks' total."""
+    keys = ("block", "router_end", "routed_end", "shared_end")
+    return {"blocks": len(blocks), "block_total": round(sum(b["block"] for b in blocks), 1),
+            **{k: [None if b[k] is None else round(b[k], 1) for b in blocks] for k in keys}}
 
 
 def wall_per_step(model, prompt: list[list[int]], steps: int, device: torch.device, compile: bool = False,
@@ -169,9 +236,11 @@ def main() -> None:
 
     runs = {(name if i == 0 else f"{name} ({ops} ops)"): (m, ops)
             for i, ops in enumerate(step_ops) for name, m in (("bf16", model), (args.recipe, qmodel))}
-    named = {name: per_step(profiled(m, prompt, args.steps + 1, device, args.compile, ops),
+    timelines = {name: [] for name in runs}
+    named = {name: per_step(profiled(m, prompt, args.steps + 1, device, args.compile, ops, timelines[name]),
                             profiled(m, prompt, 1, device, args.compile, ops), args.steps)
              for name, (m, ops) in runs.items()}
+    blocks = {name: summarize_blocks(moe_blocks(last_step(t))) for name, t in timelines.items()}
     steps = {name: by_kind(v) for name, v in named.items()}
     wall = {name: wall_per_step(m, prompt, args.steps, device, args.compile, ops, args.reps)
             for name, (m, ops) in runs.items()}
@@ -185,7 +254,8 @@ def main() -> None:
               "per_step_kernels": {name: sum(v["count"] for v in s.values()) for name, s in steps.items()},
               "reps": args.reps, "per_step_wall_us": wall,
               "per_step_idle_us": {name: wall[name] - sum(v["us"] for v in s.values()) for name, s in steps.items()},
-              "top_kernels_per_step": {name: top_kernels(v) for name, v in named.items()}}
+              "top_kernels_per_step": {name: top_kernels(v) for name, v in named.items()},
+              "moe_blocks_us": {name: b for name, b in blocks.items() if b["blocks"]}}
     kinds = sorted({k for s in steps.values() for k in s}, key=lambda k: -max(s.get(k, {"us": 0})["us"] for s in steps.values()))
     print(f"{'per decode step':<18}" + "".join(f"{name + ' us':>26}{'kernels':>9}" for name in steps))
     for k in kinds:
@@ -198,6 +268,11 @@ def main() -> None:
         print(f"\n{name}: the {len(rows)} kernels that take the most time per step")
         for r in rows:
             print(f"{r['us']:>10.1f} us {r['count']:>6.1f}x  {r['kind']:<15} {r['kernel'][:90]}")
+    for name, b in result["moe_blocks_us"].items():
+        print(f"\n{name}: {b['blocks']} MoE blocks of one step, {b['block_total']} us in all; per block, us from its "
+              f"input: router end / routed experts' end / shared expert's end / the join")
+        for r, e, sh, j in zip(b["router_end"], b["routed_end"], b["shared_end"], b["block"]):
+            print(f"{r:>8.1f} {e:>8.1f} {'-' if sh is None else f'{sh:.1f}':>8} {j:>8.1f}")
     out = write_results(result, "decode-profile", gpu, out=args.out, smoke=device.type != "cuda")
     print(f"wrote {out}")
 

@@ -78,3 +78,40 @@ def test_the_tiny_run_profiles_every_model_under_each_step_ops(tmp_path):
         assert doc["per_step_idle_us"][name] == pytest.approx(doc["per_step_wall_us"][name] - doc["per_step_total_us"][name])
     # transformers' Mamba decode contracts the state with C by bmm; fp4kit's element-wise form does not.
     assert doc["per_step"]["bf16 (transformers ops)"]["bf16 matmul"]["count"] > doc["per_step"]["bf16"]["bf16 matmul"]["count"]
+
+
+def _k(name, start, end, stream=7):
+    return {"name": name, "stream": stream, "start": start, "end": end}
+
+
+def test_a_moe_block_is_timed_from_its_input_to_the_join_of_its_streams():
+    # One decode step as an H200 timeline shows it (times in us): the norm before the router, the
+    # router, the routed experts' two launches on one stream, the shared expert's GEMVs and
+    # elementwise kernels on another, then the compiled kernel that adds the two. A block whose
+    # experts are not fp4kit's (BF16's grouped GEMM) is not counted.
+    step = [
+        _k("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, ArgMaxOps<float>>>", 0.0, 1.0),
+        _k("triton_red_fused_add_mean_route_rsqrt", 10.0, 12.5),
+        _k("_gemv_kernel", 13.0, 18.0, 9),
+        _k("_route_kernel", 13.1, 19.1),
+        _k("_moe_small_kernel", 19.5, 33.5, 11),
+        _k("_moe_small_kernel", 24.0, 43.0, 11),
+        _k("void at::native::vectorized_elementwise_kernel<8, clamp>", 33.6, 35.0, 9),
+        _k("_gemv_kernel", 36.0, 45.5, 9),
+        _k("triton_red_fused_add_mean_rsqrt", 45.7, 48.0),
+        _k("triton_red_fused_add_mean_route_rsqrt", 60.0, 62.0),
+        _k("_route_kernel", 62.5, 68.5),
+        _k("_ZN7cutlass13device_kernel_grouped_mm", 69.0, 90.0),
+        _k("triton_poi_fused_add", 91.0, 92.0),
+        _k("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, ArgMaxOps<float>>>", 95.0, 96.0),
+    ]
+    (block,) = profile_decode.moe_blocks(step[1:])
+    assert block == {"block": 45.7 - 12.5, "router_end": 19.1 - 12.5, "routed_end": 43.0 - 12.5,
+                     "shared_end": 45.5 - 12.5}
+    timeline = [_k("triton_poi_fused_embedding", -20.0, -19.0), *step,
+                *[dict(k, start=k["start"] + 100, end=k["end"] + 100) for k in step[1:]]]
+    assert profile_decode.last_step(timeline) == [dict(k, start=k["start"] + 100, end=k["end"] + 100) for k in step[1:]]
+    assert profile_decode.last_step(step) == []  # two picks: no step with one before it
+    summary = profile_decode.summarize_blocks([block, dict(block, shared_end=None)])
+    assert summary == {"blocks": 2, "block_total": 66.4, "block": [33.2, 33.2], "router_end": [6.6, 6.6],
+                       "routed_end": [30.5, 30.5], "shared_end": [33.0, None]}
