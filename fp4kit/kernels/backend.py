@@ -104,6 +104,15 @@ def pdl(device: torch.device, kernel) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
+def dependent_launch(want, device: torch.device, kernel, native: bool | None = None) -> bool:
+    """Whether a launch of `kernel` asked to be a programmatic dependent (`want`) takes its
+    dependent code path: natively (native None: `kernel` not interpreted) only where `pdl` allows
+    it on `device`; in Triton's interpreter whenever asked, as the same loads in the dependent
+    order (there is no launch to wait for)."""
+    native = not interpreted(kernel) if native is None else native
+    return bool(want) and (not native or pdl(device, kernel))
+
+
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)

@@ -275,7 +275,7 @@ def config(m: int, k: int, device: torch.device, cfg: dict | None = None, tables
     if any(v < 1 or v & (v - 1) for v in (bn, bk, nw)) or bk < 16 or nw > 16:
         raise ValueError(f"{_WHAT}: BLOCK_N, BLOCK_K (>= 16) and num_warps (<= 16) must be powers of two, got "
                          f"BLOCK_N={bn}, BLOCK_K={bk}, num_warps={nw}")
-    pdl = bool(c.get("pdl", False)) and (interpreted(_fp8_gemv_kernel) or backend.pdl(device, _fp8_gemv_kernel))
+    pdl = backend.dependent_launch(c.get("pdl", False), device, _fp8_gemv_kernel)
     return {"BLOCK_N": bn, "BLOCK_K": min(bk, max(16, next_power_of_2(k))), "num_warps": nw, "pdl": pdl}
 
 

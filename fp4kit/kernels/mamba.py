@@ -438,4 +438,4 @@ def _launch_pdl(pdl: bool | None, device: torch.device, native: bool) -> bool:
     table's "mamba" STEP "pdl" (False where the tuning file has no such entry); natively only where
     `backend.pdl` allows it on `device`, in Triton's interpreter as the same loads in that order."""
     want = launch.tables().get("mamba", {}).get("STEP", {}).get("pdl", False) if pdl is None else pdl
-    return bool(want) and (not native or backend.pdl(device, _mamba_step_kernel))
+    return backend.dependent_launch(want, device, _mamba_step_kernel, native)

@@ -32,8 +32,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from . import launch
-from .backend import (Constants, check_backend, current_device, interpreted, launch_cached, launch_options,
-                      next_power_of_2, pdl as pdl_possible)
+from .backend import (Constants, check_backend, current_device, dependent_launch, interpreted, launch_cached,
+                      launch_options, next_power_of_2)
 from .tiles import split_counters
 
 _WHAT = "kernels.router_topk"
@@ -307,7 +307,7 @@ def _route_plan(n: int, kdim: int, k: int, norm: bool, tables: Mapping,
         raise ValueError(f"kernels.route: the ROUTE table's experts and num_warps (<= 16) must be powers of two, "
                          f"got experts={per}, num_warps={warps}")
     native = not interpreted(_route_kernel)
-    pdl = bool(c.get("pdl", False)) and (not native or pdl_possible(device, _route_kernel))
+    pdl = dependent_launch(c.get("pdl", False), device, _route_kernel, native)
     consts = Constants(TOPK=k, NORM=norm, BLOCK_R=per, BLOCK_K=min(ROUTE_BLOCK_K, max(next_power_of_2(kdim), 16)),
                        BLOCK_E=max(next_power_of_2(n), 16), TOPK_P2=max(next_power_of_2(k), 2), PDL=pdl,
                        NATIVE=native, num_warps=warps, **({"launch_pdl": True} if pdl and native else {}),

@@ -150,6 +150,19 @@ def _kernel_rows(x: torch.Tensor) -> bool:
     return x.is_cuda and _PICK_KERNEL
 
 
+def _router_rows(router: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the router's fp32 rows of hidden_states, its fp32 weight: the copy `single_group_routing`
+    keeps, else made now)."""
+    weight = getattr(router, "_weight_fp32", None)
+    return (hidden_states.view(-1, router.hidden_dim).to(torch.float32),
+            router.weight.to(torch.float32) if weight is None else weight)
+
+
+def _one_launch_rows(x: torch.Tensor) -> bool:
+    """Whether the one-launch router (`kernels.router.route`) takes these fp32 rows."""
+    return _kernel_rows(x) and x.shape[0] <= router_kernels.ROUTE_MAX_TOKENS
+
+
 def _one_group_route(router: nn.Module, hidden_states):
     """`NemotronHTopkRouter.forward` for a router whose experts form one group (n_group and
     topk_group 1). The group step there picks that one group and masks nothing, so it is left
@@ -162,10 +175,8 @@ def _one_group_route(router: nn.Module, hidden_states):
     Within `one_launch_routing`, on a GPU and for up to ROUTE_MAX_TOKENS rows, the logits too are
     in that launch (`kernels.router.route`): summed in another order than torch's matmul, so an
     expert whose sum ties another's to about 1e-7 may be picked in its place."""
-    x = hidden_states.view(-1, router.hidden_dim).to(torch.float32)
-    weight = getattr(router, "_weight_fp32", None)
-    weight = router.weight.to(torch.float32) if weight is None else weight
-    if _ONE_LAUNCH and _kernel_rows(x) and x.shape[0] <= router_kernels.ROUTE_MAX_TOKENS:
+    x, weight = _router_rows(router, hidden_states)
+    if _ONE_LAUNCH and _one_launch_rows(x):
         norm, scale = bool(router.norm_topk_prob), float(router.routed_scaling_factor)
         if torch.compiler.is_compiling():
             return kernel_ops.route(x, weight, router.e_score_correction_bias, router.top_k, norm, scale)
@@ -268,11 +279,8 @@ def _one_launch_router(router: nn.Module, rows: torch.Tensor):
     within `one_launch_routing`, on a GPU; else None."""
     if not (_ONE_LAUNCH and type(router) in _SHORT_CLASSES.values()):
         return None
-    x = rows.view(-1, router.hidden_dim).to(torch.float32)
-    if not (_kernel_rows(x) and x.shape[0] <= router_kernels.ROUTE_MAX_TOKENS):
-        return None
-    weight = getattr(router, "_weight_fp32", None)
-    return x, router.weight.to(torch.float32) if weight is None else weight
+    x, weight = _router_rows(router, rows)
+    return (x, weight) if _one_launch_rows(x) else None
 
 
 def _overlapped_moe_forward(self, hidden_states):

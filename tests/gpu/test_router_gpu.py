@@ -81,7 +81,7 @@ def test_the_programmatic_dependent_router_reads_its_rows_only_after_the_launch_
     # Here that launch lets it start at once and writes the router's rows late: the logits, picks
     # and weights are those of the new rows, bit for bit the plain launch's, eagerly and over
     # replays of a CUDA graph (a program that read x before its wait would see the old rows).
-    assert router.pdl_possible(torch.device("cuda"), router._route_kernel)
+    assert router.dependent_launch(True, torch.device("cuda"), router._route_kernel)
     e, kdim, k = 128, 2688, 6
     g = torch.Generator(device="cuda").manual_seed(t)
     w = torch.randn((e, kdim), device="cuda", generator=g) * 0.05
