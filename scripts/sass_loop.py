@@ -1,6 +1,6 @@
 """Counts the instructions of a Triton kernel's innermost loop on sm_90, without a GPU.
 
-    python scripts/sass_loop.py fp8-gemv|fp8-gemv-pdl|mamba-step-pdl|moe-gemv|packed|packed-overlap|route-tail|attention-combine [--out ...]
+    python scripts/sass_loop.py fp8-gemv|fp8-gemv-pdl|mamba-step-pdl|moe-gemv|moe-up-pdl|packed|packed-overlap|route-tail|attention-combine [--out ...]
 
 Triton compiles the kernel ahead of time for sm_90 (its bundled ptxas), cuobjdump (bundled too)
 disassembles it, and the loop is the last innermost one (a backward branch's range that holds no
@@ -232,15 +232,68 @@ def moe_gemv(tiles=((4, 512, 1, None), (8, 512, 1, None), (8, 512, 1, 96), (4, 1
            "N": "i32", "K": "i32", "TOPK": "i32", "k_per_split": "i32", "part_stride": "i32"}
     sig.update({name: "constexpr" for name in ("A_PAD", "BY_ASSIGNMENT", "UP", "X_PARTS", "RELU2_OUT", "ACT", "BLOCK_M",
                                                "BLOCK_N", "BLOCK_K", "IEEE", "LUT", "EVEN_N", "EVEN_K", "GEMV", "KB",
-                                               "AHEAD", "COMBINE", "TOPK_C", "TRIGGER", "WAIT")})
+                                               "AHEAD", "COMBINE", "TOPK_C", "TRIGGER", "WAIT", "WAIT_FIRST")})
     divisible = ("x_ptr", "x4_ptr", "ids_ptr", "wq_ptr", "ws_ptr", "gs_ptr", "part_ptr", "E", "N", "K", "k_per_split",
                  "part_stride")
     launches = [({"tile": [bn, bk, nw], **({"maxnreg": cap} if cap else {}), **({"ahead": a[0]} if a else {})},
                  dict(A_PAD=8, BY_ASSIGNMENT=True, UP=True, X_PARTS=0, RELU2_OUT=True, ACT=tl.bfloat16, BLOCK_M=1,
                       BLOCK_N=bn, BLOCK_K=bk, IEEE=False, LUT=True, EVEN_N=True, EVEN_K=False, GEMV=True, KB=2688 // 16,
-                      AHEAD=a[0] if a else 1, COMBINE=False, TOPK_C=1, TRIGGER=False, WAIT=False),
+                      AHEAD=a[0] if a else 1, COMBINE=False, TOPK_C=1, TRIGGER=False, WAIT=False, WAIT_FIRST=False),
                  nw, bn * bk / (32 * nw)) for bn, bk, nw, cap, *a in tiles]
     return _rows(mg._moe_small_kernel, sig, divisible, launches)
+
+
+def moe_up_pdl() -> list:
+    """The MoE up launch (`_moe_small_kernel`, one token on Nano, the one-warp 8 x 512 tile) plainly,
+    triggering the down launch (TRIGGER), and as a programmatic dependent of the router that waits
+    first (WAIT_FIRST with TRIGGER); and the router (`router._route_kernel`, 4 experts per program,
+    4 warps) with and without its trigger. Per listing: the global loads, stores and atomics
+    before its wait (ACQBULK) and before its trigger (PREEXIT), and whether the wait comes first."""
+    import triton.language as tl
+
+    from fp4kit.kernels import moe_gemm as mg
+    from fp4kit.kernels import router as rt
+
+    sig = {"x_ptr": "*bf16", "x4_ptr": "*i64", "ids_ptr": "*i64", "wq_ptr": "*i64", "ws_ptr": "*u8", "gs_ptr": "*fp32",
+           "part_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16", "cnt_ptr": "*i32", "A": "i32", "E": "i32",
+           "N": "i32", "K": "i32", "TOPK": "i32", "k_per_split": "i32", "part_stride": "i32"}
+    names = ("A_PAD", "BY_ASSIGNMENT", "UP", "X_PARTS", "RELU2_OUT", "ACT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "IEEE",
+             "LUT", "EVEN_N", "EVEN_K", "GEMV", "KB", "AHEAD", "COMBINE", "TOPK_C", "TRIGGER", "WAIT", "WAIT_FIRST")
+    sig.update({name: "constexpr" for name in names})
+    divisible = ("x_ptr", "x4_ptr", "ids_ptr", "wq_ptr", "ws_ptr", "gs_ptr", "part_ptr", "E", "N", "K", "k_per_split",
+                 "part_stride")
+
+    def where(kernel, name, sass):
+        seq, wait, trigger = _grid_dependency(sass)
+
+        def before(i, ops):
+            return None if i is None else sum(seq[:i].count(op) for op in ops)
+
+        return {"kernel": kernel, **name, "instructions": len(seq),
+                "loads_before_wait": before(wait, ("LDG",)), "writes_before_wait": before(wait, ("STG", "ATOMG", "RED")),
+                "loads_before_trigger": before(trigger, ("LDG",)),
+                "writes_before_trigger": before(trigger, ("STG", "ATOMG", "RED")),
+                "wait_before_trigger": wait is not None and trigger is not None and wait < trigger}
+
+    rows = []
+    for trigger, first in ((False, False), (True, False), (True, True)):
+        consts = dict(A_PAD=8, BY_ASSIGNMENT=True, UP=True, X_PARTS=0, RELU2_OUT=True, ACT=tl.bfloat16, BLOCK_M=1,
+                      BLOCK_N=8, BLOCK_K=512, IEEE=False, LUT=True, EVEN_N=True, EVEN_K=False, GEMV=True,
+                      KB=2688 // 16, AHEAD=1, COMBINE=False, TOPK_C=1, TRIGGER=trigger, WAIT=False, WAIT_FIRST=first)
+        _, sass, _ = compile_sm90(mg._moe_small_kernel, sig, consts, 1, divisible)
+        rows.append(where("moe-up", {"trigger": trigger, "wait_first": first}, sass))
+    rsig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "b_ptr": "*fp32", "logits_ptr": "*fp32", "ids_ptr": "*i64",
+            "wout_ptr": "*fp32", "cnt_ptr": "*i32", "E": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32",
+            "scale": "fp32"}
+    rsig.update({name: "constexpr" for name in ("TOPK", "NORM", "BLOCK_R", "BLOCK_K", "BLOCK_E", "TOPK_P2", "PDL",
+                                                "NATIVE", "TRIGGER")})
+    rdiv = ("x_ptr", "w_ptr", "b_ptr", "logits_ptr", "ids_ptr", "wout_ptr", "cnt_ptr", "E", "K", "stride_x", "stride_w")
+    for trigger in (False, True):
+        consts = dict(TOPK=6, NORM=True, BLOCK_R=4, BLOCK_K=4096, BLOCK_E=128, TOPK_P2=8, PDL=False, NATIVE=True,
+                      TRIGGER=trigger)
+        _, sass, _ = compile_sm90(rt._route_kernel, rsig, consts, 4, rdiv)
+        rows.append(where("route", {"trigger": trigger}, sass))
+    return rows
 
 
 def packed(launches=((16, 1), (32, 1), (64, 1), (32, 2), (64, 2))) -> list:
@@ -302,12 +355,13 @@ def route_tail(launches=((1, 1, False), (4, 4, False), (4, 4, True))) -> list:
            "wout_ptr": "*fp32", "cnt_ptr": "*i32", "E": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32",
            "scale": "fp32"}
     sig.update({name: "constexpr" for name in ("TOPK", "NORM", "BLOCK_R", "BLOCK_K", "BLOCK_E", "TOPK_P2", "PDL",
-                                               "NATIVE")})
+                                               "NATIVE", "TRIGGER")})
     divisible = ("x_ptr", "w_ptr", "b_ptr", "logits_ptr", "ids_ptr", "wout_ptr", "cnt_ptr", "E", "K", "stride_x",
                  "stride_w")
     rows = []
     for per, nw, pdl in launches:
-        consts = dict(TOPK=6, NORM=True, BLOCK_R=per, BLOCK_K=4096, BLOCK_E=128, TOPK_P2=8, PDL=pdl, NATIVE=True)
+        consts = dict(TOPK=6, NORM=True, BLOCK_R=per, BLOCK_K=4096, BLOCK_E=128, TOPK_P2=8, PDL=pdl, NATIVE=True,
+                      TRIGGER=False)
         regs, sass, stack = compile_sm90(rt._route_kernel, sig, consts, nw, divisible)
         ops = ops_after(sass, "ATOMG")
         row = {"experts": per, "warps": nw, "pdl": pdl, "registers": regs, "stack": stack,
@@ -344,7 +398,7 @@ def attention_combine() -> list:
              "loads_before_exp": seq[:first_exp].count("LDG"), "ops": _counts(seq)}]
 
 
-KERNELS = {"fp8-gemv": fp8_gemv, "fp8-gemv-pdl": fp8_gemv_pdl, "mamba-step-pdl": mamba_step_pdl, "moe-gemv": moe_gemv, "packed": packed, "packed-overlap": packed_overlap,
+KERNELS = {"fp8-gemv": fp8_gemv, "fp8-gemv-pdl": fp8_gemv_pdl, "mamba-step-pdl": mamba_step_pdl, "moe-gemv": moe_gemv, "moe-up-pdl": moe_up_pdl, "packed": packed, "packed-overlap": packed_overlap,
            "route-tail": route_tail, "attention-combine": attention_combine}
 
 

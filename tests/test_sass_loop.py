@@ -146,3 +146,19 @@ def test_the_attentions_last_program_has_a_steps_partials_in_flight_together():
     assert row["combine"] == attention.COMBINE >= 4 and row["stack"] == 0
     assert row["loads_before_exp"] >= 3 * attention.COMBINE
     assert row["ops"]["MUFU"] >= attention.COMBINE
+
+
+def test_the_up_launch_waits_for_the_router_before_it_triggers_the_down_launch():
+    # The down launch reads the routed ids before its own wait, so an up launch that is itself a
+    # programmatic dependent of the router (WAIT_FIRST) must wait for the router before anything,
+    # its trigger for the down launch included: no load or store before its wait, the wait before
+    # the trigger. The plain up launch has neither instruction; the triggering one, no wait. The
+    # router with TRIGGER lets the launch after it start before it loads or writes anything.
+    plain, trig, first, route, route_trig = _compiled_rows("moe_up_pdl()")
+    assert (plain["loads_before_wait"], plain["loads_before_trigger"]) == (None, None)
+    assert trig["loads_before_wait"] is None and trig["loads_before_trigger"] == 0
+    assert first["wait_before_trigger"] and first["loads_before_wait"] == 0 and first["writes_before_wait"] == 0
+    assert first["instructions"] == trig["instructions"] == plain["instructions"]
+    assert route["loads_before_trigger"] is None
+    assert route_trig["loads_before_trigger"] == 0 and route_trig["writes_before_trigger"] == 0
+    assert route_trig["loads_before_wait"] is None  # the router itself waits only with its own "pdl"

@@ -260,7 +260,7 @@ def _moe_small_kernel(
     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, LUT: tl.constexpr, EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr, GEMV: tl.constexpr, KB: tl.constexpr, AHEAD: tl.constexpr = 1,
     COMBINE: tl.constexpr = False, TOPK_C: tl.constexpr = 1, TRIGGER: tl.constexpr = False,
-    WAIT: tl.constexpr = False,
+    WAIT: tl.constexpr = False, WAIT_FIRST: tl.constexpr = False,
 ):
     """One projection for one expert, one N slice and one K split (grid: slots, N / BLOCK_N,
     splits); rows are stored by assignment index (no sort): fp32 partial sums
@@ -279,8 +279,15 @@ def _moe_small_kernel(
     TRIGGER (up): the launch after it may start at once (`gdc_launch_dependents`). WAIT (down,
     GEMV, launched as a programmatic dependent of the up launch): a program reads the routed ids
     (written before the up launch began) and requests its first weight tiles, then waits for the
-    up launch to finish before it reads the activations or stores anything (`gemv_accumulate`)."""
+    up launch to finish before it reads the activations or stores anything (`gemv_accumulate`).
+    WAIT_FIRST (up, launched as a programmatic dependent of the launch before it, the router): a
+    program waits for that launch to complete before anything else, its trigger included, so that a
+    down launch (which reads the routed ids before its own wait) starts only once the ids are
+    written."""
     tl.static_assert(GEMV or not WAIT, "WAIT: the CUDA-core tiles only")
+    tl.static_assert(UP or not WAIT_FIRST, "WAIT_FIRST: the up launch only")
+    if WAIT_FIRST:
+        gdc_wait()
     if TRIGGER:
         gdc_launch_dependents()
     slot = tl.program_id(0)
@@ -390,7 +397,8 @@ def experts_reference(hidden, top_k_index, top_k_weights, up_w, down_w):
 #               per program, BLOCK_N output features, BLOCK_K of K per step, warps, an
 #               optional register cap (maxnreg), their split-K (as SMALL's), and "pdl": the
 #               down launch as a programmatic dependent of the up launch where `backend.pdl`
-#               allows (absent: False);
+#               allows (absent: False), and "pdl_up": the up launch as a programmatic dependent of
+#               the launch before it (the router), waiting for it first (absent: False);
 #   SMALL       the in-kernel-routing path up to max_assignments; K split until about
 #               programs_per_sm programs per multiprocessor, at most max_parts ways (on the
 #               matrix units; the CUDA-core tiles split by MOE_GEMV's own entries);
@@ -581,6 +589,8 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables, combine=True
     gemv = cfg.pop("gemv", False)
     # The down launch as a programmatic dependent of the up launch (CUDA-core tiles on Hopper on)
     pdl = cfg.pop("pdl", False) and gemv and backend.pdl(device, _moe_small_kernel)
+    # The up launch as a programmatic dependent of the launch before it (the router), waiting first
+    pdl_up = cfg.pop("pdl_up", False) and gemv and backend.pdl(device, _moe_small_kernel)
     if gemv:
         lut = tables["DEQUANT"]["lut"] and not interpreted(_moe_small_kernel)  # the block-dot PTX takes any dtype
         # the tiles' own split-K (MOE_GEMV), SMALL's for a cfg given without one
@@ -608,7 +618,7 @@ def _moe_small(x, top_k_index, weights, up, down, cfg, lut, tables, combine=True
     launch_cached(_moe_small_kernel, (slots, cdiv(inter, bn), s_up),
         x, x4, ids, up.packed.view(view), up.block_scale.view(torch.uint8),
         up.global_scale, part_up, weights, part_up, ids, a, n_exp, inter, hid, top_k, kps_up, 0, UP=True, X_PARTS=0,
-        RELU2_OUT=s_up == 1, TRIGGER=pdl,
+        RELU2_OUT=s_up == 1, TRIGGER=pdl, WAIT_FIRST=pdl_up, **({"launch_pdl": True} if pdl_up else {}),
         EVEN_N=inter % bn == 0, EVEN_K=hid % cfg_up["BLOCK_K"] == 0, KB=hid // 16 if gemv else 0, **cfg_up, **common)
     s_dn, kps_dn = backend.split_k(slots * cdiv(hid, bn), inter, cfg_dn["BLOCK_K"], device, split)
     part_dn = torch.empty((s_dn, a, hid), dtype=torch.float32, device=device)

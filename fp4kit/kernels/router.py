@@ -29,9 +29,9 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import launch
+from . import backend, launch
 from .backend import (Constants, check_backend, current_device, dependent_launch, interpreted, launch_cached,
                       launch_options, next_power_of_2)
 from .tiles import split_counters
@@ -107,7 +107,7 @@ def _route_weight(w_ptr, r, r_ok, k, K, stride_w):
 def _route_kernel(x_ptr, w_ptr, b_ptr, logits_ptr, ids_ptr, wout_ptr, cnt_ptr, E, K, stride_x, stride_w, scale,
                   TOPK: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_E: tl.constexpr, TOPK_P2: tl.constexpr, PDL: tl.constexpr = False,
-                  NATIVE: tl.constexpr = True):
+                  NATIVE: tl.constexpr = True, TRIGGER: tl.constexpr = False):
     """One token's router (program axis 1) in one launch. Each program computes the fp32 logits of
     BLOCK_R experts (fp32 products of the token's row and the weight rows, summed in fp32), stores
     them and counts itself in at the token's counter; the last of the token's programs to arrive
@@ -120,7 +120,13 @@ def _route_kernel(x_ptr, w_ptr, b_ptr, logits_ptr, ids_ptr, wout_ptr, cnt_ptr, E
     first K tile of the router's weight, which no launch writes, then waits for that launch to
     complete (`gdc_wait`) before it reads x or touches the logits and counters. The same products
     summed in the same order: the plain launch's values bit for bit. In Triton's interpreter
-    (NATIVE false) only the early weight load is taken."""
+    (NATIVE false) only the early weight load is taken.
+
+    TRIGGER: the launch after it may start at once (`gdc_launch_dependents`); a launch that is a
+    programmatic dependent of the router (the MoE up launch with WAIT_FIRST) waits for it to complete
+    before reading anything."""
+    if TRIGGER:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -300,7 +306,8 @@ def _route_plan(n: int, kdim: int, k: int, norm: bool, tables: Mapping,
     """(programs per token, the kernel's constants) for E = n experts over kdim columns, from the
     ROUTE table's experts per program and warps, and its "pdl" (absent: off): the launch as a
     programmatic dependent of the one before it where `backend.pdl` allows that on `device` (in
-    Triton's interpreter the kernel takes the early weight load alone)."""
+    Triton's interpreter the kernel takes the early weight load alone); its "trigger" (absent:
+    off): the launch after it may start at once, natively on Hopper only."""
     c = tables["ROUTE"]
     per, warps = int(c["experts"]), int(c["num_warps"])
     if per < 1 or per & (per - 1) or warps < 1 or warps & (warps - 1) or warps > 16:
@@ -308,9 +315,10 @@ def _route_plan(n: int, kdim: int, k: int, norm: bool, tables: Mapping,
                          f"got experts={per}, num_warps={warps}")
     native = not interpreted(_route_kernel)
     pdl = dependent_launch(c.get("pdl", False), device, _route_kernel, native)
+    trigger = bool(c.get("trigger", False)) and native and backend.pdl(device, _route_kernel)
     consts = Constants(TOPK=k, NORM=norm, BLOCK_R=per, BLOCK_K=min(ROUTE_BLOCK_K, max(next_power_of_2(kdim), 16)),
                        BLOCK_E=max(next_power_of_2(n), 16), TOPK_P2=max(next_power_of_2(k), 2), PDL=pdl,
-                       NATIVE=native, num_warps=warps, **({"launch_pdl": True} if pdl and native else {}),
+                       NATIVE=native, TRIGGER=trigger, num_warps=warps, **({"launch_pdl": True} if pdl and native else {}),
                        **launch_options())
     return -(-n // per), consts
 

@@ -17,12 +17,12 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from fp4kit.formats import e2m1, nvfp4  # noqa: E402
-from fp4kit.kernels import launch, mma, moe_gemm, packed_gemm, quantize as kquant, tiles, w4a16_gemm  # noqa: E402
+from fp4kit.kernels import launch, mma, moe_gemm, packed_gemm, quantize as kquant, router, tiles, w4a16_gemm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from benchlib import gemv_probe  # noqa: E402
 
-from .helpers import DEV, _bits, _randn  # noqa: E402
+from .helpers import DEV, _bits, _randn, eager_and_replayed, write_late  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 W4A16 = launch.table("w4a16")
@@ -361,6 +361,73 @@ def test_moe_down_launch_as_a_programmatic_dependent_is_the_plain_launch(tokens,
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_moe_up_launch_as_a_programmatic_dependent_reads_the_ids_only_after_the_launch_before(tokens):
+    # "pdl_up": the up launch is a programmatic dependent of the launch before it and waits for it
+    # before anything else, its own trigger for the down launch included (the down launch reads the
+    # routed ids before its wait). Here the launch before lets it start at once and writes the ids
+    # and the hidden states late: bit for bit the plain launches on the new ids, eagerly and over
+    # replays of a CUDA graph (an up or down program that read the ids early would take the old
+    # experts, whose outputs differ).
+    up, down, x, ids, weights = _nano_moe(tokens, seed=95)
+    old_ids = (ids + 1) % up.shape[0]
+    x_old = _randn(tokens, x.shape[1], seed=96, scale=1.0)
+    cfg = moe_gemm.moe_config(0, 128, x.device)
+    assert cfg["gemv"] and moe_gemm.backend.pdl(torch.device(DEV), moe_gemm._moe_small_kernel)
+    want = moe_gemm.moe_experts(x, ids, weights, up, down, cfg=dict(cfg, pdl=False, pdl_up=False))
+    assert not torch.equal(want, moe_gemm.moe_experts(x, old_ids, weights, up, down, cfg=dict(cfg, pdl=False)))
+    # one buffer for both, so that one late launch writes them
+    def as_bytes(*ts):
+        return torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in ts])
+
+    new_bytes, old_bytes = as_bytes(x, ids), as_bytes(x_old, old_ids)
+    buf = old_bytes.clone()
+    nx = x.numel() * x.element_size()
+    xs = buf[:nx].view(x.dtype).view(x.shape)
+    ids_s = buf[nx:].view(ids.dtype).view(ids.shape)
+
+    def step():
+        buf.copy_(old_bytes)
+        write_late(new_bytes, buf)
+        return moe_gemm.moe_experts(xs, ids_s, weights, up, down, cfg=dict(cfg, pdl=True, pdl_up=True))
+
+    def check(got):
+        assert torch.equal(got, want)
+
+    eager_and_replayed(step, check)
+
+
+def test_the_router_lets_the_up_launch_start_early_and_the_experts_are_the_plain_launches():
+    # ROUTE "trigger": the router lets the launch after it start at once; the up launch ("pdl_up")
+    # waits for the router to complete before it reads the ids it writes: the block's output bit
+    # for bit the plain launches', eagerly and over replays of a CUDA graph, for inputs whose
+    # routing differs from call to call.
+    up, down, x, _, _ = _nano_moe(1, seed=97)
+    g = torch.Generator(device=DEV).manual_seed(98)
+    w = torch.randn((up.shape[0], x.shape[1]), device=DEV, generator=g) * 0.05
+    bias = torch.randn(up.shape[0], device=DEV, generator=g) * 0.01
+    xs = [_randn(1, x.shape[1], seed=99 + i, scale=1.0) for i in range(3)]
+    cfg = moe_gemm.moe_config(0, 128, x.device)
+    route = {"experts": 4, "num_warps": 4}
+    plain_t, early_t = {"ROUTE": dict(route)}, {"ROUTE": dict(route, trigger=True)}
+    assert router._route_plan(128, x.shape[1], 6, True, early_t, torch.device(DEV))[1]["TRIGGER"]
+
+    def block(h, tables, **pdl):
+        _, weights, ids = router.route(h, w, bias, 6, norm=True, scale=2.5, tables=tables)
+        return moe_gemm.moe_experts(h, ids, weights, up, down, cfg=dict(cfg, **pdl))
+
+    want = [block(h, plain_t, pdl=False, pdl_up=False) for h in xs]
+    assert not torch.equal(want[0], want[1])
+
+    def step():
+        return [block(h, early_t, pdl=True, pdl_up=True) for h in xs]
+
+    def check(got):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+    eager_and_replayed(step, check)
 
 
 @pytest.mark.parametrize("launch", [(2, 2, 2), (1, 4, 0)])
