@@ -1223,6 +1223,31 @@ FIGURES = [
      lambda d: f"takes {_span(d.values(), 1)} us"),
     *[(doc, text, "prefetch-h100.json", (), lambda d: f"about {round(_prefetch_step_bound(d), -1):.0f} us")
       for doc, text in ((BENCH, "add up to about 80 us of the H100's 1161"), (README, "about 80 us in all"))],
+    # the router inside the MoE call, as a dependent launch, the up launch as its dependent (one H100)
+    (README, "with the router inside the MoE block's call, on an H100, 2.23x, the decode steps alone 2.24x",
+     "decode-b1-router-inside-h100.json", ("batches", "1"), lambda d: "on an H100, {:.2f}x, the decode steps alone {:.2f}x".format(
+         d["speedup_over_bf16_graph"]["modelopt-lightning_graph"], _steps_over_bf16(d, "modelopt-lightning"))),
+    (README, "(today's tables) 2.26x, the decode steps alone 2.27x", "decode-b1-router-inside-route-pdl-h100.json",
+     ("batches", "1"), lambda d: "{:.2f}x, the decode steps alone {:.2f}x".format(
+         d["speedup_over_bf16_graph"]["modelopt-lightning_graph"], _steps_over_bf16(d, "modelopt-lightning"))),
+    *[(README, f"| {row} | {n} |", name, ("batches", "1"),
+       lambda d: "| {:.1f} | {:.2f}x |".format(d["steps_tokens_per_s_modelopt-lightning_graph"],
+                                               _steps_over_bf16(d, "modelopt-lightning")))
+      for row, n, name in (
+          ("nothing else (the tables before)", "996.6 | 2.24x", "decode-b1-router-inside-h100.json"),
+          ("the router a dependent launch (ROUTE pdl; today's tables)", "1014.0 | 2.27x",
+           "decode-b1-router-inside-route-pdl-h100.json"),
+          ("the up launch a dependent of the router (pdl_up, trigger)", "997.4 | 2.22x",
+           "decode-b1-router-inside-up-pdl-h100.json"),
+          ("both", "1019.1 | 2.26x", "decode-b1-router-inside-up-route-pdl-h100.json"))],
+    (README, "gains 1.7 %; the up launch as the router's dependent 0.1 % alone\nand 0.5 % beside it",
+     "decode-b1-router-inside-h100.json", ("batches", "1"),
+     lambda d: "gains {:.1f} %; the up launch as the router's dependent {:.1f} % alone and {:.1f} % beside it".format(
+         *(100 * (_load(a)["batches"]["1"]["steps_tokens_per_s_modelopt-lightning_graph"]
+                  / _load(b)["batches"]["1"]["steps_tokens_per_s_modelopt-lightning_graph"] - 1)
+           for a, b in (("decode-b1-router-inside-route-pdl-h100.json", "decode-b1-router-inside-h100.json"),
+                        ("decode-b1-router-inside-up-pdl-h100.json", "decode-b1-router-inside-h100.json"),
+                        ("decode-b1-router-inside-up-route-pdl-h100.json", "decode-b1-router-inside-route-pdl-h100.json"))))),
     (README, "0.7-2.7 us per projection\nand 2.1 us per token's routed experts", "prefetch-h100.json", (),
      lambda d: "{} us per projection and {:.1f} us per token's".format(
          _span([v for k, v in _prefetch_gains(d).items() if k != "moe"], 1), _prefetch_gains(d)["moe"])),
