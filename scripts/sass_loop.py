@@ -136,6 +136,27 @@ FP8_GEMV_TILES = ((1, 512, 1), (2, 512, 1), (4, 512, 1), (2, 1024, 2), (4, 1024,
                   (16, 512, 4), (8, 256, 2), (4, 512, 4))
 
 
+# `moe_gemm._moe_small_kernel`'s and `router._route_kernel`'s signatures, and the arguments a
+# launch on Nemotron-3-Nano sees as multiples of 16
+_MOE_SMALL_SIG = {"x_ptr": "*bf16", "x4_ptr": "*i64", "ids_ptr": "*i64", "wq_ptr": "*i64", "ws_ptr": "*u8",
+                  "gs_ptr": "*fp32", "part_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16", "cnt_ptr": "*i32",
+                  "A": "i32", "E": "i32", "N": "i32", "K": "i32", "TOPK": "i32", "k_per_split": "i32",
+                  "part_stride": "i32",
+                  **{name: "constexpr" for name in ("A_PAD", "BY_ASSIGNMENT", "UP", "X_PARTS", "RELU2_OUT", "ACT",
+                                                    "BLOCK_M", "BLOCK_N", "BLOCK_K", "IEEE", "LUT", "EVEN_N", "EVEN_K",
+                                                    "GEMV", "KB", "AHEAD", "COMBINE", "TOPK_C", "TRIGGER", "WAIT",
+                                                    "WAIT_FIRST")}}
+_MOE_SMALL_DIVISIBLE = ("x_ptr", "x4_ptr", "ids_ptr", "wq_ptr", "ws_ptr", "gs_ptr", "part_ptr", "E", "N", "K",
+                        "k_per_split", "part_stride")
+_ROUTE_SIG = {"x_ptr": "*bf16", "w_ptr": "*fp32", "b_ptr": "*fp32", "logits_ptr": "*fp32", "ids_ptr": "*i64",
+              "wout_ptr": "*fp32", "cnt_ptr": "*i32", "E": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32",
+              "scale": "fp32",
+              **{name: "constexpr" for name in ("TOPK", "NORM", "BLOCK_R", "BLOCK_K", "BLOCK_E", "TOPK_P2", "PDL",
+                                                "NATIVE", "TRIGGER")}}
+_ROUTE_DIVISIBLE = ("x_ptr", "w_ptr", "b_ptr", "logits_ptr", "ids_ptr", "wout_ptr", "cnt_ptr", "E", "K", "stride_x",
+                    "stride_w")
+
+
 def fp8_gemv(rows=(1, 2, 4), tiles=FP8_GEMV_TILES, pdl=False) -> list:
     """`_fp8_gemv_kernel`'s K loop per (activation rows per program, BLOCK_N, BLOCK_K, warps), as a
     launch on the Mamba projections specialises it (K, N and the strides multiples of 16; one row:
@@ -227,14 +248,7 @@ def moe_gemv(tiles=((4, 512, 1, None), (8, 512, 1, None), (8, 512, 1, 96), (4, 1
 
     from fp4kit.kernels import moe_gemm as mg
 
-    sig = {"x_ptr": "*bf16", "x4_ptr": "*i64", "ids_ptr": "*i64", "wq_ptr": "*i64", "ws_ptr": "*u8", "gs_ptr": "*fp32",
-           "part_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16", "cnt_ptr": "*i32", "A": "i32", "E": "i32",
-           "N": "i32", "K": "i32", "TOPK": "i32", "k_per_split": "i32", "part_stride": "i32"}
-    sig.update({name: "constexpr" for name in ("A_PAD", "BY_ASSIGNMENT", "UP", "X_PARTS", "RELU2_OUT", "ACT", "BLOCK_M",
-                                               "BLOCK_N", "BLOCK_K", "IEEE", "LUT", "EVEN_N", "EVEN_K", "GEMV", "KB",
-                                               "AHEAD", "COMBINE", "TOPK_C", "TRIGGER", "WAIT", "WAIT_FIRST")})
-    divisible = ("x_ptr", "x4_ptr", "ids_ptr", "wq_ptr", "ws_ptr", "gs_ptr", "part_ptr", "E", "N", "K", "k_per_split",
-                 "part_stride")
+    sig, divisible = _MOE_SMALL_SIG, _MOE_SMALL_DIVISIBLE
     launches = [({"tile": [bn, bk, nw], **({"maxnreg": cap} if cap else {}), **({"ahead": a[0]} if a else {})},
                  dict(A_PAD=8, BY_ASSIGNMENT=True, UP=True, X_PARTS=0, RELU2_OUT=True, ACT=tl.bfloat16, BLOCK_M=1,
                       BLOCK_N=bn, BLOCK_K=bk, IEEE=False, LUT=True, EVEN_N=True, EVEN_K=False, GEMV=True, KB=2688 // 16,
@@ -254,14 +268,6 @@ def moe_up_pdl() -> list:
     from fp4kit.kernels import moe_gemm as mg
     from fp4kit.kernels import router as rt
 
-    sig = {"x_ptr": "*bf16", "x4_ptr": "*i64", "ids_ptr": "*i64", "wq_ptr": "*i64", "ws_ptr": "*u8", "gs_ptr": "*fp32",
-           "part_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16", "cnt_ptr": "*i32", "A": "i32", "E": "i32",
-           "N": "i32", "K": "i32", "TOPK": "i32", "k_per_split": "i32", "part_stride": "i32"}
-    names = ("A_PAD", "BY_ASSIGNMENT", "UP", "X_PARTS", "RELU2_OUT", "ACT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "IEEE",
-             "LUT", "EVEN_N", "EVEN_K", "GEMV", "KB", "AHEAD", "COMBINE", "TOPK_C", "TRIGGER", "WAIT", "WAIT_FIRST")
-    sig.update({name: "constexpr" for name in names})
-    divisible = ("x_ptr", "x4_ptr", "ids_ptr", "wq_ptr", "ws_ptr", "gs_ptr", "part_ptr", "E", "N", "K", "k_per_split",
-                 "part_stride")
 
     def where(kernel, name, sass):
         seq, wait, trigger = _grid_dependency(sass)
@@ -280,18 +286,12 @@ def moe_up_pdl() -> list:
         consts = dict(A_PAD=8, BY_ASSIGNMENT=True, UP=True, X_PARTS=0, RELU2_OUT=True, ACT=tl.bfloat16, BLOCK_M=1,
                       BLOCK_N=8, BLOCK_K=512, IEEE=False, LUT=True, EVEN_N=True, EVEN_K=False, GEMV=True,
                       KB=2688 // 16, AHEAD=1, COMBINE=False, TOPK_C=1, TRIGGER=trigger, WAIT=False, WAIT_FIRST=first)
-        _, sass, _ = compile_sm90(mg._moe_small_kernel, sig, consts, 1, divisible)
+        _, sass, _ = compile_sm90(mg._moe_small_kernel, _MOE_SMALL_SIG, consts, 1, _MOE_SMALL_DIVISIBLE)
         rows.append(where("moe-up", {"trigger": trigger, "wait_first": first}, sass))
-    rsig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "b_ptr": "*fp32", "logits_ptr": "*fp32", "ids_ptr": "*i64",
-            "wout_ptr": "*fp32", "cnt_ptr": "*i32", "E": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32",
-            "scale": "fp32"}
-    rsig.update({name: "constexpr" for name in ("TOPK", "NORM", "BLOCK_R", "BLOCK_K", "BLOCK_E", "TOPK_P2", "PDL",
-                                                "NATIVE", "TRIGGER")})
-    rdiv = ("x_ptr", "w_ptr", "b_ptr", "logits_ptr", "ids_ptr", "wout_ptr", "cnt_ptr", "E", "K", "stride_x", "stride_w")
     for trigger in (False, True):
         consts = dict(TOPK=6, NORM=True, BLOCK_R=4, BLOCK_K=4096, BLOCK_E=128, TOPK_P2=8, PDL=False, NATIVE=True,
                       TRIGGER=trigger)
-        _, sass, _ = compile_sm90(rt._route_kernel, rsig, consts, 4, rdiv)
+        _, sass, _ = compile_sm90(rt._route_kernel, _ROUTE_SIG, consts, 4, _ROUTE_DIVISIBLE)
         rows.append(where("route", {"trigger": trigger}, sass))
     return rows
 
@@ -351,13 +351,7 @@ def route_tail(launches=((1, 1, False), (4, 4, False), (4, 4, True))) -> list:
     atomics there (must be 0)."""
     from fp4kit.kernels import router as rt
 
-    sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "b_ptr": "*fp32", "logits_ptr": "*fp32", "ids_ptr": "*i64",
-           "wout_ptr": "*fp32", "cnt_ptr": "*i32", "E": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32",
-           "scale": "fp32"}
-    sig.update({name: "constexpr" for name in ("TOPK", "NORM", "BLOCK_R", "BLOCK_K", "BLOCK_E", "TOPK_P2", "PDL",
-                                               "NATIVE", "TRIGGER")})
-    divisible = ("x_ptr", "w_ptr", "b_ptr", "logits_ptr", "ids_ptr", "wout_ptr", "cnt_ptr", "E", "K", "stride_x",
-                 "stride_w")
+    sig, divisible = _ROUTE_SIG, _ROUTE_DIVISIBLE
     rows = []
     for per, nw, pdl in launches:
         consts = dict(TOPK=6, NORM=True, BLOCK_R=per, BLOCK_K=4096, BLOCK_E=128, TOPK_P2=8, PDL=pdl, NATIVE=True,

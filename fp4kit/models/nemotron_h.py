@@ -159,7 +159,8 @@ def _router_rows(router: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.
 
 
 def _one_launch_rows(x: torch.Tensor) -> bool:
-    """Whether the one-launch router (`kernels.router.route`) takes these fp32 rows."""
+    """Whether the one-launch router (`kernels.router.route`) takes these rows (by their device
+    and count, so before they are made fp32)."""
     return _kernel_rows(x) and x.shape[0] <= router_kernels.ROUTE_MAX_TOKENS
 
 
@@ -277,10 +278,9 @@ def _one_launch_router(router: nn.Module, rows: torch.Tensor):
     """(the router's fp32 rows, its fp32 weight) where `_one_group_route` would run `router` on
     `rows` as one launch (`kernels.router.route`): a single-group router on its short forward,
     within `one_launch_routing`, on a GPU; else None."""
-    if not (_ONE_LAUNCH and type(router) in _SHORT_CLASSES.values()):
+    if not (_ONE_LAUNCH and type(router) in _SHORT_CLASSES.values() and _one_launch_rows(rows)):
         return None
-    x, weight = _router_rows(router, rows)
-    return (x, weight) if _one_launch_rows(x) else None
+    return _router_rows(router, rows)
 
 
 def _overlapped_moe_forward(self, hidden_states):
