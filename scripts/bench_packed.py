@@ -9,11 +9,16 @@ the packed weight. Writes JSON (default benchmarks/results/packed-gemm-<gpu>.jso
 table.
 
     PYTHONPATH=. python scripts/bench_packed.py [--out PATH] [--no-sweep] [--ms 1,4,16,64,256,1024] [--pipeline]
-        [--shapes 3712x2688,2688x3712] [--overlap] [--cold]
+        [--shapes 3712x2688,2688x3712] [--overlap] [--cold] [--chain]
 
 --cold sweeps the 16-64-row launch shapes with every launch reading its weight from device memory
 (copies of the weight, four L2s in all, run in turn: a decode step's condition) and times the
 GEMMs warm and cold with the table and that pick (default JSON packed-gemm-cold-<gpu>.json).
+
+--chain times `packed_matmul` against the number of K tiles each program runs (3712 weight rows;
+1, 16 and 64 activation rows; unsplit and split 4 ways; warm and cold) and fits a line per case:
+what a launch costs whatever its K, and what each K tile adds (default JSON
+packed-gemm-chain-<gpu>.json).
 
 --overlap times only the Gluon kernel with overlapped K tiles (fp4kit.kernels.packed_overlap)
 against torch.matmul and packed_matmul, checking its bytes against packed_matmul's (sweeps/packed.py's
@@ -28,7 +33,7 @@ import os
 
 import torch
 from bench_kernels import run_record, write
-from benchlib.packed import bench, bench_cold
+from benchlib.packed import bench, bench_chain, bench_cold, chain_fits
 from sweeps import packed as sweeps
 
 from fp4kit.formats import e2m1, nvfp4
@@ -106,7 +111,25 @@ def main() -> None:
                          "default JSON packed-gemm-cold-<gpu>.json)")
     ap.add_argument("--overlap", action="store_true",
                     help="only time the Gluon kernel with overlapped K tiles against torch.matmul and packed_matmul")
+    ap.add_argument("--chain", action="store_true",
+                    help="only time packed_matmul against the K tiles per program and fit a line per case "
+                         "(benchlib/packed.py's bench_chain; default JSON packed-gemm-chain-<gpu>.json)")
     args = ap.parse_args()
+    if args.chain:
+        path, result = run_record("packed-gemm-chain", args.out)
+        result["chain"] = rows = bench_chain()
+        result["fits"] = fits = chain_fits(rows)
+        write(path, result)
+        print(f"{'M':>3} {'variant':>10} {'split':>5} {'state':>5} {'fixed us':>9} {'us/tile':>8} {'resid':>6}  us at 1..8 tiles"
+              f" (bf16 at the same K)")
+        for f in fits:
+            pts = sorted((r["tiles"], r[f"ms_{f['state']}"] * 1e3, r[f"ms_bf16_{f['state']}"] * 1e3) for r in rows
+                         if (r["M"], r["variant"], r["SPLIT"]) == (f["M"], f["variant"], f["SPLIT"]))
+            print(f"{f['M']:>3} {f['variant']:>10} {f['SPLIT']:>5} {f['state']:>5} {f['intercept_us']:>9.2f} "
+                  f"{f['us_per_tile']:>8.2f} {f['max_residual_us']:>6.2f}  "
+                  + " ".join(f"{t}:{v:.1f}({b:.1f})" for t, v, b in pts))
+        print(f"wrote {path}")
+        return
     if args.cold:
         path, result = run_record("packed-gemm-cold", args.out)
         shapes = args.shapes or sweeps.NANO

@@ -314,56 +314,57 @@ def test_sampling_draws_from_the_generator_outside_the_step():
     assert draw[0] != generate(model, None, ids, 16).tokens
 
 
-@torch.inference_mode()
-def _reference_states(model, prompt: list[int], new: int, fmt: str, rounds: int = 5, seed: int = 0):
-    """The SSM states each decode step starts from, by a plain loop over transformers' own cache:
-    the prefill's state cast to fp16, then each step's rounded as `generate` documents (seed
-    (seed << 32) + (t - 1) * L + l for step t and Mamba layer l)."""
+def _rounded(state: torch.Tensor, fmt: str, seed: int, rounds: int = 5) -> torch.Tensor:
+    """A step's fp32 SSM state as `generate` documents holding it: round to nearest fp16, or
+    stochastic rounding with Philox `rounds` and `seed` (the torch emulator), back in fp32."""
     from fp4kit.formats import fp16sr
-    from fp4kit.models import cache_argument
 
-    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
-    cache = getattr(out, "cache", None) or out.past_key_values
-    seen, states = [], generate_module.ssm_states(cache)
-    for st in states:
-        st.copy_(st.half().float())
-    token = out.logits[:, -1].argmax(-1)
-    for t in range(1, new):
-        seen.append([st.clone() for st in states])
-        out = model(input_ids=token[:, None], use_cache=True, **{cache_argument(model): cache})
-        for layer, st in enumerate(generate_module.ssm_states(cache)):
-            if fmt == "fp16":
-                st.copy_(st.half().float())
-            else:
-                st.copy_(fp16sr.round_state(st.contiguous(), (seed << 32) + (t - 1) * len(states) + layer, rounds).float())
-        token = out.logits[:, -1].argmax(-1)
-    return seen
+    if fmt == "fp16":
+        return state.half().float()
+    return fp16sr.round_state(state.contiguous(), seed, rounds).float()
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp16-sr"])
 def test_the_ssm_state_is_held_in_fp16_between_steps(monkeypatch, fmt):
+    # Each step's new state, as the model left it, against the state the next step starts from:
+    # the documented rounding of it (seed (ssm_seed << 32) + (t - 1) * L + l for step t and Mamba
+    # layer l), and the prefill's state cast to fp16 for the first step.
     model = models.build_nemotron_h(hybrid_override_pattern="ME*M")  # two Mamba layers: two seeds per step
     model.generation_config.eos_token_id = None
-    seen = []
+    starts, ends = [], []
     forward = generate_module._forward
+    after_prefill = generate_module._StateFormat.after_prefill
+    prefill = []
 
     def recording(model, s):
-        seen.append([st.clone() for st in generate_module.ssm_states(s.cache)])
-        return forward(model, s)
+        starts.append([st.clone() for st in generate_module.ssm_states(s.cache)])
+        logits = forward(model, s)
+        ends.append([st.clone() for st in generate_module.ssm_states(s.cache)])
+        return logits
+
+    def recording_prefill(self):
+        prefill.extend(st.clone() for st in self.states)
+        after_prefill(self)
 
     monkeypatch.setattr(generate_module, "_forward", recording)
-    prompt = [5, 6, 7, 8, 9]
-    generate(model, None, [prompt], 8, ssm_state=fmt, ssm_seed=3 if fmt == "fp16-sr" else 0)
-    want = _reference_states(model, prompt, 8, fmt, seed=3)
-    assert len(seen) == len(want) == 7 and len(seen[0]) == len(want[0]) == 2
-    for step, (got, ref) in enumerate(zip(seen, want)):
-        for a, b in zip(got, ref):
+    monkeypatch.setattr(generate_module._StateFormat, "after_prefill", recording_prefill)
+    seed = 3
+    generate(model, None, [[5, 6, 7, 8, 9]], 8, ssm_state=fmt, ssm_seed=seed if fmt == "fp16-sr" else 0)
+    assert len(starts) == len(ends) == 7 and len(prefill) == len(starts[0]) == 2
+    for a, p in zip(starts[0], prefill):
+        assert torch.equal(a, p.half().float())
+    changed = False
+    for t in range(1, len(starts)):  # starts[t]: step t + 1's state, ends[t - 1]: step t's new state
+        for layer, (a, new) in enumerate(zip(starts[t], ends[t - 1])):
             assert torch.equal(a, a.half().float())  # fp16 values
-            assert torch.equal(a, b), (fmt, step)
+            want = _rounded(new, fmt, (seed << 32) + (t - 1) * len(prefill) + layer)
+            assert torch.equal(a, want), (fmt, t, layer)
+            changed |= not torch.equal(a, new)
+    assert changed  # the model's own states are not fp16: the rounding above did something
     # Kept in fp32, the state is not fp16 (the rounding above is the one generate applied).
-    seen.clear()
-    generate(model, None, [prompt], 3)
-    assert not all(torch.equal(a, a.half().float()) for a in seen[-1])
+    starts.clear()
+    generate(model, None, [[5, 6, 7, 8, 9]], 3)
+    assert not all(torch.equal(a, a.half().float()) for a in starts[-1])
 
 
 def test_rows_in_different_state_formats_decode_as_each_alone(monkeypatch):

@@ -296,6 +296,12 @@ def _lightning_over_bf16(d: dict) -> str:
         d["steps_tokens_per_s_modelopt-lightning_graph"] / d["steps_tokens_per_s_bf16_graph"])
 
 
+def _chain_fit(fits: list, m: int, split: int, state: str) -> dict:
+    """bench_packed.py --chain's line fit for the launch table's shape at m rows."""
+    (fit,) = [f for f in fits if (f["M"], f["variant"], f["SPLIT"], f["state"]) == (m, "table", split, state)]
+    return fit
+
+
 def _steps_over_bf16(d: dict, label: str) -> float:
     return d[f"steps_tokens_per_s_{label}_graph"] / d["steps_tokens_per_s_bf16_graph"]
 
@@ -1263,6 +1269,27 @@ FIGURES = [
      lambda d: "on an H100, {:.2f}x / {:.2f}x".format(
          d["batches"]["16"]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"],
          _load("decode-graph-compiled-b64-h100.json")["batches"]["64"]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"])),
+    # the packed GEMM's time against its K tiles per program (bench_packed.py --chain, H100)
+    *[(BENCH, text, "packed-gemm-chain-h100.json", ("fits",),
+       lambda fits, split=split, key=key, form=form: form.format(
+           *(_chain_fit(fits, m, split, "warm")[key] for m in (1, 16, 64))))
+      for text, split, key, form in (
+          ("each K tile adds 0.42 us at 1 row, 0.45 at 16 and 0.51 at 64", 1, "us_per_tile",
+           "{:.2f} us at 1 row, {:.2f} at 16 and {:.2f} at 64"),
+          ("launch costs 1.49, 1.50 and 1.66 us whatever its K", 1, "intercept_us", "{:.2f}, {:.2f} and {:.2f} us"),
+          ("(0.46, 0.42 and 0.67 us)", 4, "us_per_tile", "({:.2f}, {:.2f} and {:.2f} us)"),
+          ("grows with the rows: 2.89, 3.57 and 5.59 us", 4, "intercept_us", "{:.2f}, {:.2f} and {:.2f} us"))],
+    (BENCH, "about\n3.9 us are the split itself", "packed-gemm-chain-h100.json", ("fits",),
+     lambda fits: "about {:.1f} us are the split itself".format(
+         _chain_fit(fits, 64, 4, "warm")["intercept_us"] - _chain_fit(fits, 64, 1, "warm")["intercept_us"])),
+    (README, "about 3.9 us is its split of K", "packed-gemm-chain-h100.json", ("fits",),
+     lambda fits: "about {:.1f} us is its split".format(
+         _chain_fit(fits, 64, 4, "warm")["intercept_us"] - _chain_fit(fits, 64, 1, "warm")["intercept_us"])),
+    (BENCH, "against 4.0 us for the six K tiles", "packed-gemm-chain-h100.json", ("fits",),
+     lambda fits: "against {:.1f} us".format(6 * _chain_fit(fits, 64, 4, "warm")["us_per_tile"])),
+    (BENCH, "(a fixed\n6.11 against 2.05 us)", "packed-gemm-chain-h100.json", ("fits",),
+     lambda fits: "(a fixed {:.2f} against {:.2f} us)".format(
+         _chain_fit(fits, 64, 4, "cold")["intercept_us"], _chain_fit(fits, 64, 1, "cold")["intercept_us"])),
     (README, "0.7-2.7 us per projection\nand 2.1 us per token's routed experts", "prefetch-h100.json", (),
      lambda d: "{} us per projection and {:.1f} us per token's".format(
          _span([v for k, v in _prefetch_gains(d).items() if k != "moe"], 1), _prefetch_gains(d)["moe"])),

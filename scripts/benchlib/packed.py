@@ -69,3 +69,67 @@ def bench_cold(shapes=NANO, ms=(1, 4, 16, 32, 64), tables=None, picked=None) -> 
             rows.append(row)
         del wb, wq, bf16_copies, q_copies, p_copies
     return rows
+
+
+def line_fit(xs, ys) -> dict:
+    """Least-squares line ys = intercept + slope * xs, and the largest residual (same units as ys)."""
+    n = len(xs)
+    if n < 2 or len(set(xs)) < 2 or len(ys) != n:
+        raise ValueError(f"a line needs at least two distinct x values with one y each, got {list(xs)}, {list(ys)}")
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    return {"intercept": intercept, "slope": slope,
+            "max_residual": max(abs(y - intercept - slope * x) for x, y in zip(xs, ys))}
+
+
+def chain_fits(rows) -> list:
+    """Per (M, launch variant, SPLIT, warm/cold): the line fit of `bench_chain`'s times (us) against
+    K tiles per program: the intercept is what a launch costs whatever its K (launch, the first
+    loads' wait, the split-K epilogue), the slope what each further K tile adds."""
+    groups: dict = {}
+    for r in rows:
+        for state in ("warm", "cold"):
+            key = (r["M"], r["variant"], r["SPLIT"], state)
+            groups.setdefault(key, []).append((r["tiles"], r[f"ms_{state}"] * 1e3))
+    fits = []
+    for (m, variant, split, state), pts in sorted(groups.items()):
+        pts.sort()
+        fit = line_fit([p[0] for p in pts], [p[1] for p in pts])
+        fits.append({"M": m, "variant": variant, "SPLIT": split, "state": state,
+                     "intercept_us": fit["intercept"], "us_per_tile": fit["slope"], "max_residual_us": fit["max_residual"]})
+    return fits
+
+
+def bench_chain(n=3712, ms=(1, 16, 64), splits=(1, 4), tiles=(1, 2, 3, 4, 6, 8), k_ref=2688) -> list:
+    """`packed_matmul`'s time against the K tiles each program runs: N weight rows, M activation
+    rows, the launch table's shape for (M, n, k_ref) with SPLIT forced, K = tiles * SPLIT * 128, so
+    that every program runs `tiles` K tiles and the grid stays the same. At 64 rows also with
+    BLOCK_M 64 (each weight tile decoded once). Warm (one weight, replayed) and cold (copies, four
+    L2s in all). bf16 torch.matmul on the same (n, K) for scale."""
+    rows = []
+    for split in splits:
+        for t in tiles:
+            k = t * split * 128
+            wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+            wq = quantize(wb)
+            copies = [pack(q) for q in weight_copies(wq, nvfp4_bytes(wq))]
+            bf16_copies = tensor_copies(wb, 2 * n * k)
+            for m in ms:
+                x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+                base = config(m, n, k_ref, x.device)
+                variants = {"table": {"BLOCK_M": base["BLOCK_M"], "num_warps": base["num_warps"]}}
+                if m > 32:
+                    variants["BLOCK_M 64"] = {"BLOCK_M": 64, "num_warps": base["num_warps"]}
+                for name, v in variants.items():
+                    cfg = dict(v, SPLIT=split, UNROLL=1, PREFETCH=0)
+                    got = config(m, n, k, x.device, cfg)
+                    if got["kt_per_split"] != t or got["SPLIT"] != split:
+                        raise AssertionError(f"launch {got} does not run {t} K tiles per program in {split} splits")
+                    fns = [lambda w=w: packed_matmul(x, w, cfg=cfg) for w in copies]
+                    rows.append({"N": n, "K": k, "M": m, "tiles": t, "SPLIT": split, "variant": name, "launch": got,
+                                 "ms_warm": time_graph(fns[0]), "ms_cold": time_calls(fns),
+                                 "ms_bf16_warm": time_graph(lambda: torch.matmul(x, wb.T)),
+                                 "ms_bf16_cold": time_calls([lambda w=w: torch.matmul(x, w.T) for w in bf16_copies])})
+            del wb, wq, copies, bf16_copies
+    return rows

@@ -1,0 +1,46 @@
+"""scripts/benchlib/packed.py's line fits of `packed_matmul`'s time against its K tiles per program
+(pure Python: the timing itself runs on a GPU, `bench_packed.py --chain`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from benchlib.packed import chain_fits, line_fit  # noqa: E402
+
+
+def test_line_fit_recovers_a_line_and_its_worst_residual():
+    fit = line_fit([1, 2, 3, 4], [5.5, 6.0, 6.5, 7.5])
+    # least squares by hand: mean x 2.5, mean y 6.375, slope 3.25 / 5 = 0.65
+    assert fit["slope"] == pytest.approx(0.65)
+    assert fit["intercept"] == pytest.approx(6.375 - 0.65 * 2.5)
+    assert fit["max_residual"] == pytest.approx(max(abs(y - (4.75 + 0.65 * x)) for x, y in
+                                                    zip([1, 2, 3, 4], [5.5, 6.0, 6.5, 7.5])))
+    exact = line_fit([1, 3], [2.0, 8.0])
+    assert (exact["intercept"], exact["slope"], exact["max_residual"]) == pytest.approx((-1.0, 3.0, 0.0))
+
+
+@pytest.mark.parametrize("xs,ys", [([1], [2.0]), ([2, 2, 2], [1.0, 2.0, 3.0]), ([1, 2], [1.0])])
+def test_line_fit_refuses_what_defines_no_line(xs, ys):
+    with pytest.raises(ValueError, match="two distinct x values"):
+        line_fit(xs, ys)
+
+
+def test_chain_fits_one_line_per_case_in_us():
+    rows = []
+    for split, (fixed, per) in ((1, (4.0, 0.5)), (4, (5.0, 0.25))):
+        for t in (1, 2, 4):
+            rows.append({"M": 64, "variant": "table", "SPLIT": split, "tiles": t,
+                         "ms_warm": (fixed + per * t) / 1e3, "ms_cold": (fixed + 1.0 + 2 * per * t) / 1e3})
+    fits = {(f["SPLIT"], f["state"]): f for f in chain_fits(rows)}
+    assert set(fits) == {(1, "warm"), (1, "cold"), (4, "warm"), (4, "cold")}
+    assert (fits[1, "warm"]["intercept_us"], fits[1, "warm"]["us_per_tile"]) == pytest.approx((4.0, 0.5))
+    assert (fits[1, "cold"]["intercept_us"], fits[1, "cold"]["us_per_tile"]) == pytest.approx((5.0, 1.0))
+    assert (fits[4, "warm"]["intercept_us"], fits[4, "warm"]["us_per_tile"]) == pytest.approx((5.0, 0.25))
+    assert fits[4, "cold"]["max_residual_us"] == pytest.approx(0.0, abs=1e-9)
+    assert all(f["M"] == 64 and f["variant"] == "table" for f in fits.values())
