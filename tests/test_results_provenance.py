@@ -296,6 +296,18 @@ def _lightning_over_bf16(d: dict) -> str:
         d["steps_tokens_per_s_modelopt-lightning_graph"] / d["steps_tokens_per_s_bf16_graph"])
 
 
+def _epilogue_row(rows: list, n: int, case: str, split) -> dict:
+    """bench_split_epilogue.py's row at 64 rows for weight rows n: "EPI e" split `split` ways, or "bf16"."""
+    name = case if split is None else f"split {split}, {case}"
+    (row,) = [r for r in rows if (r["N"], r["M"], r["case"]) == (n, 64, name)]
+    return row
+
+
+def _epilogue_part(rows: list, n: int, split: int, more: str, less: str) -> float:
+    """What an epilogue part costs, warm us: the time with it (`more`) less the time without (`less`)."""
+    return _epilogue_row(rows, n, more, split)["us_warm"] - _epilogue_row(rows, n, less, split)["us_warm"]
+
+
 def _chain_fit(fits: list, m: int, split: int, state: str) -> dict:
     """bench_packed.py --chain's line fit for the launch table's shape at m rows."""
     (fit,) = [f for f in fits if (f["M"], f["variant"], f["SPLIT"], f["state"]) == (m, "table", split, state)]
@@ -1285,6 +1297,38 @@ FIGURES = [
     (README, "about 3.9 us is its split of K", "packed-gemm-chain-h100.json", ("fits",),
      lambda fits: "about {:.1f} us is its split".format(
          _chain_fit(fits, 64, 4, "warm")["intercept_us"] - _chain_fit(fits, 64, 1, "warm")["intercept_us"])),
+    # the split-K epilogue in parts (bench_split_epilogue.py, H100)
+    *[(BENCH, f"| {label} | {cells} |", "split-epilogue-h100.json", ("rows",),
+       lambda rows, case=case: "| " + " | ".join(
+           "{:.2f} / {:.2f}".format(*(_epilogue_row(rows, n, case, None if case == "bf16" else split)[f"us_{s}"]
+                                     for s in ("warm", "cold")))
+           for n, split in ((3712, 4), (2688, 6))) + " |")
+      for label, case, cells in (
+          ("the library's (partials, counter, the last program's sums)", "EPI 0", "9.87 / 11.14 | 9.80 / 11.20"),
+          ("partials and counter, no sums", "EPI 1", "8.14 / 9.41 | 8.07 / 8.95"),
+          ("the counter alone", "EPI 2", "7.43 / 8.90 | 7.12 / 8.22"),
+          ("none (each program stores its own partial)", "EPI 3", "6.82 / 8.15 | 6.50 / 7.55"),
+          ("partials, summed by a second launch", "EPI 5", "9.24 / 10.58 | 9.18 / 10.25"),
+          ("bf16 torch.matmul", "bf16", "7.94 / 10.07 | 8.47 / 10.53"))],
+    (BENCH, "the epilogue costs\n3.1 and 3.3 us warm", "split-epilogue-h100.json", ("rows",),
+     lambda rows: "costs {:.1f} and {:.1f} us warm".format(*(
+         _epilogue_row(rows, n, "EPI 0", sp)["us_warm"] - _epilogue_row(rows, n, "EPI 3", sp)["us_warm"]
+         for n, sp in ((3712, 4), (2688, 6))))),
+    (BENCH, "summing of the partials is 1.7 us on\nboth shapes, the partial stores 0.7 and 0.9 and the counter 0.6",
+     "split-epilogue-h100.json", ("rows",),
+     lambda rows: "is {:.1f} us on both shapes, the partial stores {:.1f} and {:.1f} and the counter {:.1f}".format(
+         *{round(_epilogue_part(rows, n, sp, "EPI 0", "EPI 1"), 1) for n, sp in ((3712, 4), (2688, 6))},
+         *(_epilogue_part(rows, n, sp, "EPI 1", "EPI 2") for n, sp in ((3712, 4), (2688, 6))),
+         *{round(_epilogue_part(rows, n, sp, "EPI 2", "EPI 3"), 1) for n, sp in ((3712, 4), (2688, 6))})),
+    (BENCH, "saves 0.6 us warm, not enough (0.86x and 0.92x bf16 warm)", "split-epilogue-h100.json", ("rows",),
+     lambda rows: "saves {:.1f} us warm, not enough ({:.2f}x and {:.2f}x bf16 warm)".format(
+         *{round(_epilogue_part(rows, n, sp, "EPI 0", "EPI 5"), 1) for n, sp in ((3712, 4), (2688, 6))},
+         *(_epilogue_row(rows, n, "bf16", None)["us_warm"] / _epilogue_row(rows, n, "EPI 5", sp)["us_warm"]
+           for n, sp in ((3712, 4), (2688, 6))))),
+    (README, "6.82 / 8.15 against 7.94 / 10.07 us warm / cold", "split-epilogue-h100.json", ("rows",),
+     lambda rows: "{:.2f} / {:.2f} against {:.2f} / {:.2f} us".format(
+         _epilogue_row(rows, 3712, "EPI 3", 4)["us_warm"], _epilogue_row(rows, 3712, "EPI 3", 4)["us_cold"],
+         _epilogue_row(rows, 3712, "bf16", None)["us_warm"], _epilogue_row(rows, 3712, "bf16", None)["us_cold"])),
     (BENCH, "against 4.0 us for the six K tiles", "packed-gemm-chain-h100.json", ("fits",),
      lambda fits: "against {:.1f} us".format(6 * _chain_fit(fits, 64, 4, "warm")["us_per_tile"])),
     (BENCH, "(a fixed\n6.11 against 2.05 us)", "packed-gemm-chain-h100.json", ("fits",),
