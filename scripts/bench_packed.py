@@ -9,7 +9,7 @@ the packed weight. Writes JSON (default benchmarks/results/packed-gemm-<gpu>.jso
 table.
 
     PYTHONPATH=. python scripts/bench_packed.py [--out PATH] [--no-sweep] [--ms 1,4,16,64,256,1024] [--pipeline]
-        [--shapes 3712x2688,2688x3712] [--overlap] [--cold] [--chain]
+        [--shapes 3712x2688,2688x3712] [--overlap] [--cold] [--chain] [--ws]
 
 --cold sweeps the 16-64-row launch shapes with every launch reading its weight from device memory
 (copies of the weight, four L2s in all, run in turn: a decode step's condition) and times the
@@ -19,6 +19,10 @@ GEMMs warm and cold with the table and that pick (default JSON packed-gemm-cold-
 1, 16 and 64 activation rows; unsplit and split 4 ways; warm and cold) and fits a line per case:
 what a launch costs whatever its K, and what each K tile adds (default JSON
 packed-gemm-chain-<gpu>.json).
+
+--ws times the Gluon kernel with K split across each program's warpgroups
+(fp4kit.kernels.packed_ws) against torch.matmul and packed_matmul, warm and cold, with its error
+against the fp32 product (default JSON packed-gemm-ws-<gpu>.json).
 
 --overlap times only the Gluon kernel with overlapped K tiles (fp4kit.kernels.packed_overlap)
 against torch.matmul and packed_matmul, checking its bytes against packed_matmul's (sweeps/packed.py's
@@ -33,7 +37,7 @@ import os
 
 import torch
 from bench_kernels import run_record, write
-from benchlib.packed import bench, bench_chain, bench_cold, chain_fits
+from benchlib.packed import bench, bench_chain, bench_cold, bench_ws, chain_fits
 from sweeps import packed as sweeps
 
 from fp4kit.formats import e2m1, nvfp4
@@ -114,7 +118,21 @@ def main() -> None:
     ap.add_argument("--chain", action="store_true",
                     help="only time packed_matmul against the K tiles per program and fit a line per case "
                          "(benchlib/packed.py's bench_chain; default JSON packed-gemm-chain-<gpu>.json)")
+    ap.add_argument("--ws", action="store_true",
+                    help="only time the Gluon kernel with K split across each program's warpgroups "
+                         "(benchlib/packed.py's bench_ws; default JSON packed-gemm-ws-<gpu>.json)")
     args = ap.parse_args()
+    if args.ws:
+        path, result = run_record("packed-gemm-ws", args.out)
+        result["ws"] = rows = bench_ws(shapes=args.shapes or sweeps.NANO)
+        write(path, result)
+        print(f"{'N':>5} {'K':>5} {'M':>3}  {'kernel':<36} {'warm us':>8} {'cold us':>8} {'rel err':>9}")
+        for r in rows:
+            name = r["kernel"] + (f" {json.dumps(r['cfg'])}" if "cfg" in r else "")
+            print(f"{r['N']:>5} {r['K']:>5} {r['M']:>3}  {name:<36} {r['ms_warm'] * 1e3:>8.2f} {r['ms_cold'] * 1e3:>8.2f} "
+                  f"{r.get('rel_err', float('nan')):>9.2e}")
+        print(f"wrote {path}")
+        return
     if args.chain:
         path, result = run_record("packed-gemm-chain", args.out)
         result["chain"] = rows = bench_chain()

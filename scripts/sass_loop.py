@@ -1,6 +1,6 @@
 """Counts the instructions of a Triton kernel's innermost loop on sm_90, without a GPU.
 
-    python scripts/sass_loop.py fp8-gemv|fp8-gemv-pdl|mamba-step-pdl|moe-gemv|moe-up-pdl|packed|packed-overlap|route-tail|attention-combine [--out ...]
+    python scripts/sass_loop.py fp8-gemv|fp8-gemv-pdl|mamba-step-pdl|moe-gemv|moe-up-pdl|packed|packed-overlap|packed-ws|route-tail|attention-combine [--out ...]
 
 Triton compiles the kernel ahead of time for sm_90 (its bundled ptxas), cuobjdump (bundled too)
 disassembles it, and the loop is the last innermost one (a backward branch's range that holds no
@@ -342,6 +342,33 @@ def packed_overlap(launches=((16, 3, 2, 0), (32, 3, 2, 0), (64, 2, 2, 0), (64, 3
     return rows
 
 
+def packed_ws(launches=((32, 4), (32, 2), (16, 4))) -> list:
+    """`packed_ws._ws_kernel` (Gluon, warp-specialized) per (BLOCK_M, P), unsplit, bf16, with the
+    launcher's register budget: registers and stack per thread, the whole listing's wgmma (eight per
+    K tile in each of the P warpgroups' loops) and the named barriers of 128 threads it uses (each
+    partition synchronises its own warps on its own barrier)."""
+    from triton.experimental.gluon import language as gl
+
+    from fp4kit.kernels import packed_ws as ws
+
+    rows = []
+    for bm, p in launches:
+        layout = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
+        sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{layout!r}>", "w_ptr": "*i16", "s_ptr": "*bf16",
+               "gs_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
+               "N16": "i32", "KT": "i32", "kt_per_split": "i32", "BLOCK_M": "constexpr", "SPLIT": "constexpr",
+               "P": "constexpr", "F16": "constexpr", "WORKER_REGS": "constexpr"}
+        regs_budget = ws.config(bm, 3712, 2688, {"BLOCK_M": bm, "P": p})["WORKER_REGS"]
+        divisible = ("w_ptr", "s_ptr", "gs_ptr", "out_ptr", "part_ptr", "cnt_ptr")
+        regs, sass, stack = compile_sm90(ws._ws_kernel, sig, dict(BLOCK_M=bm, SPLIT=1, P=p, F16=False,
+                                                                  WORKER_REGS=regs_budget), 4, divisible,
+                                         maxnreg=regs_budget)
+        rows.append({"BLOCK_M": bm, "P": p, "register_budget": regs_budget, "registers": regs, "stack": stack,
+                     "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
+                     "named_barriers": sorted({int(b, 16) for b in re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+), 0x80", sass)})})
+    return rows
+
+
 def route_tail(launches=((1, 1, False), (4, 4, False), (4, 4, True))) -> list:
     """`router._route_kernel` as Nemotron-3-Nano's router launches it (128 experts, top 6, K =
     2688, normalised) per (experts per program, warps, pdl): the instructions of the last
@@ -392,7 +419,7 @@ def attention_combine() -> list:
              "loads_before_exp": seq[:first_exp].count("LDG"), "ops": _counts(seq)}]
 
 
-KERNELS = {"fp8-gemv": fp8_gemv, "fp8-gemv-pdl": fp8_gemv_pdl, "mamba-step-pdl": mamba_step_pdl, "moe-gemv": moe_gemv, "moe-up-pdl": moe_up_pdl, "packed": packed, "packed-overlap": packed_overlap,
+KERNELS = {"fp8-gemv": fp8_gemv, "fp8-gemv-pdl": fp8_gemv_pdl, "mamba-step-pdl": mamba_step_pdl, "moe-gemv": moe_gemv, "moe-up-pdl": moe_up_pdl, "packed": packed, "packed-overlap": packed_overlap, "packed-ws": packed_ws,
            "route-tail": route_tail, "attention-combine": attention_combine}
 
 

@@ -308,6 +308,13 @@ def _epilogue_part(rows: list, n: int, split: int, more: str, less: str) -> floa
     return _epilogue_row(rows, n, more, split)["us_warm"] - _epilogue_row(rows, n, less, split)["us_warm"]
 
 
+def _ws_row(rows: list, n: int, m: int, kernel: str, cfg: dict | None = None) -> dict:
+    """bench_packed.py --ws's row for weight rows n, m activation rows, a kernel ("bf16", "packed",
+    or "ws" with its launch keys `cfg`)."""
+    (row,) = [r for r in rows if (r["N"], r["M"], r["kernel"]) == (n, m, kernel) and r.get("cfg") == cfg]
+    return row
+
+
 def _chain_fit(fits: list, m: int, split: int, state: str) -> dict:
     """bench_packed.py --chain's line fit for the launch table's shape at m rows."""
     (fit,) = [f for f in fits if (f["M"], f["variant"], f["SPLIT"], f["state"]) == (m, "table", split, state)]
@@ -1329,6 +1336,31 @@ FIGURES = [
      lambda rows: "{:.2f} / {:.2f} against {:.2f} / {:.2f} us".format(
          _epilogue_row(rows, 3712, "EPI 3", 4)["us_warm"], _epilogue_row(rows, 3712, "EPI 3", 4)["us_cold"],
          _epilogue_row(rows, 3712, "bf16", None)["us_warm"], _epilogue_row(rows, 3712, "bf16", None)["us_cold"])),
+    # the split of K inside each program (bench_packed.py --ws, H100)
+    *[(BENCH, f"| {n} x {k} | {cells} |", "packed-gemm-ws-h100.json", ("ws",),
+       lambda rows, n=n: "| " + " | ".join("{:.2f} / {:.2f}".format(r["ms_warm"] * 1e3, r["ms_cold"] * 1e3)
+                                          for r in (_ws_row(rows, n, 64, "ws", {"BLOCK_M": 32, "P": 4, "SPLIT": 1}),
+                                                    _ws_row(rows, n, 64, "packed"), _ws_row(rows, n, 64, "bf16"))) + " |")
+      for n, k, cells in ((3712, 2688, "8.35 / 10.06 | 9.29 / 10.73 | 7.57 / 10.01"),
+                          (2688, 3712, "9.44 / 11.43 | 9.98 / 11.00 | 8.15 / 10.51"))],
+    (BENCH, "(6.55 against 6.18 us, split 2\nways) and faster cold (7.90 against 8.68)", "packed-gemm-ws-h100.json", ("ws",),
+     lambda rows: "({:.2f} against {:.2f} us, split 2 ways) and faster cold ({:.2f} against {:.2f})".format(
+         _ws_row(rows, 3712, 16, "ws", {"BLOCK_M": 16, "P": 4, "SPLIT": 2})["ms_warm"] * 1e3,
+         _ws_row(rows, 3712, 16, "packed")["ms_warm"] * 1e3,
+         _ws_row(rows, 3712, 16, "ws", {"BLOCK_M": 16, "P": 4, "SPLIT": 2})["ms_cold"] * 1e3,
+         _ws_row(rows, 3712, 16, "packed")["ms_cold"] * 1e3)),
+    (BENCH, "It gains 0.9 us warm on 3712 x 2688", "packed-gemm-ws-h100.json", ("ws",),
+     lambda rows: "gains {:.1f} us warm".format(1e3 * (_ws_row(rows, 3712, 64, "packed")["ms_warm"] - _ws_row(
+         rows, 3712, 64, "ws", {"BLOCK_M": 32, "P": 4, "SPLIT": 1})["ms_warm"]))),
+    (BENCH, "1.5 us above the split launch with no epilogue at all (6.82 us\nwarm, above)", "packed-gemm-ws-h100.json", ("ws",),
+     lambda rows: "{:.1f} us above the split launch with no epilogue at all ({:.2f} us".format(
+         _ws_row(rows, 3712, 64, "ws", {"BLOCK_M": 32, "P": 4, "SPLIT": 1})["ms_warm"] * 1e3
+         - _epilogue_row(_load("split-epilogue-h100.json")["rows"], 3712, "EPI 3", 4)["us_warm"],
+         _epilogue_row(_load("split-epilogue-h100.json")["rows"], 3712, "EPI 3", 4)["us_warm"])),
+    (README, "takes 8.35 / 10.06 against bf16's 7.57 / 10.01", "packed-gemm-ws-h100.json", ("ws",),
+     lambda rows: "takes {:.2f} / {:.2f} against bf16's {:.2f} / {:.2f}".format(
+         *(1e3 * r[f"ms_{s}"] for r in (_ws_row(rows, 3712, 64, "ws", {"BLOCK_M": 32, "P": 4, "SPLIT": 1}),
+                                        _ws_row(rows, 3712, 64, "bf16")) for s in ("warm", "cold")))),
     (BENCH, "against 4.0 us for the six K tiles", "packed-gemm-chain-h100.json", ("fits",),
      lambda fits: "against {:.1f} us".format(6 * _chain_fit(fits, 64, 4, "warm")["us_per_tile"])),
     (BENCH, "(a fixed\n6.11 against 2.05 us)", "packed-gemm-chain-h100.json", ("fits",),

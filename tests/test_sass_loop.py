@@ -113,6 +113,18 @@ def test_the_overlapped_gemm_keeps_a_tiles_wgmma_in_flight_while_it_decodes_the_
         assert row["ops"]["HMUL2"] == 32 and row["ops"]["LOP3"] + row["ops"]["SHF"] >= 64  # 8 words: 4 multiplies each
 
 
+def test_the_warp_specialized_gemm_compiles_without_spills_one_barrier_per_warpgroup():
+    # Gluon, compiled for sm_90 with the launcher's register budget: no spills, eight wgmma per K
+    # tile in each warpgroup's loop, and each of the P partitions on a named barrier of its own
+    # (a CTA-wide barrier inside one partition would wait for warps that never reach it)
+    rows = _compiled_rows("packed_ws()")
+    assert [(r["BLOCK_M"], r["P"]) for r in rows] == [(32, 4), (32, 2), (16, 4)]
+    for row in rows:
+        assert row["stack"] == 0 and row["registers"] <= row["register_budget"]
+        assert row["hgmma"] == 8 * row["P"]
+        assert len(row["named_barriers"]) == row["P"]
+
+
 def test_the_ops_after_an_opcode_and_the_loops_order():
     assert sass_loop.ops_after(LISTING, "LDS") == {"FFMA": 2, "BRA": 3, "BAR": 1, "EXIT": 1, "LDS": 1, "STG": 1}
     assert sass_loop.ops_after(LISTING, "HMMA") == {}

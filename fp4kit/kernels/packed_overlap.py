@@ -117,6 +117,23 @@ def _tile_decode(w0, s0, w1, s1, a_layout: gl.constexpr, W: gl.constexpr, F16: g
 
 
 @gluon.jit
+def store_product(acc, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_m, pid_n, pid_s, row0, SPLIT: gl.constexpr):
+    """The epilogue: acc [64, BLOCK_M] (weight rows by activation rows, in its wgmma layout) times
+    the global scale and 2^7 (the fragments are E2M1 * scale * 2^-7), stored at out[row0:, 64 *
+    pid_n:] or summed with the other K splits (`tiles.store_split`)."""
+    layout: gl.constexpr = acc.type.layout
+    y = acc * (gl.load(gs_ptr) * MMA_UNSCALE)
+    rows = pid_n * acc.shape[0] + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    toks = row0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    off = toks.to(gl.int64)[None, :] * N + rows[:, None]
+    ok = (toks < M)[None, :] & (rows < N)[:, None]
+    if SPLIT == 1:
+        gl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        store_split(y, part_ptr, out_ptr, cnt_ptr, pid_m * gl.num_programs(0) + pid_n, off, ok, M * N, pid_s, SPLIT)
+
+
+@gluon.jit
 def _overlap_kernel(x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, N16, KT, kt_per_split,
                     BLOCK_M: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, F16: gl.constexpr,
                     AHEAD: gl.constexpr, PREFETCH: gl.constexpr):
@@ -186,15 +203,7 @@ def _overlap_kernel(x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M,
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(j))
 
-    y = acc * (gl.load(gs_ptr) * MMA_UNSCALE)  # the fragments are E2M1 * scale * 2^-7
-    rows = pid_n * (16 * W) + gl.arange(0, 16 * W, layout=gl.SliceLayout(1, mma_layout))
-    toks = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
-    off = toks.to(gl.int64)[None, :] * N + rows[:, None]
-    ok = (toks < M)[None, :] & (rows < N)[:, None]
-    if SPLIT == 1:
-        gl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        store_split(y, part_ptr, out_ptr, cnt_ptr, pid_m * gl.num_programs(0) + pid_n, off, ok, M * N, pid_s, SPLIT)
+    store_product(acc, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_m, pid_n, pid_s, row0, SPLIT)
 
 
 LAUNCH_KEYS = ("BLOCK_M", "STAGES", "AHEAD", "PREFETCH", "SPLIT", "programs_per_sm")
@@ -230,41 +239,61 @@ def _x_layout(block_m: int, f16: bool):
     return gl.NVMMASharedLayout.get_default_for([block_m, TILE_K], gl.float16 if f16 else gl.bfloat16)
 
 
+def gluon_rows(x: torch.Tensor, w: PackedNVFP4, what: str) -> tuple:
+    """A Gluon packed GEMM's checks and operands: (lead dims, x as rows [M, K] that TMA can read,
+    the output [M, N]), or the error naming what is wrong (`what`: the caller's name)."""
+    if not isinstance(w, PackedNVFP4):
+        raise TypeError(f"{what}: w must be a PackedNVFP4 (kernels.packed_gemm.pack), got {type(w).__name__}")
+    n, k = w.shape
+    check_activations(x, k, what)
+    if x.dtype != w.dtype:
+        raise ValueError(f"{what}: activations are {x.dtype} but the weight was packed for {w.dtype}")
+    if x.device.type != "cuda" or w.words.device != x.device:
+        raise RuntimeError(f"{what}: runs on one CUDA device (Gluon, sm_90), got x on {x.device} and the "
+                           f"weight on {w.words.device}; packed_gemm.packed_matmul runs anywhere")
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        raise RuntimeError(f"{what}: the kernel is written for sm_90 (wgmma, TMA), got "
+                           f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
+    lead, x2, out = activation_rows(x, k, n)
+    if x2.shape[0] and not tma_ready(x2):
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+        if not tma_ready(x2):
+            raise FormatError(f"{what}: the activations' rows must be 16-byte multiples for TMA, got K={k}")
+    return lead, x2, out
+
+
+def x_descriptor(x2: torch.Tensor, block_m: int) -> TensorDescriptor:
+    """The activations' TMA descriptor, blocks [block_m, 128] in the wgmma B operand's layout."""
+    return TensorDescriptor.from_tensor(x2, [block_m, TILE_K], _x_layout(block_m, x2.dtype == torch.float16))
+
+
+def split_partials(out: torch.Tensor, split: int, grid: tuple) -> tuple:
+    """(fp32 partials [split, M, N], tile counters) for a launch that splits K `split` ways over a
+    grid (tiles along N, tiles along M, split), as `tiles.store_split` takes them; `out` for both
+    where nothing is split (neither is read)."""
+    if split == 1:
+        return out, out
+    return (torch.empty((split, *out.shape), dtype=torch.float32, device=out.device),
+            split_counters(out.device, grid[0] * grid[1]))
+
+
 def packed_matmul_overlapped(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | None = None) -> torch.Tensor:
     """y = x @ W.unpack().dequantize(x.dtype)^T on an sm_90 GPU, fp32 accumulation, output in x's
     dtype: `packed_gemm.packed_matmul`'s result, with the K tiles overlapped (module docstring).
 
     x: [..., K] bf16 / fp16 (the dtype `w` was packed for), its rows 16-byte aligned (TMA);
     w: a `PackedNVFP4`. cfg: launch-shape overrides (`config`)."""
-    if not isinstance(w, PackedNVFP4):
-        raise TypeError(f"{_WHAT}: w must be a PackedNVFP4 (kernels.packed_gemm.pack), got {type(w).__name__}")
+    lead, x2, out = gluon_rows(x, w, _WHAT)
     n, k = w.shape
-    check_activations(x, k, _WHAT)
-    if x.dtype != w.dtype:
-        raise ValueError(f"{_WHAT}: activations are {x.dtype} but the weight was packed for {w.dtype}")
-    if x.device.type != "cuda" or w.words.device != x.device:
-        raise RuntimeError(f"{_WHAT}: runs on one CUDA device (Gluon, sm_90), got x on {x.device} and the "
-                           f"weight on {w.words.device}; packed_gemm.packed_matmul runs anywhere")
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
-        raise RuntimeError(f"{_WHAT}: the kernel is written for sm_90 (wgmma, TMA), got "
-                           f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
-    lead, x2, out = activation_rows(x, k, n)
     m = x2.shape[0]
     if m == 0:
         return out.reshape(*lead, n)
-    if not tma_ready(x2):
-        x2 = x2.clone(memory_format=torch.contiguous_format)
-        if not tma_ready(x2):
-            raise FormatError(f"{_WHAT}: the activations' rows must be 16-byte multiples for TMA, got K={k}")
     c = config(m, n, k, x.device, cfg)
     n16, kt = w.words.shape[:2]
     grid = (cdiv(n16, WARPS), cdiv(m, c["BLOCK_M"]), c["SPLIT"])
     f16 = x.dtype == torch.float16
-    desc = TensorDescriptor.from_tensor(x2, [c["BLOCK_M"], TILE_K], _x_layout(c["BLOCK_M"], f16))
-    part, counters = out, out
-    if c["SPLIT"] > 1:
-        part = torch.empty((c["SPLIT"], m, n), dtype=torch.float32, device=x.device)
-        counters = split_counters(x.device, grid[0] * grid[1])
+    desc = x_descriptor(x2, c["BLOCK_M"])
+    part, counters = split_partials(out, c["SPLIT"], grid)
     _overlap_kernel[grid](desc, w.words, w.scales, w.global_scale, out, part, counters, m, n, n16, kt,
                           c["kt_per_split"], BLOCK_M=c["BLOCK_M"], SPLIT=c["SPLIT"], STAGES=c["STAGES"], F16=f16,
                           AHEAD=c["AHEAD"], PREFETCH=c["PREFETCH"], num_warps=WARPS, **launch_options())

@@ -133,3 +133,50 @@ def bench_chain(n=3712, ms=(1, 16, 64), splits=(1, 4), tiles=(1, 2, 3, 4, 6, 8),
                                  "ms_bf16_cold": time_calls([lambda w=w: torch.matmul(x, w.T) for w in bf16_copies])})
             del wb, wq, copies, bf16_copies
     return rows
+
+
+WS_LAUNCHES = tuple({"BLOCK_M": bm, "P": p, "SPLIT": split} for bm in (16, 32) for p in (2, 4) for split in (1, 2)) + (
+    {"BLOCK_M": 64, "P": 4, "SPLIT": 1},)
+
+
+def bench_ws(shapes=NANO, ms=(16, 64), launches=WS_LAUNCHES) -> list:
+    """`packed_ws.packed_matmul_ws` (K split across each program's warpgroups) beside torch.matmul
+    and `packed_matmul` (the launch table's shape), warm and cold (`bench_cold`'s copies), per launch
+    shape: its relative error against the fp32 product of the dequantized weight (and
+    `packed_matmul`'s), and whether two calls give the same bytes."""
+    from fp4kit.kernels.packed_ws import config as ws_config, packed_matmul_ws
+
+    rows = []
+    for n, k in shapes:
+        wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+        wq = quantize(wb)
+        q_copies = weight_copies(wq, nvfp4_bytes(wq))
+        p_copies = [pack(q) for q in q_copies]
+        bf16_copies = tensor_copies(wb, 2 * n * k)
+        wd = wq.dequantize()
+        for m in ms:
+            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+            ref = x.float() @ wd.T
+
+            def err(y):
+                return float((y.float() - ref).norm() / ref.norm())
+
+            base = {"N": n, "K": k, "M": m}
+            rows.append({**base, "kernel": "bf16", "ms_warm": time_graph(lambda: torch.matmul(x, bf16_copies[0].T)),
+                         "ms_cold": time_calls([lambda w=w: torch.matmul(x, w.T) for w in bf16_copies])})
+            rows.append({**base, "kernel": "packed", "launch": config(m, n, k, x.device),
+                         "rel_err": err(packed_matmul(x, p_copies[0])),
+                         "ms_warm": time_graph(lambda: packed_matmul(x, p_copies[0])),
+                         "ms_cold": time_calls([lambda w=w: packed_matmul(x, w) for w in p_copies])})
+            for cfg in launches:
+                if cfg.get("BLOCK_M", 0) > max(16, m):
+                    continue
+                y = packed_matmul_ws(x, p_copies[0], cfg=cfg)
+                row = {**base, "kernel": "ws", "cfg": cfg, "launch": ws_config(m, n, k, cfg), "rel_err": err(y),
+                       "same_bytes_twice": bool(torch.equal(y, packed_matmul_ws(x, p_copies[0], cfg=cfg)))}
+                row["ms_warm"] = time_graph(lambda cfg=cfg: packed_matmul_ws(x, p_copies[0], cfg=cfg))
+                row["ms_cold"] = time_calls([lambda w=w, cfg=cfg: packed_matmul_ws(x, w, cfg=cfg) for w in p_copies])
+                rows.append(row)
+                print(row, flush=True)
+        del wb, wq, q_copies, p_copies, bf16_copies, wd
+    return rows
