@@ -357,10 +357,10 @@ def packed_ws(launches=((32, 4), (32, 2), (16, 4))) -> list:
         sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{layout!r}>", "w_ptr": "*i16", "s_ptr": "*bf16",
                "gs_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
                "N16": "i32", "KT": "i32", "kt_per_split": "i32", "BLOCK_M": "constexpr", "SPLIT": "constexpr",
-               "P": "constexpr", "F16": "constexpr", "WORKER_REGS": "constexpr"}
+               "P": "constexpr", "WORKER_REGS": "constexpr"}
         regs_budget = ws.config(bm, 3712, 2688, {"BLOCK_M": bm, "P": p})["WORKER_REGS"]
         divisible = ("w_ptr", "s_ptr", "gs_ptr", "out_ptr", "part_ptr", "cnt_ptr")
-        regs, sass, stack = compile_sm90(ws._ws_kernel, sig, dict(BLOCK_M=bm, SPLIT=1, P=p, F16=False,
+        regs, sass, stack = compile_sm90(ws._ws_kernel, sig, dict(BLOCK_M=bm, SPLIT=1, P=p,
                                                                   WORKER_REGS=regs_budget), 4, divisible,
                                          maxnreg=regs_budget)
         rows.append({"BLOCK_M": bm, "P": p, "register_budget": regs_budget, "registers": regs, "stack": stack,

@@ -25,12 +25,10 @@ refuses.
 
 from __future__ import annotations
 
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
-
 
 from .backend import cdiv, launch_options, next_power_of_2
 from .packed_gemm import TILE_K, PackedNVFP4
@@ -48,7 +46,8 @@ _partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.
 def _share(x_desc, w_ptr, s_ptr, xs, bars, N16, KT, kt0, n_k, pid_n, row0, P: gl.constexpr, p: gl.constexpr):
     """Warpgroup p's sum over the program's K tiles kt0 + p, kt0 + p + P, ... (below kt0 + n_k), in
     order: acc [64, BLOCK_M] fp32 in the wgmma accumulator layout. Its activation tiles come by TMA
-    into the program's buffers xs[2p], xs[2p + 1] ([2P, BLOCK_M, 128]), each with its mbarrier in bars. (Constants reach a partition through its buffers'
+    into the program's buffers xs[2p], xs[2p + 1] ([2P, BLOCK_M, 128]), each with its mbarrier in
+    bars. (Constants, the activation dtype among them, reach a partition through its buffers'
     shapes and types: `gl.warp_specialize` passes its arguments as values.)"""
     BLOCK_M: gl.constexpr = xs.type.shape[1]
     F16: gl.constexpr = s_ptr.dtype.element_ty == gl.float16
@@ -118,8 +117,7 @@ def _default(x_desc, w_ptr, s_ptr, xs, bars, sums, done, N16, KT, kt0, n_k, pid_
 
 @gluon.jit
 def _ws_kernel(x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, N16, KT, kt_per_split,
-               BLOCK_M: gl.constexpr, SPLIT: gl.constexpr, P: gl.constexpr, F16: gl.constexpr,
-               WORKER_REGS: gl.constexpr):
+               BLOCK_M: gl.constexpr, SPLIT: gl.constexpr, P: gl.constexpr, WORKER_REGS: gl.constexpr):
     """out[M, N] = x @ W^T for W a `PackedNVFP4`; grid: (N16 / 4, M / BLOCK_M, SPLIT), 4 warps in the
     default partition and P - 1 workers of 4 (module docstring)."""
     pid_n = gl.program_id(0)
@@ -143,6 +141,7 @@ def _ws_kernel(x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, N
         (acc,) = gl.warp_specialize([(_default, args), (_worker1, args), (_worker2, args), (_worker3, args)],
                                     [W, W, W], [WORKER_REGS, WORKER_REGS, WORKER_REGS])
     store_product(acc, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_m, pid_n, pid_s, row0, SPLIT)
+
 
 LAUNCH_KEYS = ("BLOCK_M", "P", "SPLIT", "WORKER_REGS")
 BLOCK_MS = (16, 32, 64)
@@ -180,10 +179,9 @@ def packed_matmul_ws(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | None = None
     c = config(m, n, k, cfg)
     n16, kt = w.words.shape[:2]
     grid = (cdiv(n16, WARPS), cdiv(m, c["BLOCK_M"]), c["SPLIT"])
-    f16 = x.dtype == torch.float16
     desc = x_descriptor(x2, c["BLOCK_M"])
     part, counters = split_partials(out, c["SPLIT"], grid)
     _ws_kernel[grid](desc, w.words, w.scales, w.global_scale, out, part, counters, m, n, n16, kt, c["kt_per_split"],
-                     BLOCK_M=c["BLOCK_M"], SPLIT=c["SPLIT"], P=c["P"], F16=f16, WORKER_REGS=c["WORKER_REGS"],
+                     BLOCK_M=c["BLOCK_M"], SPLIT=c["SPLIT"], P=c["P"], WORKER_REGS=c["WORKER_REGS"],
                      num_warps=WARPS, maxnreg=c["WORKER_REGS"], **launch_options())
     return out.reshape(*lead, n)
