@@ -342,31 +342,56 @@ def packed_overlap(launches=((16, 3, 2, 0), (32, 3, 2, 0), (64, 2, 2, 0), (64, 3
     return rows
 
 
-def packed_ws(launches=((32, 4), (32, 2), (16, 4))) -> list:
-    """`packed_ws._ws_kernel` (Gluon, warp-specialized) per (BLOCK_M, P), unsplit, bf16, with the
-    launcher's register budget: registers and stack per thread, the whole listing's wgmma (eight per
-    K tile in each of the P warpgroups' loops) and the named barriers of 128 threads it uses (each
-    partition synchronises its own warps on its own barrier)."""
+def packed_ws(launches=((32, 4, 2), (32, 4, 6), (32, 2, 8), (16, 4, 2), (64, 4, 2))) -> list:
+    """`packed_ws._ws_kernel` (Gluon, warp-specialized) per (BLOCK_M, P, XS), unsplit, bf16, with
+    the launcher's register budget: registers and stack per thread, the whole listing's wgmma
+    (eight per K tile in each of the P warpgroups' loops), the waits for them (one per K tile in
+    each loop), the named barriers of 128 threads it uses (each partition synchronises its own
+    warps on its own barrier) and the partitions' loops: how many wgmma each issues before its
+    last decoding multiply (HMUL2), i.e. with decoding still to do, and its funnel shifts (SHF)
+    and multiplies (HMUL2) per K tile."""
     from triton.experimental.gluon import language as gl
 
     from fp4kit.kernels import packed_ws as ws
 
     rows = []
-    for bm, p in launches:
+    for bm, p, xs in launches:
         layout = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
         sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{layout!r}>", "w_ptr": "*i16", "s_ptr": "*bf16",
                "gs_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
                "N16": "i32", "KT": "i32", "kt_per_split": "i32", "BLOCK_M": "constexpr", "SPLIT": "constexpr",
-               "P": "constexpr", "WORKER_REGS": "constexpr"}
-        regs_budget = ws.config(bm, 3712, 2688, {"BLOCK_M": bm, "P": p})["WORKER_REGS"]
+               "P": "constexpr", "XS": "constexpr", "WORKER_REGS": "constexpr"}
+        regs_budget = ws.config(bm, 3712, 2688, {"BLOCK_M": bm, "P": p, "XS": xs})["WORKER_REGS"]
         divisible = ("w_ptr", "s_ptr", "gs_ptr", "out_ptr", "part_ptr", "cnt_ptr")
-        regs, sass, stack = compile_sm90(ws._ws_kernel, sig, dict(BLOCK_M=bm, SPLIT=1, P=p,
+        regs, sass, stack = compile_sm90(ws._ws_kernel, sig, dict(BLOCK_M=bm, SPLIT=1, P=p, XS=xs,
                                                                   WORKER_REGS=regs_budget), 4, divisible,
                                          maxnreg=regs_budget)
-        rows.append({"BLOCK_M": bm, "P": p, "register_budget": regs_budget, "registers": regs, "stack": stack,
-                     "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
-                     "named_barriers": sorted({int(b, 16) for b in re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+), 0x80", sass)})})
+        early, shf, hmul2 = [], [], []
+        for seq in _hgmma_loops(sass):
+            last_mul = max(i for i, op in enumerate(seq) if op == "HMUL2")
+            early.append(seq[:last_mul].count("HGMMA"))
+            shf.append(seq.count("SHF"))
+            hmul2.append(seq.count("HMUL2"))
+        rows.append({"BLOCK_M": bm, "P": p, "XS": xs, "register_budget": regs_budget, "registers": regs,
+                     "stack": stack, "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
+                     "wgmma_waits": len(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", sass)),
+                     "named_barriers": sorted({int(b, 16) for b in re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+), 0x80", sass)}),
+                     "hgmma_before_last_decode": early, "loop_shf": shf, "loop_hmul2": hmul2})
     return rows
+
+
+def _hgmma_loops(sass: str) -> list[list[str]]:
+    """The opcodes of each innermost loop of a listing that holds a wgmma (HGMMA), in order."""
+    lines = [ln for ln in sass.splitlines() if _OP.search(ln)]
+    addr = [int(_ADDR.search(ln).group(1), 16) for ln in lines]
+    loops = []
+    for ln, here in zip(lines, addr):
+        m = _BRA.search(ln)
+        if m and m.group(1) and int(m.group(1), 16) < here:
+            loops.append((int(m.group(1), 16), here))
+    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    seqs = [[_OP.search(ln).group(1) for ln, here in zip(lines, addr) if a <= here <= b] for a, b in inner]
+    return [seq for seq in seqs if "HGMMA" in seq]
 
 
 def route_tail(launches=((1, 1, False), (4, 4, False), (4, 4, True))) -> list:

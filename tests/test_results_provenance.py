@@ -308,6 +308,9 @@ def _epilogue_part(rows: list, n: int, split: int, more: str, less: str) -> floa
     return _epilogue_row(rows, n, more, split)["us_warm"] - _epilogue_row(rows, n, less, split)["us_warm"]
 
 
+WS_DEFAULT = {"BLOCK_M": 32, "P": 4}  # packed_ws's default launch at 64 rows, as bench_packed.py --ws names it
+
+
 def _ws_row(rows: list, n: int, m: int, kernel: str, cfg: dict | None = None) -> dict:
     """bench_packed.py --ws's row for weight rows n, m activation rows, a kernel ("bf16", "packed",
     or "ws" with its launch keys `cfg`)."""
@@ -1288,6 +1291,19 @@ FIGURES = [
      lambda d: "on an H100, {:.2f}x / {:.2f}x".format(
          d["batches"]["16"]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"],
          _load("decode-graph-compiled-b64-h100.json")["batches"]["64"]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"])),
+    # the issue's whole bench, today's code, on an H200 (batches 1 and 16)
+    (README, "the same code on an H200, 2.22x, the decode steps alone 2.04x", "decode-graph-compiled-router-inside-h200.json",
+     ("batches", "1"), lambda d: "on an H200, {:.2f}x, the decode steps alone {:.2f}x".format(
+         d["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"], _steps_over_bf16(d, "nemotron-h-w4a16-4o6"))),
+    *[(README, quoted, "decode-graph-compiled-router-inside-h200.json", ("batches", "1"),
+       lambda d, fmt=fmt: fmt.format(d["speedup_over_bf16_graph"]["modelopt-lightning_graph"],
+                                     _steps_over_bf16(d, "modelopt-lightning")))
+      for quoted, fmt in (("on an H200, 2.30x, the decode steps alone 2.25x", "on an H200, {:.2f}x, the decode steps alone {:.2f}x"),
+                          ("on an H200 (2.30x; the decode steps, whose rate spreads least from run to run, 2.25x)",
+                           "on an H200 ({:.2f}x; the decode steps, whose rate spreads least from run to run, {:.2f}x)"))],
+    (README, "batch 16 with today's code on an H200, 1.94x, `modelopt-lightning` 2.03x", "decode-graph-compiled-router-inside-h200.json",
+     ("batches", "16", "speedup_over_bf16_graph"), lambda sp: "on an H200, {:.2f}x, `modelopt-lightning` {:.2f}x".format(
+         sp["nemotron-h-w4a16-4o6_graph"], sp["modelopt-lightning_graph"])),
     # the packed GEMM's time against its K tiles per program (bench_packed.py --chain, H100)
     *[(BENCH, text, "packed-gemm-chain-h100.json", ("fits",),
        lambda fits, split=split, key=key, form=form: form.format(
@@ -1349,18 +1365,60 @@ FIGURES = [
          _ws_row(rows, 3712, 16, "packed")["ms_warm"] * 1e3,
          _ws_row(rows, 3712, 16, "ws", {"BLOCK_M": 16, "P": 4, "SPLIT": 2})["ms_cold"] * 1e3,
          _ws_row(rows, 3712, 16, "packed")["ms_cold"] * 1e3)),
-    (BENCH, "It gains 0.9 us warm on 3712 x 2688", "packed-gemm-ws-h100.json", ("ws",),
-     lambda rows: "gains {:.1f} us warm".format(1e3 * (_ws_row(rows, 3712, 64, "packed")["ms_warm"] - _ws_row(
+    (BENCH, "It gained 0.9 us warm on 3712 x 2688", "packed-gemm-ws-h100.json", ("ws",),
+     lambda rows: "gained {:.1f} us warm".format(1e3 * (_ws_row(rows, 3712, 64, "packed")["ms_warm"] - _ws_row(
          rows, 3712, 64, "ws", {"BLOCK_M": 32, "P": 4, "SPLIT": 1})["ms_warm"]))),
     (BENCH, "1.5 us above the split launch with no epilogue at all (6.82 us\nwarm, above)", "packed-gemm-ws-h100.json", ("ws",),
      lambda rows: "{:.1f} us above the split launch with no epilogue at all ({:.2f} us".format(
          _ws_row(rows, 3712, 64, "ws", {"BLOCK_M": 32, "P": 4, "SPLIT": 1})["ms_warm"] * 1e3
          - _epilogue_row(_load("split-epilogue-h100.json")["rows"], 3712, "EPI 3", 4)["us_warm"],
          _epilogue_row(_load("split-epilogue-h100.json")["rows"], 3712, "EPI 3", 4)["us_warm"])),
-    (README, "takes 8.35 / 10.06 against bf16's 7.57 / 10.01", "packed-gemm-ws-h100.json", ("ws",),
-     lambda rows: "takes {:.2f} / {:.2f} against bf16's {:.2f} / {:.2f}".format(
+    (README, "took 8.35 / 10.06 against bf16's 7.57 / 10.01", "packed-gemm-ws-h100.json", ("ws",),
+     lambda rows: "took {:.2f} / {:.2f} against bf16's {:.2f} / {:.2f}".format(
          *(1e3 * r[f"ms_{s}"] for r in (_ws_row(rows, 3712, 64, "ws", {"BLOCK_M": 32, "P": 4, "SPLIT": 1}),
                                         _ws_row(rows, 3712, 64, "bf16")) for s in ("warm", "cold")))),
+    # the chunked warp-specialized kernel (bench_packed.py --ws, H100), the prototype with codes further
+    # ahead and the decoding with rotations on the same machine
+    *[(BENCH, f"| {n} x {k} | {cells} |", "packed-gemm-ws-chunks-h100.json", ("ws",),
+       lambda rows, n=n: "| " + " | ".join("{:.2f} / {:.2f}".format(r["ms_warm"] * 1e3, r["ms_cold"] * 1e3)
+                                          for r in (_ws_row(rows, n, 64, "ws", WS_DEFAULT), _ws_row(rows, n, 64, "packed"),
+                                                    _ws_row(rows, n, 64, "bf16"))) + " |")
+      for n, k, cells in ((3712, 2688, "8.07 / 8.62 | 8.95 / 10.76 | 7.57 / 9.98"),
+                          (2688, 3712, "9.55 / 10.05 | 10.00 / 10.94 | 8.25 / 10.52"))],
+    *[(doc, quoted, "packed-gemm-ws-chunks-h100.json", ("ws",),
+       lambda rows, fmt=fmt: fmt.format(*(_ws_row(rows, n, 64, "bf16")[f"ms_{s}"] / _ws_row(rows, n, 64, "ws", WS_DEFAULT)[f"ms_{s}"]
+                                          for s in ("cold", "warm") for n in (3712, 2688))))
+      for doc, quoted, fmt in ((BENCH, "(1.16x and 1.05x); warm it is not (0.94x and 0.86x)",
+                                "({:.2f}x and {:.2f}x); warm it is not ({:.2f}x and {:.2f}x)"),
+                               (README, "1.16x and 1.05x, but 0.94x and 0.86x warm",
+                                "{:.2f}x and {:.2f}x, but {:.2f}x and {:.2f}x warm"))],
+    (README, "8.07 / 8.62 against 7.57 / 9.98 on 3712 x 2688 and 9.55 / 10.05 against 8.25 / 10.52 on 2688 x 3712",
+     "packed-gemm-ws-chunks-h100.json", ("ws",),
+     lambda rows: " and ".join("{:.2f} / {:.2f} against {:.2f} / {:.2f} on {} x {}".format(
+         *(1e3 * r[f"ms_{s}"] for r in (_ws_row(rows, n, 64, "ws", WS_DEFAULT), _ws_row(rows, n, 64, "bf16"))
+           for s in ("warm", "cold")), n, k) for n, k in ((3712, 2688), (2688, 3712)))),
+    (BENCH, "gain 0.23 and 0.20 us warm at 64 rows", "packed-gemm-ws-chunks-h100.json", ("ws",),
+     lambda rows: "gain {:.2f} and {:.2f} us warm".format(*(1e3 * (
+         _ws_row(_load("packed-gemm-ws-chunks-rotate-h100.json")["ws"], n, 64, "ws", WS_DEFAULT)["ms_warm"]
+         - _ws_row(rows, n, 64, "ws", WS_DEFAULT)["ms_warm"]) for n in (3712, 2688)))),
+    (BENCH, "takes 9.27 against 8.07 us warm on\n3712 x 2688", "packed-gemm-ws-chunks-h100.json", ("ws",),
+     lambda rows: "takes {:.2f} against {:.2f} us warm".format(
+         *(1e3 * _ws_row(rows, 3712, 64, "ws", cfg)["ms_warm"] for cfg in ({"BLOCK_M": 32, "P": 4, "XS": 6}, WS_DEFAULT)))),
+    (BENCH, "(7.12 / 7.71 and 8.38 / 8.91 us against bf16's\n6.38 / 9.91 and 9.04 / 13.13)",
+     "packed-gemm-ws-chunks-h100.json", ("ws",),
+     lambda rows: "({:.2f} / {:.2f} and {:.2f} / {:.2f} us against bf16's {:.2f} / {:.2f} and {:.2f} / {:.2f})".format(
+         *(1e3 * _ws_row(rows, n, 32, "ws", {"BLOCK_M": 16, "P": 4})[f"ms_{s}"] for n in (3712, 2688) for s in ("warm", "cold")),
+         *(1e3 * _ws_row(rows, n, 32, "bf16")[f"ms_{s}"] for n in (3712, 2688) for s in ("warm", "cold")))),
+    (BENCH, "9.92-10.61\nagainst 8.27 us warm on 3712 x 2688", "packed-gemm-ws-ahead-h100.json", ("ws",),
+     lambda rows: "{:.2f}-{:.2f} against {:.2f} us warm".format(
+         *(f(1e3 * _ws_row(rows, 3712, 64, "ws", cfg)["ms_warm"] for cfg in (
+             {"BLOCK_M": 32, "P": 4, "XS": 3, "AHEAD": 2}, {"BLOCK_M": 32, "P": 4, "XS": 3, "AHEAD": 3},
+             {"BLOCK_M": 32, "P": 4, "XS": 4, "AHEAD": 3})) for f in (min, max)),
+         1e3 * _ws_row(rows, 3712, 64, "ws", {"BLOCK_M": 32, "P": 4})["ms_warm"])),
+    (BENCH, "10.98 against 9.77\nwith 64 rows", "packed-gemm-ws-ahead-h100.json", ("ws",),
+     lambda rows: "{:.2f} against {:.2f} with 64 rows".format(
+         *(1e3 * _ws_row(rows, 3712, 64, "ws", cfg)["ms_warm"] for cfg in ({"BLOCK_M": 64, "P": 4, "AHEAD": 2},
+                                                                             {"BLOCK_M": 64, "P": 4})))),
     (BENCH, "against 4.0 us for the six K tiles", "packed-gemm-chain-h100.json", ("fits",),
      lambda fits: "against {:.1f} us".format(6 * _chain_fit(fits, 64, 4, "warm")["us_per_tile"])),
     (BENCH, "(a fixed\n6.11 against 2.05 us)", "packed-gemm-chain-h100.json", ("fits",),

@@ -115,14 +115,23 @@ def test_the_overlapped_gemm_keeps_a_tiles_wgmma_in_flight_while_it_decodes_the_
 
 def test_the_warp_specialized_gemm_compiles_without_spills_one_barrier_per_warpgroup():
     # Gluon, compiled for sm_90 with the launcher's register budget: no spills, eight wgmma per K
-    # tile in each warpgroup's loop, and each of the P partitions on a named barrier of its own
-    # (a CTA-wide barrier inside one partition would wait for warps that never reach it)
+    # tile in each warpgroup's loop and one wait for them per loop, each of the P partitions on a
+    # named barrier of its own (a CTA-wide barrier inside one partition would wait for warps that
+    # never reach it), and in each loop wgmma issued while the tile's decoding goes on: at least
+    # two before its last decoding multiply (where the assembler puts the rest varies with the
+    # Triton release: 2 to 4 seen; a tile decoded whole and then issued has none). The decoding
+    # moves bits with plain shifts: of its 8 words per thread and tile only the right shifts
+    # (two per word) are funnel shifts (SHF), the left ones integer multiplies; with rotations
+    # (shf.l.wrap) the loop had 40. One paired multiply per fragment register: 32.
     rows = _compiled_rows("packed_ws()")
-    assert [(r["BLOCK_M"], r["P"]) for r in rows] == [(32, 4), (32, 2), (16, 4)]
+    assert [(r["BLOCK_M"], r["P"], r["XS"]) for r in rows] == [(32, 4, 2), (32, 4, 6), (32, 2, 8), (16, 4, 2),
+                                                               (64, 4, 2)]
     for row in rows:
         assert row["stack"] == 0 and row["registers"] <= row["register_budget"]
-        assert row["hgmma"] == 8 * row["P"]
+        assert row["hgmma"] == 8 * row["P"] and row["wgmma_waits"] == row["P"]
         assert len(row["named_barriers"]) == row["P"]
+        assert len(row["hgmma_before_last_decode"]) == row["P"] and min(row["hgmma_before_last_decode"]) >= 2
+        assert max(row["loop_shf"]) <= 2 * 8 + 1 and row["loop_hmul2"] == [32] * row["P"]
 
 
 def test_the_ops_after_an_opcode_and_the_loops_order():

@@ -71,21 +71,23 @@ def decode_asm(kind: str) -> str:
     3; 16-bit floats of `kind`) into the four fragment registers $0..$3 (chunks t = 0..3: the
     even-K value in the low half, the odd-K value in the high half).
 
-    Per chunk the code bits that move by the same rotation are rotated once and masked (the mask
-    covers a bit in both halves), the groups or-ed together, then one paired multiply by the
-    scale (`mov {l, l}` names the half twice; the assembler folds that into the multiply)."""
+    Per chunk the code bits that move by the same distance are shifted once and masked (the mask
+    covers a bit in both halves: a bit and its twin 16 higher move together, and neither crosses
+    into the other half), the groups or-ed together, then one paired multiply by the scale
+    (`mov {l, l}` names the half twice; the assembler folds that into the multiply). The shifts
+    are plain ones, not rotations: a left shift by a constant may run as an integer multiply,
+    off the pipe the masks use."""
     target = TARGET_BITS[kind]
     lines = ["{", ".reg .b32 r, m, acc, s;", ".reg .b16 l, h;"]
     for t, src in enumerate(CODE_BITS):
         groups: dict[int, int] = {}
         for s_bit, d_bit in zip(src, target):
-            rot = (d_bit - s_bit) % 32
-            groups[rot] = groups.get(rot, 0) | (1 << d_bit) | (1 << (d_bit + 16))
+            groups[d_bit - s_bit] = groups.get(d_bit - s_bit, 0) | (1 << d_bit) | (1 << (d_bit + 16))
         first = True
-        for rot, mask in sorted(groups.items()):
+        for shift, mask in sorted(groups.items()):
             src_reg = "$4"
-            if rot:
-                lines.append(f"shf.l.wrap.b32 r, $4, $4, {rot};")
+            if shift:
+                lines.append(f"shl.b32 r, $4, {shift};" if shift > 0 else f"shr.u32 r, $4, {-shift};")
                 src_reg = "r"
             if first:
                 lines.append(f"and.b32 acc, {src_reg}, {mask:#010x};")

@@ -90,8 +90,8 @@ def _tile_load(w_ptr, s_ptr, woff, soff, kt):
 
 
 @gluon.jit
-def _group(words, sc, W: gl.constexpr, F16: gl.constexpr):
-    """One group's four chunks as [w, g, c, kh, rs, h, t % 2, t // 2] (`packed_gemm._group`)."""
+def _group_chunks(words, sc, W: gl.constexpr, F16: gl.constexpr):
+    """One group's four chunks t = 0..3 decoded, each [w, g, c, kh, rs, h] (`packed_gemm._group`)."""
     words = gl.reshape(words, (W, 8, 4, 2, 2, 2))
     sc = gl.reshape(sc, (W, 8, 4, 1, 2, 2, 2))
     s01, s23 = gl.split(sc)
@@ -104,6 +104,13 @@ def _group(words, sc, W: gl.constexpr, F16: gl.constexpr):
     else:
         o0, o1, o2, o3 = gl.inline_asm_elementwise(_DECODE_BF16, "=r,=r,=r,=r,r,r,r", [words, s01, s23],
                                                    dtype=(gl.bfloat16,) * 4, is_pure=True, pack=2)
+    return o0, o1, o2, o3
+
+
+@gluon.jit
+def _group(words, sc, W: gl.constexpr, F16: gl.constexpr):
+    """One group's four chunks as [w, g, c, kh, rs, h, t % 2, t // 2] (`packed_gemm._group`)."""
+    o0, o1, o2, o3 = _group_chunks(words, sc, W, F16)
     return gl.join(gl.join(o0, o1), gl.join(o2, o3))
 
 

@@ -7,19 +7,24 @@ much as the K tiles themselves (benchmarks/README.md, results/split-epilogue-h10
 program of P warpgroups (P = 2 or 4, `gl.warp_specialize`: a default partition and P - 1 workers
 of 4 warps each) takes a tile's whole K range (or its share of a split across programs, SPLIT), for
 one warpgroup's 64 weight rows and BLOCK_M activation rows; warpgroup p runs the program's K tiles
-p, p + P, p + 2P, ... in order, each a chain as in `_packed_kernel` (the tile's codes and scales
-decoded in registers into the wgmma A fragments, the activation tile by TMA into the warpgroup's
-own ring of two shared-memory buffers, the next tile's copy in flight while this one is used).
+p, p + P, p + 2P, ... in order:
+
+- the activation tiles come by TMA into the warpgroup's own XS shared-memory buffers, the first XS
+  issued before its loop, each later one into the buffer the tile XS before has finished with,
+  where there is a later one (a refill is the warpgroup's to agree on; a tile without one skips it);
+- a tile's codes and scales are loaded one tile ahead of their decoding, and each of its eight
+  16-wide chunks is issued to the matrix units (an asynchronous wgmma) as soon as it is decoded,
+  so that the next chunk's decoding runs while it does; the tile's wgmma are waited for together.
+
 The workers then put their fp32 sums in shared memory and arrive at one mbarrier; the default
 partition adds them to its own in the fixed order p = 1, 2, ..., so no partial goes through global
 memory and nothing waits on an atomic, unless SPLIT > 1 (then `tiles.store_split` as usual).
 
-The weight layout and decoding are `packed_gemm`'s (`packed_overlap._tile_load` / `_tile_decode`);
-every sum is in a fixed order, so a launch shape always gives the same bytes, but not
-`packed_matmul`'s (its K tiles are summed in one chain). A tile's codes are loaded one step ahead
-of their decoding. Measured against `packed_matmul` and bf16 it is not faster where it would
-matter, so nothing calls it by default (benchmarks/README.md, results/packed-gemm-ws-h100.json).
-Gluon compiles for NVIDIA GPUs only (Triton's interpreter does not run it): on a CPU the launcher
+The weight layout and decoding are `packed_gemm`'s (`packed_overlap._tile_load` /
+`_group_chunks`); every sum is in a fixed order, so a launch shape always gives the same bytes, but
+not `packed_matmul`'s (its K tiles are summed in one chain). Measured against `packed_matmul` and
+bf16: benchmarks/README.md ("What limits the kernels, measured"); nothing calls it by default. Gluon
+compiles for NVIDIA GPUs only (Triton's interpreter does not run it): on a CPU the launcher
 refuses.
 """
 
@@ -28,12 +33,12 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .backend import cdiv, launch_options, next_power_of_2
 from .packed_gemm import TILE_K, PackedNVFP4
-from .packed_overlap import (_offsets, _tile_decode, _tile_load, _tma_load, gluon_rows, split_partials,
-                             store_product, x_descriptor)
+from .packed_overlap import (_group_chunks, _offsets, _tile_load, _tma_load, gluon_rows, split_partials, store_product,
+                             x_descriptor)
 
 _WHAT = "kernels.packed_matmul_ws"
 WARPS = 4  # warps per warpgroup: 64 weight rows per program, 16 per warp
@@ -43,47 +48,81 @@ _partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.
 
 
 @gluon.jit
+def _frag(o, a_layout: gl.constexpr, W: gl.constexpr):
+    """A chunk's [w, g, c, kh, rs, h] values as its wgmma A fragment [16 W, 16] (no data moved:
+    asserted): row 16 w + 8 rs + g, K 8 kh + 2 c + h."""
+    q = gl.reshape(gl.permute(o, (0, 4, 1, 3, 2, 5)), (16 * W, 16))
+    return gl.convert_layout(q, a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _tile_mma(w0, s0, w1, s1, xb, acc, a_layout: gl.constexpr, W: gl.constexpr, F16: gl.constexpr):
+    """acc + a K tile's product: its 16-wide chunks decoded one after another, each chunk's wgmma
+    issued as soon as it is (on the activation buffer xb's 16 columns), all waited for at the end,
+    the fragments kept live until then."""
+    o0, o1, o2, o3 = _group_chunks(w0, s0, W, F16)
+    f0 = _frag(o0, a_layout, W)
+    acc = warpgroup_mma(f0, xb.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    f1 = _frag(o1, a_layout, W)
+    acc = warpgroup_mma(f1, xb.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    f2 = _frag(o2, a_layout, W)
+    acc = warpgroup_mma(f2, xb.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    f3 = _frag(o3, a_layout, W)
+    acc = warpgroup_mma(f3, xb.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    o4, o5, o6, o7 = _group_chunks(w1, s1, W, F16)
+    f4 = _frag(o4, a_layout, W)
+    acc = warpgroup_mma(f4, xb.slice(64, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    f5 = _frag(o5, a_layout, W)
+    acc = warpgroup_mma(f5, xb.slice(80, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    f6 = _frag(o6, a_layout, W)
+    acc = warpgroup_mma(f6, xb.slice(96, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    f7 = _frag(o7, a_layout, W)
+    acc = warpgroup_mma(f7, xb.slice(112, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    acc, f0, f1, f2, f3, f4, f5, f6, f7 = warpgroup_mma_wait(0, deps=(acc, f0, f1, f2, f3, f4, f5, f6, f7))
+    return acc
+
+
+@gluon.jit
 def _share(x_desc, w_ptr, s_ptr, xs, bars, N16, KT, kt0, n_k, pid_n, row0, P: gl.constexpr, p: gl.constexpr):
     """Warpgroup p's sum over the program's K tiles kt0 + p, kt0 + p + P, ... (below kt0 + n_k), in
     order: acc [64, BLOCK_M] fp32 in the wgmma accumulator layout. Its activation tiles come by TMA
-    into the program's buffers xs[2p], xs[2p + 1] ([2P, BLOCK_M, 128]), each with its mbarrier in
-    bars. (Constants, the activation dtype among them, reach a partition through its buffers'
-    shapes and types: `gl.warp_specialize` passes its arguments as values.)"""
+    into the program's buffers xs[XS p], ..., xs[XS p + XS - 1] ([XS P, BLOCK_M, 128]), each with its
+    mbarrier in bars. (Constants, the activation dtype among them, reach a partition through its
+    buffers' shapes and types: `gl.warp_specialize` passes its arguments as values.)"""
     BLOCK_M: gl.constexpr = xs.type.shape[1]
+    XS: gl.constexpr = xs.type.shape[0] // P
     F16: gl.constexpr = s_ptr.dtype.element_ty == gl.float16
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     mine = gl.maximum(n_k - p + (P - 1), 0) // P
-    for j in gl.static_range(2):
+    for j in gl.static_range(XS):
         ok = j < mine
-        mbarrier.expect(bars.index(2 * p + j), x_desc.block_type.nbytes, pred=ok)
-        _tma_load(x_desc, [row0, (kt0 + p + j * P) * 128], bars.index(2 * p + j), xs.index(2 * p + j), pred=ok)
+        mbarrier.expect(bars.index(XS * p + j), x_desc.block_type.nbytes, pred=ok)
+        _tma_load(x_desc, [row0, (kt0 + p + j * P) * 128], bars.index(XS * p + j), xs.index(XS * p + j), pred=ok)
     woff, soff = _offsets(pid_n, N16, KT, W)
     acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=mma_layout)
     # A tile's codes and scales are loaded one step ahead of their decoding (past the program's
-    # last tile, or for a warpgroup with none, the last tile again: nothing uses them).
+    # last tile, or for a warpgroup with none, the weight's last tile again: nothing uses them).
     last = KT - 1
     w0, s0, w1, s1 = _tile_load(w_ptr, s_ptr, woff, soff, gl.minimum(kt0 + p, last))
     for i in range(mine):
         kt = kt0 + p + i * P
         n0, n1, n2, n3 = _tile_load(w_ptr, s_ptr, woff, soff, gl.minimum(kt + P, last))
-        a = _tile_decode(w0, s0, w1, s1, a_layout, W, F16)
+        buf = XS * p + i % XS
+        mbarrier.wait(bars.index(buf), (i // XS) & 1)
+        acc = _tile_mma(w0, s0, w1, s1, xs.index(buf), acc, a_layout, W, F16)
         w0, s0, w1, s1 = n0, n1, n2, n3
-        buf = 2 * p + i % 2
-        mbarrier.wait(bars.index(buf), (i // 2) & 1)
-        acc = warpgroup_mma(a, xs.index(buf).permute((1, 0)), acc)
-        ok = i + 2 < mine  # this buffer's wgmma are done: refill it with the tile after next
-        mbarrier.expect(bars.index(buf), x_desc.block_type.nbytes, pred=ok)
-        _tma_load(x_desc, [row0, (kt + 2 * P) * 128], bars.index(buf), xs.index(buf), pred=ok)
+        if i + XS < mine:  # this buffer's wgmma are done: refill it with the tile XS on
+            mbarrier.expect(bars.index(buf), x_desc.block_type.nbytes)
+            _tma_load(x_desc, [row0, (kt + XS * P) * 128], bars.index(buf), xs.index(buf))
     return acc
 
 
 @gluon.jit
 def _worker_sum(x_desc, w_ptr, s_ptr, xs, bars, sums, done, N16, KT, kt0, n_k, pid_n, row0, p: gl.constexpr):
     """Warpgroup p >= 1: its sum into shared memory (sums[p - 1]), then one arrival at `done`."""
-    acc = _share(x_desc, w_ptr, s_ptr, xs, bars, N16, KT, kt0, n_k, pid_n, row0,
-                 xs.type.shape[0] // 2, p)
+    acc = _share(x_desc, w_ptr, s_ptr, xs, bars, N16, KT, kt0, n_k, pid_n, row0, sums.type.shape[0] + 1, p)
     sums.index(p - 1).store(acc)
     _partition_barrier()  # every thread's part stored before the one arrival
     mbarrier.arrive(done.index(0))
@@ -107,7 +146,7 @@ def _worker3(x_desc, w_ptr, s_ptr, xs, bars, sums, done, N16, KT, kt0, n_k, pid_
 @gluon.jit
 def _default(x_desc, w_ptr, s_ptr, xs, bars, sums, done, N16, KT, kt0, n_k, pid_n, row0):
     """Warpgroup 0: its own sum, then the workers' added in the order p = 1, 2, ..."""
-    P: gl.constexpr = xs.type.shape[0] // 2
+    P: gl.constexpr = sums.type.shape[0] + 1
     acc = _share(x_desc, w_ptr, s_ptr, xs, bars, N16, KT, kt0, n_k, pid_n, row0, P, 0)
     mbarrier.wait(done.index(0), 0)
     for q in gl.static_range(1, P):
@@ -117,21 +156,23 @@ def _default(x_desc, w_ptr, s_ptr, xs, bars, sums, done, N16, KT, kt0, n_k, pid_
 
 @gluon.jit
 def _ws_kernel(x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, N16, KT, kt_per_split,
-               BLOCK_M: gl.constexpr, SPLIT: gl.constexpr, P: gl.constexpr, WORKER_REGS: gl.constexpr):
+               BLOCK_M: gl.constexpr, SPLIT: gl.constexpr, P: gl.constexpr, XS: gl.constexpr,
+               WORKER_REGS: gl.constexpr):
     """out[M, N] = x @ W^T for W a `PackedNVFP4`; grid: (N16 / 4, M / BLOCK_M, SPLIT), 4 warps in the
-    default partition and P - 1 workers of 4 (module docstring)."""
+    default partition and P - 1 workers of 4, XS activation buffers per warpgroup (module
+    docstring)."""
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     pid_s = gl.program_id(2)
     kt0 = pid_s * kt_per_split
     n_k = gl.minimum(kt_per_split, KT - kt0)
     row0 = pid_m * BLOCK_M
-    xs = gl.allocate_shared_memory(x_desc.dtype, [2 * P, BLOCK_M, 128], x_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [2 * P, 1], mbarrier.MBarrierLayout())
+    xs = gl.allocate_shared_memory(x_desc.dtype, [XS * P, BLOCK_M, 128], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [XS * P, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     sums_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     sums = gl.allocate_shared_memory(gl.float32, [P - 1, 16 * W, BLOCK_M], sums_layout)
-    for j in gl.static_range(2 * P):
+    for j in gl.static_range(XS * P):
         mbarrier.init(bars.index(j), count=1)
     mbarrier.init(done.index(0), count=P - 1)
     args = (x_desc, w_ptr, s_ptr, xs, bars, sums, done, N16, KT, kt0, n_k, pid_n, row0)
@@ -143,20 +184,32 @@ def _ws_kernel(x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, N
     store_product(acc, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_m, pid_n, pid_s, row0, SPLIT)
 
 
-LAUNCH_KEYS = ("BLOCK_M", "P", "SPLIT", "WORKER_REGS")
+LAUNCH_KEYS = ("BLOCK_M", "P", "SPLIT", "XS", "WORKER_REGS")
 BLOCK_MS = (16, 32, 64)
+MAX_XS = 8
+SMEM_BYTES = 232448  # an sm_90 program's shared memory at most (227 KiB)
+
+
+def smem_bytes(block_m: int, p: int, xs: int) -> int:
+    """A program's shared memory: XS activation tiles [BLOCK_M, 128] per warpgroup, the workers'
+    fp32 sums [64, BLOCK_M] and the mbarriers."""
+    return xs * p * block_m * TILE_K * 2 + (p - 1) * 16 * WARPS * block_m * 4 + 8 * (xs * p + 1)
 
 
 def config(m: int, n: int, k: int, cfg: dict | None = None) -> dict:
-    """Launch shape for one problem: BLOCK_M (M rounded up to a power of two, 16 to 64), P
-    (warpgroups per program, 2 or 4, default 4), SPLIT (programs per tile along K, default 1) and
-    WORKER_REGS (registers per thread, every partition's: 128 for 4 warpgroups, 168 for 2, within
-    the 64 K registers of a multiprocessor, without spills), overridden by cfg."""
+    """Launch shape for one problem: BLOCK_M (16, 32 or 64; default half of M rounded up to a
+    power of two, 16 to 32: at 32 and 64 rows two programs along M, each decoding the same
+    weights, took less time than one), P
+    (warpgroups per program, 2 or 4, default 4), SPLIT (programs per tile along K, default 1), XS
+    (activation buffers per warpgroup, 2 to 8, default 2: more took longer, the shared memory they
+    take being the L1 cache's that the codes are loaded through) and WORKER_REGS (registers per
+    thread, every partition's: 128 for 4 warpgroups, 168 for 2, within the 64 K registers of a
+    multiprocessor, without spills), overridden by cfg."""
     c = dict(cfg or {})
     unknown = set(c) - set(LAUNCH_KEYS)
     if unknown:
         raise ValueError(f"{_WHAT}: unknown launch keys {sorted(unknown)}; expected some of {LAUNCH_KEYS}")
-    bm = c.get("BLOCK_M") or min(max(16, next_power_of_2(m)), 64)
+    bm = c.get("BLOCK_M") or min(max(16, next_power_of_2(m) // 2), 32)
     p, split = c.get("P", 4), c.get("SPLIT", 1)
     regs = c.get("WORKER_REGS", 128 if p == 4 else 168)
     if bm not in BLOCK_MS or p not in (2, 4) or split < 1 or regs % 8 or not 24 <= regs <= 256:
@@ -164,7 +217,13 @@ def config(m: int, n: int, k: int, cfg: dict | None = None) -> dict:
                          f"multiple of 8 from 24 to 256, got {bm}, {p}, {split}, {regs}")
     kt = cdiv(k, TILE_K)
     per = cdiv(kt, min(split, kt))
-    return {"BLOCK_M": bm, "P": p, "SPLIT": cdiv(kt, per), "kt_per_split": per, "WORKER_REGS": regs}
+    xs = c.get("XS", 2)
+    if not 2 <= xs <= MAX_XS:
+        raise ValueError(f"{_WHAT}: XS must be 2 to {MAX_XS}, got {xs}")
+    if smem_bytes(bm, p, xs) > SMEM_BYTES:
+        raise ValueError(f"{_WHAT}: BLOCK_M {bm}, P {p} and XS {xs} need {smem_bytes(bm, p, xs)} bytes of shared "
+                         f"memory, more than a program has ({SMEM_BYTES})")
+    return {"BLOCK_M": bm, "P": p, "SPLIT": cdiv(kt, per), "kt_per_split": per, "XS": xs, "WORKER_REGS": regs}
 
 
 def packed_matmul_ws(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | None = None) -> torch.Tensor:
@@ -182,6 +241,6 @@ def packed_matmul_ws(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | None = None
     desc = x_descriptor(x2, c["BLOCK_M"])
     part, counters = split_partials(out, c["SPLIT"], grid)
     _ws_kernel[grid](desc, w.words, w.scales, w.global_scale, out, part, counters, m, n, n16, kt, c["kt_per_split"],
-                     BLOCK_M=c["BLOCK_M"], SPLIT=c["SPLIT"], P=c["P"], WORKER_REGS=c["WORKER_REGS"],
+                     BLOCK_M=c["BLOCK_M"], SPLIT=c["SPLIT"], P=c["P"], XS=c["XS"], WORKER_REGS=c["WORKER_REGS"],
                      num_warps=WARPS, maxnreg=c["WORKER_REGS"], **launch_options())
     return out.reshape(*lead, n)

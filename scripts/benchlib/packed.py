@@ -135,11 +135,12 @@ def bench_chain(n=3712, ms=(1, 16, 64), splits=(1, 4), tiles=(1, 2, 3, 4, 6, 8),
     return rows
 
 
-WS_LAUNCHES = tuple({"BLOCK_M": bm, "P": p, "SPLIT": split} for bm in (16, 32) for p in (2, 4) for split in (1, 2)) + (
-    {"BLOCK_M": 64, "P": 4, "SPLIT": 1},)
+WS_LAUNCHES = ({"BLOCK_M": 32, "P": 4}, {"BLOCK_M": 32, "P": 4, "XS": 3}, {"BLOCK_M": 32, "P": 4, "XS": 6},
+               {"BLOCK_M": 32, "P": 2}, {"BLOCK_M": 32, "P": 2, "XS": 8}, {"BLOCK_M": 64, "P": 4},
+               {"BLOCK_M": 16, "P": 4}, {"BLOCK_M": 16, "P": 4, "SPLIT": 2})
 
 
-def bench_ws(shapes=NANO, ms=(16, 64), launches=WS_LAUNCHES) -> list:
+def bench_ws(shapes=NANO, ms=(16, 32, 64), launches=WS_LAUNCHES) -> list:
     """`packed_ws.packed_matmul_ws` (K split across each program's warpgroups) beside torch.matmul
     and `packed_matmul` (the launch table's shape), warm and cold (`bench_cold`'s copies), per launch
     shape: its relative error against the fp32 product of the dequantized weight (and

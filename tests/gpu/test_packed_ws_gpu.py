@@ -42,17 +42,19 @@ def _check(n, k, m, dtype, cfgs):
 def test_warp_specialized_gemm_is_the_product(n, k, m):
     # ragged N (200: past the last slab) and K (1008: past the last tile, zeros by TMA); a single K
     # tile (k = 128: three of four warpgroups have none); 2 or 4 warpgroups, split across programs
-    _check(n, k, m, torch.bfloat16, ({}, {"P": 2}, {"P": 4, "BLOCK_M": 32, "SPLIT": 2}, {"P": 2, "BLOCK_M": 16, "SPLIT": 3}))
+    # too; activation buffers refilled (XS 2, 3) or not (the default: one per K tile, up to 8)
+    _check(n, k, m, torch.bfloat16, ({}, {"P": 2}, {"P": 4, "BLOCK_M": 32, "SPLIT": 2}, {"P": 2, "BLOCK_M": 16, "SPLIT": 3},
+                                     {"P": 4, "BLOCK_M": 64, "XS": 2}, {"P": 2, "XS": 3}, {"P": 4, "BLOCK_M": 16, "XS": 2}))
 
 
 def test_warp_specialized_gemm_fp16_and_several_row_programs():
-    _check(2688, 3712, 100, torch.float16, ({}, {"P": 2, "BLOCK_M": 32}))
+    _check(2688, 3712, 100, torch.float16, ({}, {"P": 2, "BLOCK_M": 32}, {"BLOCK_M": 32, "XS": 3}))
 
 
 def test_warp_specialized_gemm_replays_from_a_cuda_graph():
     w = pg.pack(quantize(torch.randn((3712, 2688), device="cuda", dtype=torch.bfloat16) * 0.02))
     x = torch.randn((64, 2688), device="cuda", dtype=torch.bfloat16)
-    cfg = {"P": 4, "BLOCK_M": 32}
+    cfg = {"P": 4, "BLOCK_M": 32, "XS": 3}
     want = ws.packed_matmul_ws(x, w, cfg=cfg)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

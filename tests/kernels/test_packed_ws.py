@@ -12,15 +12,27 @@ from fp4kit.kernels.quantize import quantize
 
 
 def test_config_rounds_rows_and_fits_the_register_file():
-    assert ws.config(5, 3712, 2688) == {"BLOCK_M": 16, "P": 4, "SPLIT": 1, "kt_per_split": 21, "WORKER_REGS": 128}
-    assert ws.config(64, 3712, 2688, {"P": 2, "BLOCK_M": 32, "SPLIT": 2}) == {
-        "BLOCK_M": 32, "P": 2, "SPLIT": 2, "kt_per_split": 11, "WORKER_REGS": 168}
+    assert ws.config(5, 3712, 2688) == {"BLOCK_M": 16, "P": 4, "SPLIT": 1, "kt_per_split": 21, "XS": 2,
+                                        "WORKER_REGS": 128}
+    # two programs along M at 32 and 64 rows
+    assert [ws.config(m, 3712, 2688)["BLOCK_M"] for m in (1, 16, 17, 32, 33, 64, 100)] == [16, 16, 16, 16, 32, 32, 32]
+    assert ws.config(64, 3712, 2688, {"P": 2, "BLOCK_M": 32, "SPLIT": 2, "XS": 3}) == {
+        "BLOCK_M": 32, "P": 2, "SPLIT": 2, "kt_per_split": 11, "XS": 3, "WORKER_REGS": 168}
     assert ws.config(100, 128, 128, {"SPLIT": 4})["SPLIT"] == 1  # one K tile: no split
     for p in (2, 4):  # every partition's registers, all warps of a program: within 64 K
         assert ws.config(16, 64, 128, {"P": p})["WORKER_REGS"] * 32 * 4 * p <= 65536
     for bad in ({"P": 3}, {"BLOCK_M": 128}, {"WORKER_REGS": 100}, {"SPLIT": 0}):
         with pytest.raises(ValueError, match="P 2 or 4"):
             ws.config(16, 64, 128, bad)
+    for bad in (1, 9):
+        with pytest.raises(ValueError, match="XS must be 2 to 8"):
+            ws.config(16, 64, 128, {"XS": bad})
+    # shared memory: XS activation tiles per warpgroup and the workers' sums, within 227 KiB
+    assert ws.smem_bytes(64, 4, 2) == 2 * 4 * 64 * 128 * 2 + 3 * 64 * 64 * 4 + 8 * 9
+    assert ws.config(64, 3712, 2688, {"BLOCK_M": 32, "XS": 6})["XS"] == 6
+    for cfg in ({"BLOCK_M": 64, "XS": 3}, {"BLOCK_M": 32, "XS": 7}):
+        with pytest.raises(ValueError, match="bytes of shared memory"):
+            ws.config(64, 3712, 2688, cfg)
     with pytest.raises(ValueError, match="unknown launch keys"):
         ws.config(16, 64, 128, {"STAGES": 2})
 
