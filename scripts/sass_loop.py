@@ -30,11 +30,10 @@ _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 _BRA = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)|(0x[0-9a-f]+))")
 
 
-def loop_sequence(sass: str, containing: str | None = None) -> list[str]:
-    """The opcodes, in listing order, of the innermost loop in a cuobjdump listing: of the backward
-    branches whose range (from the branch's target to the branch) holds no other backward branch,
-    the last one (with `containing`, the last one that holds that opcode: not a wait's spin
-    loop); [] where there is none."""
+def _innermost_loops(sass: str) -> list[list[str]]:
+    """The opcodes, in listing order, of each innermost loop of a cuobjdump listing (of the
+    backward branches, those whose range, from the branch's target to the branch, holds no other
+    backward branch), in listing order."""
     lines = [ln for ln in sass.splitlines() if _OP.search(ln)]
     addr = [int(_ADDR.search(ln).group(1), 16) for ln in lines]
     loops = []
@@ -43,13 +42,15 @@ def loop_sequence(sass: str, containing: str | None = None) -> list[str]:
         if m and m.group(1) and int(m.group(1), 16) < here:
             loops.append((int(m.group(1), 16), here))
     inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
-    if containing is not None:
-        inner = [(a, b) for a, b in inner
-                 if any(a <= here <= b and _OP.search(ln).group(1) == containing for ln, here in zip(lines, addr))]
-    if not inner:
-        return []
-    start, end = inner[-1]
-    return [_OP.search(ln).group(1) for ln, here in zip(lines, addr) if start <= here <= end]
+    return [[_OP.search(ln).group(1) for ln, here in zip(lines, addr) if a <= here <= b] for a, b in inner]
+
+
+def loop_sequence(sass: str, containing: str | None = None) -> list[str]:
+    """The opcodes, in listing order, of the innermost loop in a cuobjdump listing: of the
+    innermost loops (`_innermost_loops`), the last one (with `containing`, the last one that
+    holds that opcode: not a wait's spin loop); [] where there is none."""
+    seqs = [seq for seq in _innermost_loops(sass) if containing is None or containing in seq]
+    return seqs[-1] if seqs else []
 
 
 def _counts(opcodes: list[str]) -> dict:
@@ -367,7 +368,7 @@ def packed_ws(launches=((32, 4, 2), (32, 4, 6), (32, 2, 8), (16, 4, 2), (64, 4, 
                                                                   WORKER_REGS=regs_budget), 4, divisible,
                                          maxnreg=regs_budget)
         early, shf, hmul2 = [], [], []
-        for seq in _hgmma_loops(sass):
+        for seq in (seq for seq in _innermost_loops(sass) if "HGMMA" in seq):
             last_mul = max(i for i, op in enumerate(seq) if op == "HMUL2")
             early.append(seq[:last_mul].count("HGMMA"))
             shf.append(seq.count("SHF"))
@@ -378,20 +379,6 @@ def packed_ws(launches=((32, 4, 2), (32, 4, 6), (32, 2, 8), (16, 4, 2), (64, 4, 
                      "named_barriers": sorted({int(b, 16) for b in re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+), 0x80", sass)}),
                      "hgmma_before_last_decode": early, "loop_shf": shf, "loop_hmul2": hmul2})
     return rows
-
-
-def _hgmma_loops(sass: str) -> list[list[str]]:
-    """The opcodes of each innermost loop of a listing that holds a wgmma (HGMMA), in order."""
-    lines = [ln for ln in sass.splitlines() if _OP.search(ln)]
-    addr = [int(_ADDR.search(ln).group(1), 16) for ln in lines]
-    loops = []
-    for ln, here in zip(lines, addr):
-        m = _BRA.search(ln)
-        if m and m.group(1) and int(m.group(1), 16) < here:
-            loops.append((int(m.group(1), 16), here))
-    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
-    seqs = [[_OP.search(ln).group(1) for ln, here in zip(lines, addr) if a <= here <= b] for a, b in inner]
-    return [seq for seq in seqs if "HGMMA" in seq]
 
 
 def route_tail(launches=((1, 1, False), (4, 4, False), (4, 4, True))) -> list:

@@ -56,28 +56,27 @@ def _frag(o, a_layout: gl.constexpr, W: gl.constexpr):
 
 
 @gluon.jit
+def _group_mma(words, sc, xb, k0: gl.constexpr, acc, a_layout: gl.constexpr, W: gl.constexpr, F16: gl.constexpr):
+    """One group's four chunks (K k0 to k0 + 63 of the tile), each chunk's wgmma issued as soon as it
+    is decoded, on the activation buffer xb's 16 columns: (acc in flight, the four fragments)."""
+    o0, o1, o2, o3 = _group_chunks(words, sc, W, F16)
+    f0 = _frag(o0, a_layout, W)
+    acc = warpgroup_mma(f0, xb.slice(k0, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    f1 = _frag(o1, a_layout, W)
+    acc = warpgroup_mma(f1, xb.slice(k0 + 16, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    f2 = _frag(o2, a_layout, W)
+    acc = warpgroup_mma(f2, xb.slice(k0 + 32, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    f3 = _frag(o3, a_layout, W)
+    acc = warpgroup_mma(f3, xb.slice(k0 + 48, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    return acc, f0, f1, f2, f3
+
+
+@gluon.jit
 def _tile_mma(w0, s0, w1, s1, xb, acc, a_layout: gl.constexpr, W: gl.constexpr, F16: gl.constexpr):
     """acc + a K tile's product: its 16-wide chunks decoded one after another, each chunk's wgmma
-    issued as soon as it is (on the activation buffer xb's 16 columns), all waited for at the end,
-    the fragments kept live until then."""
-    o0, o1, o2, o3 = _group_chunks(w0, s0, W, F16)
-    f0 = _frag(o0, a_layout, W)
-    acc = warpgroup_mma(f0, xb.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    f1 = _frag(o1, a_layout, W)
-    acc = warpgroup_mma(f1, xb.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    f2 = _frag(o2, a_layout, W)
-    acc = warpgroup_mma(f2, xb.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    f3 = _frag(o3, a_layout, W)
-    acc = warpgroup_mma(f3, xb.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    o4, o5, o6, o7 = _group_chunks(w1, s1, W, F16)
-    f4 = _frag(o4, a_layout, W)
-    acc = warpgroup_mma(f4, xb.slice(64, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    f5 = _frag(o5, a_layout, W)
-    acc = warpgroup_mma(f5, xb.slice(80, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    f6 = _frag(o6, a_layout, W)
-    acc = warpgroup_mma(f6, xb.slice(96, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    f7 = _frag(o7, a_layout, W)
-    acc = warpgroup_mma(f7, xb.slice(112, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    issued as soon as it is, all waited for at the end, the fragments kept live until then."""
+    acc, f0, f1, f2, f3 = _group_mma(w0, s0, xb, 0, acc, a_layout, W, F16)
+    acc, f4, f5, f6, f7 = _group_mma(w1, s1, xb, 64, acc, a_layout, W, F16)
     acc, f0, f1, f2, f3, f4, f5, f6, f7 = warpgroup_mma_wait(0, deps=(acc, f0, f1, f2, f3, f4, f5, f6, f7))
     return acc
 
