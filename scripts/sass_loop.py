@@ -343,14 +343,16 @@ def packed_overlap(launches=((16, 3, 2, 0), (32, 3, 2, 0), (64, 2, 2, 0), (64, 3
     return rows
 
 
-def packed_ws(launches=((32, 4, 2), (32, 4, 6), (32, 2, 8), (16, 4, 2), (64, 4, 2))) -> list:
+def packed_ws(launches=((32, 4, 2), (32, 2, 4), (16, 4, 2), (64, 4, 2), (64, 2, 2))) -> list:
     """`packed_ws._ws_kernel` (Gluon, warp-specialized) per (BLOCK_M, P, XS), unsplit, bf16, with
     the launcher's register budget: registers and stack per thread, the whole listing's wgmma
-    (eight per K tile in each of the P warpgroups' loops), the waits for them (one per K tile in
-    each loop), the named barriers of 128 threads it uses (each partition synchronises its own
-    warps on its own barrier) and the partitions' loops: how many wgmma each issues before its
-    last decoding multiply (HMUL2), i.e. with decoding still to do, and its funnel shifts (SHF)
-    and multiplies (HMUL2) per K tile."""
+    (eight per K tile in each of the P warpgroups' loops, each loop running XS tiles, one per
+    activation buffer), the waits for them (one per K tile), the named barriers of 128 threads it
+    uses (each partition synchronises its own warps on its own barrier) and the partitions' loops:
+    how many wgmma each issues before its last decoding multiply (HMUL2), i.e. with decoding still
+    to do, and per K tile its instructions, funnel shifts (SHF), multiplies (HMUL2), byte permutes
+    (PRMT) and the uniform shifts and sign extensions (USHF, USGXT) that build a wgmma operand
+    descriptor at run time."""
     from triton.experimental.gluon import language as gl
 
     from fp4kit.kernels import packed_ws as ws
@@ -367,17 +369,18 @@ def packed_ws(launches=((32, 4, 2), (32, 4, 6), (32, 2, 8), (16, 4, 2), (64, 4, 
         regs, sass, stack = compile_sm90(ws._ws_kernel, sig, dict(BLOCK_M=bm, SPLIT=1, P=p, XS=xs,
                                                                   WORKER_REGS=regs_budget), 4, divisible,
                                          maxnreg=regs_budget)
-        early, shf, hmul2 = [], [], []
+        early, per_tile = [], []
         for seq in (seq for seq in _innermost_loops(sass) if "HGMMA" in seq):
             last_mul = max(i for i, op in enumerate(seq) if op == "HMUL2")
             early.append(seq[:last_mul].count("HGMMA"))
-            shf.append(seq.count("SHF"))
-            hmul2.append(seq.count("HMUL2"))
+            per_tile.append({"instructions": len(seq) / xs, "SHF": seq.count("SHF") / xs,
+                             "HMUL2": seq.count("HMUL2") / xs, "PRMT": seq.count("PRMT") / xs,
+                             "descriptor_ops": (seq.count("USHF") + seq.count("USGXT")) / xs})
         rows.append({"BLOCK_M": bm, "P": p, "XS": xs, "register_budget": regs_budget, "registers": regs,
                      "stack": stack, "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
                      "wgmma_waits": len(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", sass)),
                      "named_barriers": sorted({int(b, 16) for b in re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+), 0x80", sass)}),
-                     "hgmma_before_last_decode": early, "loop_shf": shf, "loop_hmul2": hmul2})
+                     "hgmma_before_last_decode": early, "loop_per_tile": per_tile})
     return rows
 
 
@@ -445,6 +448,9 @@ def main(argv=None) -> int:
     for r in rows:
         counted = ("registers", "stack", "loop_instructions", "tail_instructions", "per_weight", "ops")
         tag = {k: v for k, v in r.items() if k not in counted}
+        if "ops" not in r:  # packed-ws: its loops' counts per K tile, in the tag
+            print(f"{json.dumps(tag)} {r['registers']:>5} {r['stack']:>5}")
+            continue
         smem = {k: v for k, v in r["ops"].items() if k in ("BAR", "STS", "STSM", "LDS", "LDGSTS", "PRMT", "SHFL")}
         size = r.get("loop_instructions", r.get("tail_instructions", ""))
         print(f"{json.dumps(tag):>36} {r['registers']:>5} {r['stack']:>5} {size:>5} {r.get('per_weight', ''):>10}  "

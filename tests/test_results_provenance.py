@@ -1419,6 +1419,64 @@ FIGURES = [
      lambda rows: "{:.2f} against {:.2f} with 64 rows".format(
          *(1e3 * _ws_row(rows, 3712, 64, "ws", cfg)["ms_warm"] for cfg in ({"BLOCK_M": 64, "P": 4, "AHEAD": 2},
                                                                              {"BLOCK_M": 64, "P": 4})))),
+    # the unrolled loop (constant buffer indices): against the loop before in one process, the
+    # canonical bench run after it, its Nsight Compute metrics, its sm_90 listing, and the dropped
+    # mma.sync variant
+    *[(BENCH, f"| {n} x {k} | {cells} |", "packed-gemm-ws-unrolled-ab-h100.json", ("ws",),
+       lambda rows, n=n: "| " + " | ".join("{:.2f} / {:.2f}".format(r["ms_warm"] * 1e3, r["ms_cold"] * 1e3)
+                                          for r in (_ws_row(rows, n, 64, "ws-old", WS_DEFAULT), _ws_row(rows, n, 64, "ws", WS_DEFAULT),
+                                                    _ws_row(rows, n, 64, "bf16"))) + " |")
+      for n, k, cells in ((3712, 2688, "8.22 / 8.74 | 7.85 / 9.04 | 8.14 / 10.15"),
+                          (2688, 3712, "9.51 / 10.06 | 9.09 / 10.38 | 8.62 / 10.53"))],
+    (BENCH, "0.36 and 0.42 us faster warm, 0.30 and 0.32 slower cold", "packed-gemm-ws-unrolled-ab-h100.json", ("ws",),
+     lambda rows: "{:.2f} and {:.2f} us faster warm, {:.2f} and {:.2f} slower cold".format(*(
+         1e3 * sign * (_ws_row(rows, n, 64, "ws-old", WS_DEFAULT)[f"ms_{s}"] - _ws_row(rows, n, 64, "ws", WS_DEFAULT)[f"ms_{s}"])
+         for s, sign in (("warm", 1), ("cold", -1)) for n in (3712, 2688)))),
+    *[(doc, quoted, "packed-gemm-ws-unrolled-h100.json", ("ws",),
+       lambda rows, fmt=fmt: fmt.format(*(1e3 * r[f"ms_{s}"] for n in (3712, 2688) for r in (
+           _ws_row(rows, n, 64, "ws", WS_DEFAULT), _ws_row(rows, n, 64, "bf16")) for s in ("warm", "cold"))))
+      for doc, quoted, fmt in (
+          (BENCH, "gives 7.87 / 9.08 against bf16's\n8.17 / 10.18 on 3712 x 2688",
+           "gives {:.2f} / {:.2f} against bf16's {:.2f} / {:.2f} on 3712 x 2688"),
+          (README, "7.87 / 9.08 against bf16's 8.17 / 10.18 on 3712 x 2688 and 9.09 / 10.39 against 8.54 / 10.49 on "
+                   "2688 x 3712", "{:.2f} / {:.2f} against bf16's {:.2f} / {:.2f} on 3712 x 2688 and {:.2f} / {:.2f} "
+                                  "against {:.2f} / {:.2f} on 2688 x 3712"))],
+    (BENCH, "9.09 / 10.39 against\n8.54 / 10.49 on 2688 x 3712", "packed-gemm-ws-unrolled-h100.json", ("ws",),
+     lambda rows: "{:.2f} / {:.2f} against {:.2f} / {:.2f} on 2688 x 3712".format(*(
+         1e3 * r[f"ms_{s}"] for r in (_ws_row(rows, 2688, 64, "ws", WS_DEFAULT), _ws_row(rows, 2688, 64, "bf16"))
+         for s in ("warm", "cold")))),
+    (BENCH, "faster warm (1.04x) and cold (1.12x)", "packed-gemm-ws-unrolled-h100.json", ("ws",),
+     lambda rows: "faster warm ({:.2f}x) and cold ({:.2f}x)".format(*(
+         _ws_row(rows, 3712, 64, "bf16")[f"ms_{s}"] / _ws_row(rows, 3712, 64, "ws", WS_DEFAULT)[f"ms_{s}"]
+         for s in ("warm", "cold")))),
+    (BENCH, "faster cold (1.01x) but not warm (0.94x)", "packed-gemm-ws-unrolled-h100.json", ("ws",),
+     lambda rows: "faster cold ({:.2f}x) but not warm ({:.2f}x)".format(*(
+         _ws_row(rows, 2688, 64, "bf16")[f"ms_{s}"] / _ws_row(rows, 2688, 64, "ws", WS_DEFAULT)[f"ms_{s}"]
+         for s in ("cold", "warm")))),
+    (BENCH, "with three, 9.68 /\n9.93 us on 3712 x 2688", "packed-gemm-ws-unrolled-h100.json", ("ws",),
+     lambda rows: "with three, {:.2f} / {:.2f} us".format(*(
+         1e3 * _ws_row(rows, 3712, 64, "ws", {"BLOCK_M": 32, "P": 4, "XS": 3})[f"ms_{s}"] for s in ("warm", "cold")))),
+    (BENCH, "issues\non 38-42 % of a scheduler's cycles", "packed-gemm-ws-unrolled-ab-h100.json", ("ncu",),
+     lambda runs: "on {} % of".format(_span([r["metrics"]["smsp__issue_active.avg.pct_of_peak_sustained_active"]
+                                              for r in runs], 0))),
+    (BENCH, "2.0-2.5 cycles at\nbarriers", "packed-gemm-ws-unrolled-ab-h100.json", ("ncu",),
+     lambda runs: "{} cycles at".format(_span([r["metrics"][
+         "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"] for r in runs], 1))),
+    (BENCH, "1.4-1.6 on loads", "packed-gemm-ws-unrolled-ab-h100.json", ("ncu",),
+     lambda runs: "{} on loads".format(_span([r["metrics"][
+         "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"] for r in runs], 1))),
+    (BENCH, "1.2-1.5 for instructions to be fetched", "packed-gemm-ws-unrolled-ab-h100.json", ("ncu",),
+     lambda runs: "{} for instructions".format(_span([r["metrics"][
+         "smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio"] for r in runs], 1))),
+    (BENCH, "take 211.5-216.5\ninstructions per K tile and warp, with no descriptor arithmetic and 20-20.5 byte permutes",
+     "packed-ws-sass.json", ("rows", 0, "loop_per_tile"),
+     lambda tiles: "take {}-{} instructions per K tile and warp, with no descriptor arithmetic and {}-{} byte "
+                   "permutes".format(min(t["instructions"] for t in tiles), max(t["instructions"] for t in tiles),
+                                     *(f"{f(t['PRMT'] for t in tiles):g}" for f in (min, max)))
+     if all(t["descriptor_ops"] == 0 for t in tiles) else "descriptor arithmetic in the loop"),
+    (BENCH, "8.99 against 7.99 us warm at the default launch on 3712 x\n2688", "packed-gemm-ws-mma-sync-h100.json", ("ws",),
+     lambda rows: "{:.2f} against {:.2f} us warm".format(*(
+         1e3 * _ws_row(rows, 3712, 64, "ws", cfg)["ms_warm"] for cfg in ({"BLOCK_M": 32, "P": 4, "MMA": 2}, WS_DEFAULT)))),
     (BENCH, "against 4.0 us for the six K tiles", "packed-gemm-chain-h100.json", ("fits",),
      lambda fits: "against {:.1f} us".format(6 * _chain_fit(fits, 64, 4, "warm")["us_per_tile"])),
     (BENCH, "(a fixed\n6.11 against 2.05 us)", "packed-gemm-chain-h100.json", ("fits",),

@@ -115,23 +115,27 @@ def test_the_overlapped_gemm_keeps_a_tiles_wgmma_in_flight_while_it_decodes_the_
 
 def test_the_warp_specialized_gemm_compiles_without_spills_one_barrier_per_warpgroup():
     # Gluon, compiled for sm_90 with the launcher's register budget: no spills, eight wgmma per K
-    # tile in each warpgroup's loop and one wait for them per loop, each of the P partitions on a
-    # named barrier of its own (a CTA-wide barrier inside one partition would wait for warps that
-    # never reach it), and in each loop wgmma issued while the tile's decoding goes on: at least
-    # two before its last decoding multiply (where the assembler puts the rest varies with the
-    # Triton release: 2 to 4 seen; a tile decoded whole and then issued has none). The decoding
-    # moves bits with plain shifts: of its 8 words per thread and tile only the right shifts
-    # (two per word) are funnel shifts (SHF), the left ones integer multiplies; with rotations
-    # (shf.l.wrap) the loop had 40. One paired multiply per fragment register: 32.
+    # tile and one wait for them per tile, each warpgroup's loop running XS tiles (one per
+    # activation buffer), each of the P partitions on a named barrier of its own (a CTA-wide
+    # barrier inside one partition would wait for warps that never reach it), and in each loop
+    # wgmma issued while the decoding goes on: at least two before its last decoding multiply
+    # (a loop decoded whole and then issued has none). The decoding moves bits with plain shifts:
+    # of its 8 words per thread and tile only the right shifts (two per word) are funnel shifts
+    # (SHF), the left ones integer multiplies; with rotations (shf.l.wrap) a tile had 40. One
+    # paired multiply per fragment register: 32. Each buffer's wgmma operand descriptors are
+    # constants of the loop (a buffer index worked out at run time built them per wgmma, with
+    # uniform shifts and sign extensions in the loop).
     rows = _compiled_rows("packed_ws()")
-    assert [(r["BLOCK_M"], r["P"], r["XS"]) for r in rows] == [(32, 4, 2), (32, 4, 6), (32, 2, 8), (16, 4, 2),
-                                                               (64, 4, 2)]
+    assert [(r["BLOCK_M"], r["P"], r["XS"]) for r in rows] == [(32, 4, 2), (32, 2, 4), (16, 4, 2), (64, 4, 2),
+                                                               (64, 2, 2)]
     for row in rows:
         assert row["stack"] == 0 and row["registers"] <= row["register_budget"]
-        assert row["hgmma"] == 8 * row["P"] and row["wgmma_waits"] == row["P"]
+        assert row["hgmma"] == 8 * row["P"] * row["XS"] and row["wgmma_waits"] == row["P"] * row["XS"]
         assert len(row["named_barriers"]) == row["P"]
         assert len(row["hgmma_before_last_decode"]) == row["P"] and min(row["hgmma_before_last_decode"]) >= 2
-        assert max(row["loop_shf"]) <= 2 * 8 + 1 and row["loop_hmul2"] == [32] * row["P"]
+        for tile in row["loop_per_tile"]:
+            assert tile["SHF"] <= 2 * 8 + 1 and tile["HMUL2"] == 32 and tile["descriptor_ops"] == 0
+            assert tile["instructions"] <= 230
 
 
 def test_the_ops_after_an_opcode_and_the_loops_order():

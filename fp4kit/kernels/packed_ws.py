@@ -14,7 +14,9 @@ p, p + P, p + 2P, ... in order:
   where there is a later one (a refill is the warpgroup's to agree on; a tile without one skips it);
 - a tile's codes and scales are loaded one tile ahead of their decoding, and each of its eight
   16-wide chunks is issued to the matrix units (an asynchronous wgmma) as soon as it is decoded,
-  so that the next chunk's decoding runs while it does; the tile's wgmma are waited for together.
+  so that the next chunk's decoding runs while it does; the tile's wgmma are waited for together;
+- the loop takes XS tiles a step, one per buffer, so that each buffer's index, and with it its
+  wgmma operand descriptors, is a constant: built once, not for every wgmma.
 
 The workers then put their fp32 sums in shared memory and arrive at one mbarrier; the default
 partition adds them to its own in the fixed order p = 1, 2, ..., so no partial goes through global
@@ -105,16 +107,19 @@ def _share(x_desc, w_ptr, s_ptr, xs, bars, N16, KT, kt0, n_k, pid_n, row0, P: gl
     # last tile, or for a warpgroup with none, the weight's last tile again: nothing uses them).
     last = KT - 1
     w0, s0, w1, s1 = _tile_load(w_ptr, s_ptr, woff, soff, gl.minimum(kt0 + p, last))
-    for i in range(mine):
-        kt = kt0 + p + i * P
-        n0, n1, n2, n3 = _tile_load(w_ptr, s_ptr, woff, soff, gl.minimum(kt + P, last))
-        buf = XS * p + i % XS
-        mbarrier.wait(bars.index(buf), (i // XS) & 1)
-        acc = _tile_mma(w0, s0, w1, s1, xs.index(buf), acc, a_layout, W, F16)
-        w0, s0, w1, s1 = n0, n1, n2, n3
-        if i + XS < mine:  # this buffer's wgmma are done: refill it with the tile XS on
-            mbarrier.expect(bars.index(buf), x_desc.block_type.nbytes)
-            _tma_load(x_desc, [row0, (kt + XS * P) * 128], bars.index(buf), xs.index(buf))
+    for i0 in range(0, mine, XS):
+        for j in gl.static_range(XS):  # unrolled: each buffer's index, and so its wgmma operands, constant
+            i = i0 + j
+            if i < mine:
+                kt = kt0 + p + i * P
+                n0, n1, n2, n3 = _tile_load(w_ptr, s_ptr, woff, soff, gl.minimum(kt + P, last))
+                buf: gl.constexpr = XS * p + j
+                mbarrier.wait(bars.index(buf), (i0 // XS) & 1)
+                acc = _tile_mma(w0, s0, w1, s1, xs.index(buf), acc, a_layout, W, F16)
+                w0, s0, w1, s1 = n0, n1, n2, n3
+                if i + XS < mine:  # this buffer's wgmma are done: refill it with the tile XS on
+                    mbarrier.expect(bars.index(buf), x_desc.block_type.nbytes)
+                    _tma_load(x_desc, [row0, (kt + XS * P) * 128], bars.index(buf), xs.index(buf))
     return acc
 
 
@@ -201,7 +206,8 @@ def config(m: int, n: int, k: int, cfg: dict | None = None) -> dict:
     weights, took less time than one), P
     (warpgroups per program, 2 or 4, default 4), SPLIT (programs per tile along K, default 1), XS
     (activation buffers per warpgroup, 2 to 8, default 2: more took longer, the shared memory they
-    take being the L1 cache's that the codes are loaded through) and WORKER_REGS (registers per
+    take being the L1 cache's that the codes are loaded through, and each a tile's code more in
+    the loop) and WORKER_REGS (registers per
     thread, every partition's: 128 for 4 warpgroups, 168 for 2, within the 64 K registers of a
     multiprocessor, without spills), overridden by cfg."""
     c = dict(cfg or {})

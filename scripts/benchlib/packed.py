@@ -135,9 +135,9 @@ def bench_chain(n=3712, ms=(1, 16, 64), splits=(1, 4), tiles=(1, 2, 3, 4, 6, 8),
     return rows
 
 
-WS_LAUNCHES = ({"BLOCK_M": 32, "P": 4}, {"BLOCK_M": 32, "P": 4, "XS": 3}, {"BLOCK_M": 32, "P": 4, "XS": 6},
-               {"BLOCK_M": 32, "P": 2}, {"BLOCK_M": 32, "P": 2, "XS": 8}, {"BLOCK_M": 64, "P": 4},
-               {"BLOCK_M": 16, "P": 4}, {"BLOCK_M": 16, "P": 4, "SPLIT": 2})
+WS_LAUNCHES = ({"BLOCK_M": 32, "P": 4}, {"BLOCK_M": 32, "P": 4, "XS": 3}, {"BLOCK_M": 32, "P": 2},
+               {"BLOCK_M": 64, "P": 4}, {"BLOCK_M": 64, "P": 2, "SPLIT": 2}, {"BLOCK_M": 16, "P": 4},
+               {"BLOCK_M": 16, "P": 4, "SPLIT": 2})
 
 
 def bench_ws(shapes=NANO, ms=(16, 32, 64), launches=WS_LAUNCHES) -> list:
