@@ -1477,6 +1477,18 @@ FIGURES = [
     (BENCH, "8.99 against 7.99 us warm at the default launch on 3712 x\n2688", "packed-gemm-ws-mma-sync-h100.json", ("ws",),
      lambda rows: "{:.2f} against {:.2f} us warm".format(*(
          1e3 * _ws_row(rows, 3712, 64, "ws", cfg)["ms_warm"] for cfg in ({"BLOCK_M": 32, "P": 4, "MMA": 2}, WS_DEFAULT)))),
+    (BENCH, "8.51 / 9.24 against 6.94 / 10.04 us on 3712 x 2688, 9.28 /\n10.33 against 9.35 / 13.04 on 2688 x 3712",
+     "packed-gemm-ws-split-h100.json", ("ws",),
+     lambda rows: ", ".join("{:.2f} / {:.2f} against {:.2f} / {:.2f}{} on {} x {}".format(
+         *(1e3 * r[f"ms_{s}"] for r in (_ws_row(rows, n, 48, "ws", WS_DEFAULT), _ws_row(rows, n, 48, "bf16"))
+           for s in ("warm", "cold")), " us" if n == 3712 else "", n, k) for n, k in ((3712, 2688), (2688, 3712)))),
+    (README, "at 48 rows 8.51 against bf16's 6.94 warm on 3712 x 2688", "packed-gemm-ws-split-h100.json", ("ws",),
+     lambda rows: "at 48 rows {:.2f} against bf16's {:.2f} warm".format(
+         *(1e3 * r["ms_warm"] for r in (_ws_row(rows, 3712, 48, "ws", WS_DEFAULT), _ws_row(rows, 3712, 48, "bf16"))))),
+    (BENCH, "takes 9.35 / 11.13 against 9.11 / 10.36 unsplit", "packed-gemm-ws-split-h100.json", ("ws",),
+     lambda rows: "takes {:.2f} / {:.2f} against {:.2f} / {:.2f} unsplit".format(
+         *(1e3 * r[f"ms_{s}"] for r in (_ws_row(rows, 2688, 64, "ws", {"BLOCK_M": 64, "P": 2, "SPLIT": 3}),
+                                        _ws_row(rows, 2688, 64, "ws", WS_DEFAULT)) for s in ("warm", "cold")))),
     (BENCH, "against 4.0 us for the six K tiles", "packed-gemm-chain-h100.json", ("fits",),
      lambda fits: "against {:.1f} us".format(6 * _chain_fit(fits, 64, 4, "warm")["us_per_tile"])),
     (BENCH, "(a fixed\n6.11 against 2.05 us)", "packed-gemm-chain-h100.json", ("fits",),
