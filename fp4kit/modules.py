@@ -333,20 +333,23 @@ class NVFP4Experts(nn.Module):
     def with_shared(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     shared: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(hidden_states, top_k_index, top_k_weights), shared(hidden_states)) for a shared
-        expert of two W4A16 NVFP4Linear (checkpoint layout, no bias) around relu^2, by
+        expert of two W4A16 NVFP4Linear (one layout, no bias) around relu^2, by
         `kernels.moe_gemm.moe_experts_and_shared` (Triton backend): the same launches, on a GPU
         the shared expert's on a second stream."""
         up, down = shared.up_proj, shared.down_proj
         if torch.compiler.is_compiling():  # one opaque operator to the compiler
-            return kernel_ops.moe_experts_and_shared(
-                hidden_states, top_k_index, top_k_weights, self.up_proj_weight, self.up_proj_weight_scale,
-                self.up_proj_weight_scale_2, self.down_proj_weight, self.down_proj_weight_scale,
-                self.down_proj_weight_scale_2, up.weight, up.weight_scale, up.weight_scale_2, down.weight,
-                down.weight_scale, down.weight_scale_2)
+            experts = (self.up_proj_weight, self.up_proj_weight_scale, self.up_proj_weight_scale_2,
+                       self.down_proj_weight, self.down_proj_weight_scale, self.down_proj_weight_scale_2)
+            if up.layout == "packed":
+                return kernel_ops.moe_experts_and_packed_shared(hidden_states, top_k_index, top_k_weights, *experts,
+                                                                *_packed_shared_args(up, down))
+            return kernel_ops.moe_experts_and_shared(hidden_states, top_k_index, top_k_weights, *experts,
+                                                     up.weight, up.weight_scale, up.weight_scale_2, down.weight,
+                                                     down.weight_scale, down.weight_scale_2)
         from .kernels.moe_gemm import moe_experts_and_shared
 
         return moe_experts_and_shared(hidden_states, top_k_index, top_k_weights, self.stack("up_proj"),
-                                      self.stack("down_proj"), up.qweight, down.qweight)
+                                      self.stack("down_proj"), *_shared_weights(up, down))
 
     def routed_with_shared(self, hidden_states: torch.Tensor, route_x: torch.Tensor, router_weight: torch.Tensor,
                            router_bias: torch.Tensor, top_k: int, norm: bool, scale: float,
@@ -357,15 +360,17 @@ class NVFP4Experts(nn.Module):
         expert's launches go to the second stream before the router's."""
         up, down = shared.up_proj, shared.down_proj
         if torch.compiler.is_compiling():  # one opaque operator to the compiler
-            return kernel_ops.routed_experts_and_shared(
-                hidden_states, route_x, router_weight, router_bias, top_k, norm, scale, self.up_proj_weight,
-                self.up_proj_weight_scale, self.up_proj_weight_scale_2, self.down_proj_weight,
-                self.down_proj_weight_scale, self.down_proj_weight_scale_2, up.weight, up.weight_scale,
-                up.weight_scale_2, down.weight, down.weight_scale, down.weight_scale_2)
+            head = (hidden_states, route_x, router_weight, router_bias, top_k, norm, scale, self.up_proj_weight,
+                    self.up_proj_weight_scale, self.up_proj_weight_scale_2, self.down_proj_weight,
+                    self.down_proj_weight_scale, self.down_proj_weight_scale_2)
+            if up.layout == "packed":
+                return kernel_ops.routed_experts_and_packed_shared(*head, *_packed_shared_args(up, down))
+            return kernel_ops.routed_experts_and_shared(*head, up.weight, up.weight_scale, up.weight_scale_2,
+                                                        down.weight, down.weight_scale, down.weight_scale_2)
         from .kernels.moe_gemm import routed_experts_and_shared
 
         return routed_experts_and_shared(hidden_states, route_x, router_weight, router_bias, top_k,
-                                         self.stack("up_proj"), self.stack("down_proj"), up.qweight, down.qweight,
+                                         self.stack("up_proj"), self.stack("down_proj"), *_shared_weights(up, down),
                                          norm=norm, scale=scale)
 
     def _loop(self, hidden_states, top_k_index, top_k_weights, up_w, down_w, up_scale=None, down_scale=None):
@@ -397,6 +402,19 @@ class NVFP4Experts(nn.Module):
         mode = "W4A4" if self.act_quant else "W4A16"
         return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
                 f"{self.algo} run as {mode}, backend={self.backend}")
+
+
+def _shared_weights(up: NVFP4Linear, down: NVFP4Linear) -> tuple:
+    """A shared expert's up and down weights as its layout holds them: `PackedNVFP4` (layout
+    "packed") or `nvfp4.NVFP4Tensor` (the checkpoint's)."""
+    return (up.packed(), down.packed()) if up.layout == "packed" else (up.qweight, down.qweight)
+
+
+def _packed_shared_args(up: NVFP4Linear, down: NVFP4Linear) -> tuple:
+    """The packed shared expert's tensors and intermediate size as the `*_packed_shared` operators
+    take them."""
+    return (up.packed_words, up.packed_scales, up.weight_scale_2, down.packed_words, down.packed_scales,
+            down.weight_scale_2, up.out_features)
 
 
 class FP8KVProjection(nn.Module):

@@ -31,11 +31,14 @@ attention and routers (triton), or the model's own), side by side.
 routed experts on one stream (`models.nemotron_h.shared_experts_after_routed`), as labels ending
 in _sequential-shared: load_quantized runs it on a second stream beside them on a GPU.
 
+`--layouts checkpoint,packed` loads each checkpoint once per layout of its NVFP4 linears
+(`load_quantized(layout=...)`), the layouts after the first as labels <recipe>_<layout>-layout.
+
 Writes benchmarks/results/decode-graph[-compiled][-mamba-kernels]-<gpu>.json (with its date,
 command and versions) and prints a table.
 
     python scripts/bench_decode.py [--layers 26] [--batches 1,16,64] [--prompt-len 512] [--new-tokens 256] [--compile]
-                                   [--step-ops fp4kit,transformers] [--sequential-shared]
+                                   [--step-ops fp4kit,transformers] [--sequential-shared] [--layouts checkpoint,packed]
 
 Smoke run of the same flow on the embedded tiny model (trained, 4096-token vocabulary), on the CPU
 with fp4kit's exact emulation and no graph; writes to a temporary file unless --out is given:
@@ -58,6 +61,7 @@ from benchlib.record import run_record, write_results
 
 from fp4kit.decode import DEFAULT_STEP_OPS, INDUCTOR_PDL_ENV, STEP_OPS, generate as fp4kit_generate, inductor_pdl
 from fp4kit.export.load import load_quantized
+from fp4kit.modules import LAYOUTS
 from fp4kit.export.modelopt import export_checkpoint
 from fp4kit.models.nemotron_h import NANO_WIDTHS, mamba_kernels, shared_experts_after_routed
 from fp4kit.quantize import DEFAULT_RECIPE, quantize
@@ -229,6 +233,9 @@ def main() -> None:
                     help="with --compile: TorchInductor's kernels as programmatic dependent launches or not (its "
                          "triton.enable_pdl, Hopper onwards), every model alike (default: fp4kit.generate's, on; "
                          "fp4kit.decode.inductor_pdl)")
+    ap.add_argument("--layouts", default=LAYOUTS[0],
+                    help=f"comma-separated NVFP4 linear layouts each checkpoint is loaded with (of {', '.join(LAYOUTS)}; "
+                         f"default {LAYOUTS[0]}): a layout after the first gives labels <recipe>_<layout>-layout")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args()
     if args.inductor_pdl is not None:
@@ -248,6 +255,9 @@ def main() -> None:
     step_ops = [o for o in args.step_ops.split(",") if o]
     if not step_ops or any(o not in STEP_OPS for o in step_ops) or len(set(step_ops)) != len(step_ops):
         ap.error(f"--step-ops takes distinct values of {', '.join(STEP_OPS)}, got {args.step_ops!r}")
+    layouts = [x for x in args.layouts.split(",") if x]
+    if not layouts or any(x not in LAYOUTS for x in layouts) or len(set(layouts)) != len(layouts):
+        ap.error(f"--layouts takes distinct values of {', '.join(LAYOUTS)}, got {args.layouts!r}")
     if args.new_tokens < 2:
         ap.error("--new-tokens must be at least 2 (one from the prefill, the rest timed)")
     device = torch.device(args.device)
@@ -302,20 +312,23 @@ def main() -> None:
             quantize_s = time.perf_counter() - t0
             warnings = list(qm.warnings)
             del qm
-            before = allocated(device)
-            t0 = time.perf_counter()
-            qmodel = load_quantized(path, device=device, backend=backend)
-            sync(device)
-            load_s = time.perf_counter() - t0
-            weight_bytes[recipe] = allocated(device) - before
-            qmodel.generation_config.eos_token_id = None
-            checkpoints[recipe] = {"checkpoint_bytes": sum(f.stat().st_size for f in path.glob("*.safetensors")),
-                                   "quantize_export_s": quantize_s, "load_s": load_s, "warnings": warnings}
-            loaded[recipe] = qmodel
-        memory = (f", weights on the GPU {weight_bytes[recipe] / 1e9:.3f} GB (BF16 {weight_bytes['bf16'] / 1e9:.3f} GB)"
-                  if device.type == "cuda" else "")
-        print(f"{recipe}: quantize + export {quantize_s:.1f}s, load {load_s:.1f}s, "
-              f"checkpoint {checkpoints[recipe]['checkpoint_bytes'] / 1e9:.3f} GB{memory}")
+            for layout in layouts:
+                name = recipe if layout == layouts[0] else f"{recipe}_{layout}-layout"
+                before = allocated(device)
+                t0 = time.perf_counter()
+                qmodel = load_quantized(path, device=device, backend=backend, layout=layout)
+                sync(device)
+                load_s = time.perf_counter() - t0
+                weight_bytes[name] = allocated(device) - before
+                qmodel.generation_config.eos_token_id = None
+                checkpoints[name] = {"checkpoint_bytes": sum(f.stat().st_size for f in path.glob("*.safetensors")),
+                                     "quantize_export_s": quantize_s, "load_s": load_s, "layout": layout,
+                                     "warnings": warnings}
+                loaded[name] = qmodel
+                memory = (f", weights on the GPU {weight_bytes[name] / 1e9:.3f} GB (BF16 "
+                          f"{weight_bytes['bf16'] / 1e9:.3f} GB)" if device.type == "cuda" else "")
+                print(f"{name}: quantize + export {quantize_s:.1f}s, load {load_s:.1f}s ({layout} layout), "
+                      f"checkpoint {checkpoints[name]['checkpoint_bytes'] / 1e9:.3f} GB{memory}")
 
     launch = None
     if device.type == "cuda":
@@ -360,7 +373,7 @@ def main() -> None:
             "experts_implementation_bf16": getattr(cfg, "_experts_implementation", None),
             "attn_implementation": cfg._attn_implementation,
         },
-        "recipes": recipes, "checkpoints": checkpoints,
+        "recipes": recipes, "layouts": layouts, "checkpoints": checkpoints,
         "calibration": {"samples": args.calib_samples, "seq_len": args.calib_len, "tokens": "uniformly random"},
         "bf16_weight_bytes": bf16_bytes, "build_s": build_s,
         "weight_memory_bytes": weight_bytes if device.type == "cuda" else None,  # allocator bytes: CUDA only
@@ -373,9 +386,9 @@ def main() -> None:
         "batches": per_batch,
     }
 
-    labels = [f"bf16_{how}", "bf16_eager", *(f"{r}_{how}" for r in recipes)]
-    labels += [f"{name}_{how}_{ops}-ops" for ops in step_ops[1:] for name in ["bf16", *recipes]]
-    labels += [f"{r}_{how}_sequential-shared" for r in recipes if args.sequential_shared]
+    labels = [f"bf16_{how}", "bf16_eager", *(f"{r}_{how}" for r in loaded)]
+    labels += [f"{name}_{how}_{ops}-ops" for ops in step_ops[1:] for name in ["bf16", *loaded]]
+    labels += [f"{r}_{how}_sequential-shared" for r in loaded if args.sequential_shared]
     print(f"\n{'batch':>5}" + "".join(f"{lab + ' tok/s':>34}" for lab in labels))
     for b, r in per_batch.items():
         cells = []

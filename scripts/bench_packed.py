@@ -9,7 +9,7 @@ the packed weight. Writes JSON (default benchmarks/results/packed-gemm-<gpu>.jso
 table.
 
     PYTHONPATH=. python scripts/bench_packed.py [--out PATH] [--no-sweep] [--ms 1,4,16,64,256,1024] [--pipeline]
-        [--shapes 3712x2688,2688x3712] [--overlap] [--cold] [--chain] [--ws]
+        [--shapes 3712x2688,2688x3712] [--overlap] [--cold] [--chain] [--ws] [--rows]
 
 --cold sweeps the 16-64-row launch shapes with every launch reading its weight from device memory
 (copies of the weight, four L2s in all, run in turn: a decode step's condition) and times the
@@ -24,6 +24,10 @@ packed-gemm-chain-<gpu>.json).
 (fp4kit.kernels.packed_ws) against torch.matmul and packed_matmul, warm and cold, with its error
 against the fp32 product (default JSON packed-gemm-ws-<gpu>.json).
 
+--rows times, at 1-64 activation rows, every W4A16 kernel a decode step could run on the weight
+(checkpoint layout, packed_matmul, packed_ws at its launch shapes) against torch.matmul, warm and
+cold, and prints the fastest per row count (default JSON packed-gemm-rows-<gpu>.json).
+
 --overlap times only the Gluon kernel with overlapped K tiles (fp4kit.kernels.packed_overlap)
 against torch.matmul and packed_matmul, checking its bytes against packed_matmul's (sweeps/packed.py's
 sweep_overlap; default JSON packed-gemm-overlap-<gpu>.json).
@@ -37,7 +41,7 @@ import os
 
 import torch
 from bench_kernels import run_record, write
-from benchlib.packed import bench, bench_chain, bench_cold, bench_ws, chain_fits
+from benchlib.packed import EVERY_M, bench, bench_chain, bench_cold, bench_rows, bench_ws, chain_fits
 from sweeps import packed as sweeps
 
 from fp4kit.formats import e2m1, nvfp4
@@ -98,11 +102,34 @@ def print_rows(rows) -> None:
               f"BLOCK_M {c['BLOCK_M']} warps {c['num_warps']} split {c['SPLIT']} unroll {c['UNROLL']}")
 
 
+def print_best(rows) -> None:
+    """Per shape and M: bf16's warm / cold time, the fastest W4A16 kernel's and packed_matmul's as
+    called by default (us), with their ratios to bf16's."""
+    print(f"{'N':>5} {'K':>5} {'M':>3}  {'bf16 warm':>9} {'best warm':>9} {'x':>5}  {'bf16 cold':>9} {'best cold':>9} "
+          f"{'x':>5}  {'dispatch warm / cold':>20} {'x':>11}  best warm kernel / best cold kernel")
+    for key in sorted({(r["N"], r["K"], r["M"]) for r in rows}, key=lambda t: (-t[0], t[2])):
+        mine = [r for r in rows if (r["N"], r["K"], r["M"]) == key]
+        bf = next(r for r in mine if r["kernel"] == "bf16")
+        cells, names = [], []
+        for state in ("warm", "cold"):
+            best = min((r for r in mine if r["kernel"] != "bf16"), key=lambda r: r[f"ms_{state}"])
+            cells.append(f"{bf[f'ms_{state}'] * 1e3:>9.2f} {best[f'ms_{state}'] * 1e3:>9.2f} "
+                         f"{bf[f'ms_{state}'] / best[f'ms_{state}']:>5.2f}")
+            launch = best["launch"] or {}
+            names.append(best["kernel"] + (f" BM{launch['BLOCK_M']} P{launch['P']} S{launch['SPLIT']}"
+                                           if best["kernel"] == "ws" else ""))
+        d = next(r for r in mine if r["kernel"] == "dispatch")
+        disp = (f"{d['ms_warm'] * 1e3:>9.2f} / {d['ms_cold'] * 1e3:>8.2f} {bf['ms_warm'] / d['ms_warm']:>5.2f}/"
+                f"{bf['ms_cold'] / d['ms_cold']:<5.2f}")
+        print(f"{key[0]:>5} {key[1]:>5} {key[2]:>3}  {cells[0]}  {cells[1]}  {disp}  {names[0]} / {names[1]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/packed-gemm-<gpu>.json)")
     ap.add_argument("--no-sweep", action="store_true", help="measure with the tuning file's launch shapes as they are")
-    ap.add_argument("--ms", default="1,4,16,64,256,1024", help="activation rows of the timed problems")
+    ap.add_argument("--ms", default=None,
+                    help="activation rows of the timed problems (default 1,4,16,64,256,1024; --rows: EVERY_M)")
     ap.add_argument("--shapes", default=None, type=shapes_arg,
                     help="weight shapes NxK to sweep and time, comma-separated (default: sweeps/packed.py's SHAPES)")
     ap.add_argument("--pipeline", action="store_true",
@@ -121,7 +148,19 @@ def main() -> None:
     ap.add_argument("--ws", action="store_true",
                     help="only time the Gluon kernel with K split across each program's warpgroups "
                          "(benchlib/packed.py's bench_ws; default JSON packed-gemm-ws-<gpu>.json)")
+    ap.add_argument("--rows", action="store_true",
+                    help="only time every W4A16 kernel at 1-64 activation rows (EVERY_M, or --ms) against "
+                         "torch.matmul, warm and cold (benchlib/packed.py's bench_rows; default JSON "
+                         "packed-gemm-rows-<gpu>.json)")
     args = ap.parse_args()
+    if args.rows:
+        path, result = run_record("packed-gemm-rows", args.out)
+        ms = EVERY_M if args.ms is None else tuple(int(v) for v in args.ms.split(","))
+        result["rows"] = rows = bench_rows(shapes=args.shapes or sweeps.NANO, ms=ms)
+        write(path, result)
+        print_best(rows)
+        print(f"wrote {path}")
+        return
     if args.ws:
         path, result = run_record("packed-gemm-ws", args.out)
         result["ws"] = rows = bench_ws(shapes=args.shapes or sweeps.NANO)
@@ -160,7 +199,8 @@ def main() -> None:
             result["launch_shapes_cold_pick"] = launch.thaw(picked["PACKED"])
             print(f"cold pick: {json.dumps(result['launch_shapes_cold_pick'])}", flush=True)
         result["launch_shapes"] = launch.thaw(tables["PACKED"])
-        result["gemm_cold"] = rows = bench_cold(shapes=shapes, ms=tuple(int(v) for v in args.ms.split(",")),
+        ms = tuple(int(v) for v in (args.ms or "1,4,16,32,64").split(","))
+        result["gemm_cold"] = rows = bench_cold(shapes=shapes, ms=ms,
                                                tables=tables, picked=picked)
         write(path, result)
         kinds = ("bf16", "w4a16", "packed") + (("packed_picked",) if picked else ())
@@ -206,7 +246,8 @@ def main() -> None:
         tables = launch.override(tables, PACKED=sweeps.pick(result["sweep"], tables))
     result["launch_shapes"] = launch.thaw(tables["PACKED"])
     print(f"launch shapes: {json.dumps(result['launch_shapes'])}", flush=True)
-    result["gemm"] = bench(shapes=shapes, ms=tuple(int(v) for v in args.ms.split(",")), tables=tables)
+    ms = tuple(int(v) for v in (args.ms or "1,4,16,64,256,1024").split(","))
+    result["gemm"] = bench(shapes=shapes, ms=ms, tables=tables)
     print_rows(result["gemm"])
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

@@ -308,6 +308,25 @@ def _epilogue_part(rows: list, n: int, split: int, more: str, less: str) -> floa
     return _epilogue_row(rows, n, more, split)["us_warm"] - _epilogue_row(rows, n, less, split)["us_warm"]
 
 
+def _rows_ratio(n: int, kernel: str, state: str, lo: int = 1, hi: int = 64):
+    """bench_packed.py --rows: the span of bf16's time over `kernel`'s at lo-hi rows on weight rows n."""
+    def span(rows):
+        ms = sorted({r["M"] for r in rows if r["N"] == n and lo <= r["M"] <= hi})
+        return _span([_rows_cell(rows, n, m, "bf16")[f"ms_{state}"] / _rows_cell(rows, n, m, kernel)[f"ms_{state}"]
+                      for m in ms], 2)
+    return span
+
+
+def _rows_cell(rows: list, n: int, m: int, kernel: str) -> dict:
+    """bench_packed.py --rows's row of one kernel ("bf16", "w4a16", "packed", "dispatch") at m rows."""
+    (row,) = [r for r in rows if (r["N"], r["M"], r["kernel"]) == (n, m, kernel)]
+    return row
+
+
+def _decode_speedup(label: str, batch: str):
+    return lambda d: f"{d['batches'][batch]['speedup_over_bf16_graph'][label]:.2f}"
+
+
 WS_DEFAULT = {"BLOCK_M": 32, "P": 4}  # packed_ws's default launch at 64 rows, as bench_packed.py --ws names it
 
 
@@ -960,9 +979,9 @@ FIGURES = [
      ("weight_memory_over_bf16", "nemotron-h-w4a16-4o6"), _f(2)),
     (README, "| eager W4A16 call, host time | 15.8 us", "kernels-host-h200.json",
      ("host_overhead", "w4a16_host_us_per_call"), _f(1)),
-    (README, "the MoE 2.85x bf16 at 64 tokens; the linear 0.69x / 0.84x", KERNELS,
+    (README, "Before: the linear 0.69x / 0.84x", KERNELS,
      ("gemm", {**NANO[0], "M": 64}, "speedup_vs_bf16_best"), _f(2)),
-    (README, "the MoE 2.85x bf16 at 64 tokens; the linear 0.69x / 0.84x", KERNELS,
+    (README, "Before: the linear 0.69x / 0.84x", KERNELS,
      ("gemm", {**NANO[1], "M": 64}, "speedup_vs_bf16_best"), _f(2)),
     (README, "the MoE 2.85x bf16 at 64 tokens", KERNELS, ("moe", {"tokens": 64}, "speedup_vs_bf16"), _f(2)),
     *[(README, "And 0.42 ms of the default\nrecipe's step (0.49 ms of BF16's; decode-profile-compiled-h200.json) goes to copies",
@@ -1497,6 +1516,48 @@ FIGURES = [
     (README, "0.7-2.7 us per projection\nand 2.1 us per token's routed experts", "prefetch-h100.json", (),
      lambda d: "{} us per projection and {:.1f} us per token's".format(
          _span([v for k, v in _prefetch_gains(d).items() if k != "moe"], 1), _prefetch_gains(d)["moe"])),
+    # every row count, 1-64 (packed-gemm-rows-h100.json)
+    *[(doc, text, "packed-gemm-rows-h100.json", ("rows",), _rows_ratio(n, "dispatch", state, lo, hi)) for doc, text, n, state, lo, hi in (
+        (BENCH, "| 3712 x 2688 | 1.12-1.31x at every row count", 3712, "cold", 1, 64),
+        (BENCH, "| 2688 x 3712 | 1.02-1.67x at every row count", 2688, "cold", 1, 64),
+        (BENCH, "at every row count | 1.01-1.23x up to 16 rows", 3712, "warm", 1, 16),
+        (BENCH, "up to 16 rows, 0.81-1.00x at 20-56", 3712, "warm", 20, 56),
+        (BENCH, "0.81-1.00x at 20-56, 1.02-1.04x at 60-64", 3712, "warm", 60, 64),
+        (BENCH, "| 0.94-1.77x; below 1.0 at 52, 60 and 64 rows |", 2688, "warm", 1, 64),
+        (README, "1.12-1.31x bf16 on 3712 x 2688 and 1.02-1.67x", 3712, "cold", 1, 64),
+        (README, "1.12-1.31x bf16 on 3712 x 2688 and 1.02-1.67x", 2688, "cold", 1, 64),
+        (README, "that L2 keeps, 0.81-1.00x at 20-56 rows", 3712, "warm", 20, 56))],
+    *[(BENCH, text, "packed-gemm-rows-h100.json", ("rows",), _rows_ratio(n, "w4a16", state, 16, 64)) for text, n, state in (
+        ("`w4a16_matmul` at 16-64 rows: 0.57-0.76x warm", 3712, "warm"),
+        ("0.57-0.76x warm and 0.78-1.05x cold", 3712, "cold"),
+        ("3712 x 2688, 0.72-1.01x and 0.83-1.40x", 2688, "warm"),
+        ("0.72-1.01x and 0.83-1.40x on 2688 x 3712", 2688, "cold"))],
+    (BENCH, "(its GEMV: 5.15 against 8.04 us cold", "packed-gemm-rows-h100.json", ("rows",),
+     lambda rows: "{:.2f} against {:.2f}".format(*(_rows_cell(rows, 3712, 1, kind)["ms_cold"] * 1e3
+                                                  for kind in ("w4a16", "dispatch")))),
+    (BENCH, "faster than `packed_ws` (8.2-8.8 against 9.2-9.3 us cold)", "packed-gemm-rows-h100.json", ("rows",),
+     lambda rows: "{} against {}".format(*(_span([_rows_cell(rows, 2688, m, kind)["ms_cold"] * 1e3
+                                                  for m in (20, 24, 28, 32)], 1) for kind in ("packed", "dispatch")))),
+    (README, "and 0.94x at 64 rows on 2688 x 3712", "packed-gemm-rows-h100.json", ("rows",),
+     lambda rows: "{:.2f}".format(_rows_cell(rows, 2688, 64, "bf16")["ms_warm"] / _rows_cell(rows, 2688, 64, "dispatch")["ms_warm"])),
+    (BENCH, "took 9.41 / 9.57 us warm / cold, and 7.77 / 8.92", "packed-gemm-ws-pad-h100.json", ("runs",),
+     lambda runs: "{:.2f} / {:.2f} us warm / cold, and {:.2f} / {:.2f}".format(*[v * 1e3 for r in runs if (r["N"], r["M"], r["cfg"]) == (3712, 40, {"BLOCK_M": 32, "P": 4}) for v in r["plain"] + r["padded"]])),
+    (BENCH, "10.28 / 10.36 us before", "packed-gemm-rows-before-shift-h100.json", ("rows",),
+     lambda rows: "{:.2f} / {:.2f}".format(*[r[f"ms_{s}"] * 1e3 for r in rows if (r["N"], r["M"], r["kernel"]) == (3712, 36, "ws") and (r["launch"]["BLOCK_M"], r["launch"]["P"], r["launch"]["SPLIT"]) == (32, 4, 1) for s in ("warm", "cold")])),
+    (BENCH, "7.62 / 8.78 after", "packed-gemm-rows-h100.json", ("rows",),
+     lambda rows: "{:.2f} / {:.2f}".format(*[r[f"ms_{s}"] * 1e3 for r in rows if (r["N"], r["M"], r["kernel"]) == (3712, 36, "ws") and (r["launch"]["BLOCK_M"], r["launch"]["P"], r["launch"]["SPLIT"]) == (32, 4, 1) for s in ("warm", "cold")])),
+    *[(BENCH, text, "decode-graph-compiled-layouts-h100.json", (), fmt) for text, fmt in (
+        ("the default recipe 1.96x / 1.89x over BF16 at batch 1", lambda d: "{}x / {}x".format(
+            _decode_speedup("nemotron-h-w4a16-4o6_graph", "1")(d), _decode_speedup("nemotron-h-w4a16-4o6_packed-layout_graph", "1")(d))),
+        ("1.86x / 1.86x at 16, 1.50x / 1.50x at 64", lambda d: "{}x / {}x at 16, {}x / {}x at 64".format(
+            *(_decode_speedup(lab, b)(d) for b in ("16", "64") for lab in ("nemotron-h-w4a16-4o6_graph",
+                                                                          "nemotron-h-w4a16-4o6_packed-layout_graph")))))],
+    (BENCH, "`modelopt-lightning` 2.15x / 2.07x, 1.96x / 1.97x, 1.52x / 1.53x", "decode-graph-compiled-layouts-lightning-h100.json", (),
+     lambda d: "{}x / {}x, {}x / {}x, {}x / {}x".format(*(_decode_speedup(lab, b)(d) for b in ("1", "16", "64") for lab in (
+         "modelopt-lightning_graph", "modelopt-lightning_packed-layout_graph")))),
+    (README, "1.89x against 1.96x at batch 1", "decode-graph-compiled-layouts-h100.json", (),
+     lambda d: "{}x against {}x".format(_decode_speedup("nemotron-h-w4a16-4o6_packed-layout_graph", "1")(d),
+                                       _decode_speedup("nemotron-h-w4a16-4o6_graph", "1")(d))),
 ]
 
 

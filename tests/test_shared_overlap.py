@@ -45,8 +45,24 @@ def _on_triton(model):
     return model
 
 
-def test_the_blocks_give_their_own_forwards_output(checkpoint):
-    model = _on_triton(load_quantized(checkpoint, backend="torch"))
+def _shared_kinds(monkeypatch) -> list:
+    """Records the type of each weight `moe_gemm.shared_linear` is called with."""
+    from fp4kit.kernels import moe_gemm
+
+    kinds, real = [], moe_gemm.shared_linear
+
+    def spy(x, w):
+        kinds.append(type(w).__name__)
+        return real(x, w)
+
+    monkeypatch.setattr(moe_gemm, "shared_linear", spy)
+    return kinds
+
+
+@pytest.mark.parametrize("layout", ["checkpoint", "packed"])
+def test_the_blocks_give_their_own_forwards_output(checkpoint, layout, monkeypatch):
+    model = _on_triton(load_quantized(checkpoint, backend="torch", layout=layout))
+    kinds = _shared_kinds(monkeypatch)
     blocks = _moe_blocks(model)
     assert blocks and all(type(b) is nemotron_h._classes().NemotronHMoE for b in blocks)
     assert nemotron_h.overlap_shared_experts(model) == len(blocks)
@@ -59,10 +75,13 @@ def test_the_blocks_give_their_own_forwards_output(checkpoint):
             own = model(input_ids=ids).logits
     assert all(type(b).__name__ == "NemotronHMoEOverlapped" for b in blocks)
     assert torch.equal(overlapped, own)
+    # the probes and the overlapped forward: two shared linears per block each, of the layout's kind
+    assert set(kinds) == {"PackedNVFP4" if layout == "packed" else "NVFP4Tensor"} and len(kinds) == 4 * len(blocks)
 
 
-def test_compiled_block_calls_one_operator_with_the_same_output(checkpoint):
-    model = _on_triton(load_quantized(checkpoint, backend="torch"))
+@pytest.mark.parametrize("layout", ["checkpoint", "packed"])
+def test_compiled_block_calls_one_operator_with_the_same_output(checkpoint, layout, monkeypatch):
+    model = _on_triton(load_quantized(checkpoint, backend="torch", layout=layout))
     nemotron_h.overlap_shared_experts(model)
     block = _moe_blocks(model)[0]
     x = torch.randn((2, 3, model.config.hidden_size), generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -74,6 +93,7 @@ def test_compiled_block_calls_one_operator_with_the_same_output(checkpoint):
         return real(self, *args)
 
     NVFP4Experts.with_shared = spy
+    kinds = _shared_kinds(monkeypatch)
     try:
         with torch.no_grad():
             compiled = torch.compile(block, fullgraph=True, dynamic=False, options={"cpp.simdlen": 1})(x)
@@ -82,15 +102,17 @@ def test_compiled_block_calls_one_operator_with_the_same_output(checkpoint):
         NVFP4Experts.with_shared = real
     assert seen == [True, False]  # traced once through the operator, then run eagerly
     assert torch.equal(compiled, eager)
+    assert set(kinds) == {"PackedNVFP4" if layout == "packed" else "NVFP4Tensor"}
 
 
+@pytest.mark.parametrize("layout", ["checkpoint", "packed"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_a_one_launch_router_runs_inside_the_call(checkpoint, monkeypatch, compiled):
+def test_a_one_launch_router_runs_inside_the_call(checkpoint, monkeypatch, compiled, layout):
     # Within one_launch_routing (generate's step) the block hands its router to the call, so the
     # shared expert's launches can go out before the router's: the output is the block's own
     # forward's, whose router runs the same launch. The CPU stands in for a GPU here: the router's
     # rows are taken as the kernels' (its kernel runs in the interpreter).
-    model = _on_triton(load_quantized(checkpoint, backend="torch"))
+    model = _on_triton(load_quantized(checkpoint, backend="torch", layout=layout))
     nemotron_h.overlap_shared_experts(model)
     monkeypatch.setattr(nemotron_h, "_kernel_rows", lambda x: True)
     block = _moe_blocks(model)[0]

@@ -506,10 +506,11 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
 
 
 def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                           up_proj: nvfp4.NVFP4Tensor, down_proj: nvfp4.NVFP4Tensor, shared_up: nvfp4.NVFP4Tensor,
-                           shared_down: nvfp4.NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                           up_proj: nvfp4.NVFP4Tensor, down_proj: nvfp4.NVFP4Tensor, shared_up,
+                           shared_down) -> tuple[torch.Tensor, torch.Tensor]:
     """(`moe_experts(...)` on the Triton backend, the shared expert down(relu^2(up(x))) by
-    `w4a16_gemm.w4a16_matmul`) for Nemotron-H's MoE block: the launches of the two computed one
+    `shared_linear`: its weights in the checkpoint layout (`nvfp4.NVFP4Tensor`) or packed
+    (`packed_gemm.PackedNVFP4`)) for Nemotron-H's MoE block: the launches of the two computed one
     after the other, so each output is theirs bit for bit. On a GPU the shared expert's launches
     go to a second stream, which waits for the caller's work so far and which the caller's stream
     waits for before it goes on: its small GEMVs run beside the routed experts' instead of after
@@ -520,8 +521,7 @@ def moe_experts_and_shared(hidden_states: torch.Tensor, top_k_index: torch.Tenso
 
 def routed_experts_and_shared(hidden_states: torch.Tensor, route_x: torch.Tensor, router_weight: torch.Tensor,
                               router_bias: torch.Tensor, top_k: int, up_proj: nvfp4.NVFP4Tensor,
-                              down_proj: nvfp4.NVFP4Tensor, shared_up: nvfp4.NVFP4Tensor,
-                              shared_down: nvfp4.NVFP4Tensor, *, norm: bool = True,
+                              down_proj: nvfp4.NVFP4Tensor, shared_up, shared_down, *, norm: bool = True,
                               scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_experts_and_shared` with the router in the same call: `router.route(route_x,
     router_weight, router_bias, top_k, norm=norm, scale=scale)` picks the experts and their
@@ -541,16 +541,25 @@ def routed_experts_and_shared(hidden_states: torch.Tensor, route_x: torch.Tensor
 _SIDE_STREAMS: dict = {}  # device index -> the stream the shared expert runs on
 
 
-def _beside_shared(hidden_states: torch.Tensor, shared_up: nvfp4.NVFP4Tensor, shared_down: nvfp4.NVFP4Tensor,
-                   main_work) -> tuple[torch.Tensor, torch.Tensor]:
+def shared_linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x @ W^T for one of a shared expert's W4A16 weights on the Triton backend: `w4a16_matmul` for
+    an `nvfp4.NVFP4Tensor` (the checkpoint layout), `packed_gemm.packed_matmul` for a
+    `packed_gemm.PackedNVFP4`."""
+    from .packed_gemm import PackedNVFP4, packed_matmul
+    from .w4a16_gemm import w4a16_matmul
+
+    if isinstance(w, PackedNVFP4):
+        return packed_matmul(x, w, backend="triton")
+    return w4a16_matmul(x, w, backend="triton")
+
+
+def _beside_shared(hidden_states: torch.Tensor, shared_up, shared_down, main_work) -> tuple[torch.Tensor, torch.Tensor]:
     """(main_work(), the shared expert down(relu^2(up(hidden_states)))): on a GPU the shared
     expert's launches on the device's second stream, queued before main_work's on the caller's
     stream (module docstring of `moe_experts_and_shared`); elsewhere one after the other."""
-    from .w4a16_gemm import w4a16_matmul
-
     def shared() -> torch.Tensor:
-        h = w4a16_matmul(hidden_states, shared_up, backend="triton")
-        return w4a16_matmul(torch.square(torch.relu(h)), shared_down, backend="triton")
+        h = shared_linear(hidden_states, shared_up)
+        return shared_linear(torch.square(torch.relu(h)), shared_down)
 
     device = hidden_states.device
     if device.type != "cuda":

@@ -13,6 +13,8 @@ directly: the dispatcher adds host time to every call.
                 global_scale)                                 kernels.moe_gemm.moe_experts_and_shared
     routed_experts_and_shared(hidden, route_x, router_weight, router_bias, k, norm, scale, then the
                 expert and shared expert tensors as above)    kernels.moe_gemm.routed_experts_and_shared
+    moe_experts_and_packed_shared, routed_experts_and_packed_shared(the same, the shared expert's
+                weights packed: up and down words, scales, global_scale, then its intermediate size)
     topk_gather(scores, bias, k)                                  kernels.router.topk_gather
     route(x, weight, bias, k, norm, scale)                        kernels.router.route
     decode_attention(query, key, value, mask, scale)              kernels.attention.decode_attention
@@ -123,6 +125,70 @@ def _(hidden_states, route_x, router_weight, router_bias, k, norm, scale, up_pac
       shared_up_global_scale, shared_down_packed, shared_down_block_scale, shared_down_global_scale):
     return (torch.empty_like(hidden_states, memory_format=torch.contiguous_format),
             hidden_states.new_empty((*hidden_states.shape[:-1], shared_down_packed.shape[0])))
+
+
+def _packed_shared(words_up, scales_up, gs_up, words_down, scales_down, gs_down, inter: int, hidden: int) -> tuple:
+    """A shared expert's packed up [inter, hidden] and down [hidden, inter] weights."""
+    from .packed_gemm import PackedNVFP4
+
+    return (PackedNVFP4(words_up, scales_up, gs_up, inter, hidden),
+            PackedNVFP4(words_down, scales_down, gs_down, hidden, inter))
+
+
+@torch.library.custom_op("fp4kit::moe_experts_and_packed_shared", mutates_args=())
+def moe_experts_and_packed_shared(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                                  up_packed: torch.Tensor, up_block_scale: torch.Tensor, up_global_scale: torch.Tensor,
+                                  down_packed: torch.Tensor, down_block_scale: torch.Tensor,
+                                  down_global_scale: torch.Tensor, shared_up_words: torch.Tensor,
+                                  shared_up_scales: torch.Tensor, shared_up_global_scale: torch.Tensor,
+                                  shared_down_words: torch.Tensor, shared_down_scales: torch.Tensor,
+                                  shared_down_global_scale: torch.Tensor,
+                                  shared_inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from .moe_gemm import moe_experts_and_shared as launch
+
+    return launch(hidden_states, top_k_index, top_k_weights,
+                  nvfp4.NVFP4Tensor(up_packed, up_block_scale, up_global_scale),
+                  nvfp4.NVFP4Tensor(down_packed, down_block_scale, down_global_scale),
+                  *_packed_shared(shared_up_words, shared_up_scales, shared_up_global_scale, shared_down_words,
+                                  shared_down_scales, shared_down_global_scale, shared_inter,
+                                  hidden_states.shape[-1]))
+
+
+@moe_experts_and_packed_shared.register_fake
+def _(hidden_states, top_k_index, top_k_weights, up_packed, up_block_scale, up_global_scale, down_packed,
+      down_block_scale, down_global_scale, shared_up_words, shared_up_scales, shared_up_global_scale,
+      shared_down_words, shared_down_scales, shared_down_global_scale, shared_inter):
+    return (torch.empty_like(hidden_states, memory_format=torch.contiguous_format),
+            hidden_states.new_empty(hidden_states.shape))
+
+
+@torch.library.custom_op("fp4kit::routed_experts_and_packed_shared", mutates_args=())
+def routed_experts_and_packed_shared(hidden_states: torch.Tensor, route_x: torch.Tensor, router_weight: torch.Tensor,
+                                     router_bias: torch.Tensor, k: int, norm: bool, scale: float,
+                                     up_packed: torch.Tensor, up_block_scale: torch.Tensor,
+                                     up_global_scale: torch.Tensor, down_packed: torch.Tensor,
+                                     down_block_scale: torch.Tensor, down_global_scale: torch.Tensor,
+                                     shared_up_words: torch.Tensor, shared_up_scales: torch.Tensor,
+                                     shared_up_global_scale: torch.Tensor, shared_down_words: torch.Tensor,
+                                     shared_down_scales: torch.Tensor, shared_down_global_scale: torch.Tensor,
+                                     shared_inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from .moe_gemm import routed_experts_and_shared as launch
+
+    return launch(hidden_states, route_x, router_weight, router_bias, k,
+                  nvfp4.NVFP4Tensor(up_packed, up_block_scale, up_global_scale),
+                  nvfp4.NVFP4Tensor(down_packed, down_block_scale, down_global_scale),
+                  *_packed_shared(shared_up_words, shared_up_scales, shared_up_global_scale, shared_down_words,
+                                  shared_down_scales, shared_down_global_scale, shared_inter,
+                                  hidden_states.shape[-1]),
+                  norm=norm, scale=scale)
+
+
+@routed_experts_and_packed_shared.register_fake
+def _(hidden_states, route_x, router_weight, router_bias, k, norm, scale, up_packed, up_block_scale,
+      up_global_scale, down_packed, down_block_scale, down_global_scale, shared_up_words, shared_up_scales,
+      shared_up_global_scale, shared_down_words, shared_down_scales, shared_down_global_scale, shared_inter):
+    return (torch.empty_like(hidden_states, memory_format=torch.contiguous_format),
+            hidden_states.new_empty(hidden_states.shape))
 
 
 @torch.library.custom_op("fp4kit::fp8_matmul", mutates_args=())

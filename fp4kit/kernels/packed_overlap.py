@@ -124,16 +124,18 @@ def _tile_decode(w0, s0, w1, s1, a_layout: gl.constexpr, W: gl.constexpr, F16: g
 
 
 @gluon.jit
-def store_product(acc, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_m, pid_n, pid_s, row0, SPLIT: gl.constexpr):
+def store_product(acc, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_m, pid_n, pid_s, row0, SPLIT: gl.constexpr,
+                  first=0):
     """The epilogue: acc [64, BLOCK_M] (weight rows by activation rows, in its wgmma layout) times
     the global scale and 2^7 (the fragments are E2M1 * scale * 2^-7), stored at out[row0:, 64 *
-    pid_n:] or summed with the other K splits (`tiles.store_split`)."""
+    pid_n:] or summed with the other K splits (`tiles.store_split`); activation rows below
+    `first` (another program's) and from M on are not stored."""
     layout: gl.constexpr = acc.type.layout
     y = acc * (gl.load(gs_ptr) * MMA_UNSCALE)
     rows = pid_n * acc.shape[0] + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
     toks = row0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
     off = toks.to(gl.int64)[None, :] * N + rows[:, None]
-    ok = (toks < M)[None, :] & (rows < N)[:, None]
+    ok = ((toks < M) & (toks >= first))[None, :] & (rows < N)[:, None]
     if SPLIT == 1:
         gl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=ok)
     else:

@@ -24,19 +24,24 @@ memory and nothing waits on an atomic, unless SPLIT > 1 (then `tiles.store_split
 
 The weight layout and decoding are `packed_gemm`'s (`packed_overlap._tile_load` /
 `_group_chunks`); every sum is in a fixed order, so a launch shape always gives the same bytes, but
-not `packed_matmul`'s (its K tiles are summed in one chain). Measured against `packed_matmul` and
-bf16: benchmarks/README.md ("What limits the kernels, measured"); nothing calls it by default. Gluon
-compiles for NVIDIA GPUs only (Triton's interpreter does not run it): on a CPU the launcher
-refuses.
+not `packed_matmul`'s own kernel's (its K tiles are summed in one chain). `packed_matmul` hands it
+16-64 rows of a small weight on an sm_90 GPU (`packed_gemm.uses_ws`). A last block of rows that M
+does not fill ends at row M (moved back over rows of the block before, which it does not store), so
+that no activation tile reads past the last row. Measured against `packed_matmul` and bf16:
+benchmarks/README.md. Gluon compiles for NVIDIA GPUs only (Triton's interpreter does not run it):
+on a CPU the launcher refuses.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from . import backend
 from .backend import cdiv, launch_options, next_power_of_2
 from .packed_gemm import TILE_K, PackedNVFP4
 from .packed_overlap import (_group_chunks, _offsets, _tile_load, _tma_load, gluon_rows, split_partials, store_product,
@@ -170,7 +175,11 @@ def _ws_kernel(x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, N
     pid_s = gl.program_id(2)
     kt0 = pid_s * kt_per_split
     n_k = gl.minimum(kt_per_split, KT - kt0)
-    row0 = pid_m * BLOCK_M
+    # A last block of rows that M does not fill is moved back to end at row M where M allows (its
+    # rows below pid_m * BLOCK_M, the block before's, are not stored): a TMA box that reaches past
+    # the activations' last row takes longer (benchmarks/README.md).
+    first = pid_m * BLOCK_M
+    row0 = gl.maximum(gl.minimum(first, M - BLOCK_M), 0)
     xs = gl.allocate_shared_memory(x_desc.dtype, [XS * P, BLOCK_M, 128], x_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [XS * P, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -185,7 +194,7 @@ def _ws_kernel(x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, N
     else:
         (acc,) = gl.warp_specialize([(_default, args), (_worker1, args), (_worker2, args), (_worker3, args)],
                                     [W, W, W], [WORKER_REGS, WORKER_REGS, WORKER_REGS])
-    store_product(acc, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_m, pid_n, pid_s, row0, SPLIT)
+    store_product(acc, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_m, pid_n, pid_s, row0, SPLIT, first)
 
 
 LAUNCH_KEYS = ("BLOCK_M", "P", "SPLIT", "XS", "WORKER_REGS")
@@ -200,22 +209,36 @@ def smem_bytes(block_m: int, p: int, xs: int) -> int:
     return xs * p * block_m * TILE_K * 2 + (p - 1) * 16 * WARPS * block_m * 4 + 8 * (xs * p + 1)
 
 
-def config(m: int, n: int, k: int, cfg: dict | None = None) -> dict:
-    """Launch shape for one problem: BLOCK_M (16, 32 or 64; default half of M rounded up to a
-    power of two, 16 to 32: at 32 and 64 rows two programs along M, each decoding the same
-    weights, took less time than one), P
-    (warpgroups per program, 2 or 4, default 4), SPLIT (programs per tile along K, default 1), XS
-    (activation buffers per warpgroup, 2 to 8, default 2: more took longer, the shared memory they
-    take being the L1 cache's that the codes are loaded through, and each a tile's code more in
-    the loop) and WORKER_REGS (registers per
+def config(m: int, n: int, k: int, cfg: dict | None = None, sms: int | None = None) -> dict:
+    """Launch shape for one problem: BLOCK_M (16, 32 or 64), P (warpgroups per program, 2 or 4,
+    default 4), SPLIT (programs per tile along K), XS (activation buffers per warpgroup, 2 to 8,
+    default 2: more took longer, the shared memory they take being the L1 cache's that the codes
+    are loaded through, and each a tile's code more in the loop) and WORKER_REGS (registers per
     thread, every partition's: 128 for 4 warpgroups, 168 for 2, within the 64 K registers of a
-    multiprocessor, without spills), overridden by cfg."""
+    multiprocessor, without spills), overridden by cfg.
+
+    Default BLOCK_M and SPLIT, for a GPU of `sms` multiprocessors: the grid in one wave. BLOCK_M is
+    the smaller of 16 and 32 whose programs (N / 64 by M / BLOCK_M) all fit at once (32 where none
+    does: each program decodes its weight rows whatever its BLOCK_M, so more of them decode the
+    weight more often, but in parallel), and SPLIT 2 where twice those programs still fit, else
+    1 (an unsplit program sums in shared memory; a split one goes through global memory). Without
+    `sms`: half of M rounded up to a power of two, 16 to 32, unsplit."""
     c = dict(cfg or {})
     unknown = set(c) - set(LAUNCH_KEYS)
     if unknown:
         raise ValueError(f"{_WHAT}: unknown launch keys {sorted(unknown)}; expected some of {LAUNCH_KEYS}")
-    bm = c.get("BLOCK_M") or min(max(16, next_power_of_2(m) // 2), 32)
-    p, split = c.get("P", 4), c.get("SPLIT", 1)
+    tiles_n = cdiv(n, 16 * WARPS)
+    if c.get("BLOCK_M"):
+        bm = c["BLOCK_M"]
+    elif sms is None:
+        bm = min(max(16, next_power_of_2(m) // 2), 32)
+    else:
+        bm = 16 if tiles_n * cdiv(m, 16) <= sms else 32
+    p = c.get("P", 4)
+    if "SPLIT" in c:
+        split = c["SPLIT"]
+    else:
+        split = 2 if sms is not None and bm in BLOCK_MS and 2 * tiles_n * cdiv(m, bm) <= sms else 1
     regs = c.get("WORKER_REGS", 128 if p == 4 else 168)
     if bm not in BLOCK_MS or p not in (2, 4) or split < 1 or regs % 8 or not 24 <= regs <= 256:
         raise ValueError(f"{_WHAT}: BLOCK_M must be one of {BLOCK_MS}, P 2 or 4, SPLIT >= 1 and WORKER_REGS a "
@@ -231,6 +254,12 @@ def config(m: int, n: int, k: int, cfg: dict | None = None) -> dict:
     return {"BLOCK_M": bm, "P": p, "SPLIT": cdiv(kt, per), "kt_per_split": per, "XS": xs, "WORKER_REGS": regs}
 
 
+@functools.lru_cache(maxsize=4096)
+def _default_config(m: int, n: int, k: int, sms: int) -> dict:
+    """`config` without overrides, kept per problem shape (the caller must not change it)."""
+    return config(m, n, k, None, sms)
+
+
 def packed_matmul_ws(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | None = None) -> torch.Tensor:
     """y = x @ W.unpack().dequantize(x.dtype)^T on an sm_90 GPU, fp32 accumulation, output in x's
     dtype, with K split across the warpgroups of each program (module docstring). x and w as
@@ -240,7 +269,8 @@ def packed_matmul_ws(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | None = None
     m = x2.shape[0]
     if m == 0:
         return out.reshape(*lead, n)
-    c = config(m, n, k, cfg)
+    sms = backend.sm_count(x.device)
+    c = _default_config(m, n, k, sms) if cfg is None else config(m, n, k, cfg, sms)
     n16, kt = w.words.shape[:2]
     grid = (cdiv(n16, WARPS), cdiv(m, c["BLOCK_M"]), c["SPLIT"])
     desc = x_descriptor(x2, c["BLOCK_M"])

@@ -312,8 +312,9 @@ def _overlaps(block: nn.Module) -> bool:
     experts, shared = getattr(block, "experts", None), getattr(block, "shared_experts", None)
     linears = [getattr(shared, name, None) for name in ("up_proj", "down_proj")]
     return (isinstance(experts, NVFP4Experts) and experts.backend == "triton" and not experts.act_quant
-            and all(isinstance(m, NVFP4Linear) and m.backend == "triton" and m.layout == "checkpoint"
-                    and not m.act_quant and m.bias is None for m in linears)
+            and all(isinstance(m, NVFP4Linear) and m.backend == "triton" and not m.act_quant and m.bias is None
+                    for m in linears)
+            and linears[0].layout == linears[1].layout
             and type(getattr(shared, "act_fn", None)).__name__ == "ReLUSquaredActivation"
             and all(isinstance(getattr(block, n, None), nn.Identity) for n in ("fc1_latent_proj", "fc2_latent_proj")))
 

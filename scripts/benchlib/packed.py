@@ -3,9 +3,11 @@ scripts/bench_packed.py: side by side with torch.matmul and the checkpoint layou
 
 from __future__ import annotations
 
+import json
+
 import torch
 
-from fp4kit.kernels.packed_gemm import config, pack, packed_matmul
+from fp4kit.kernels.packed_gemm import config, pack, packed_matmul, uses_ws
 from fp4kit.kernels.quantize import quantize
 from fp4kit.kernels.w4a16_gemm import path, w4a16_matmul
 from sweeps.common import nvfp4_bytes, tensor_copies, time_calls, weight_copies
@@ -166,9 +168,9 @@ def bench_ws(shapes=NANO, ms=(16, 32, 64), launches=WS_LAUNCHES) -> list:
             rows.append({**base, "kernel": "bf16", "ms_warm": time_graph(lambda: torch.matmul(x, bf16_copies[0].T)),
                          "ms_cold": time_calls([lambda w=w: torch.matmul(x, w.T) for w in bf16_copies])})
             rows.append({**base, "kernel": "packed", "launch": config(m, n, k, x.device),
-                         "rel_err": err(packed_matmul(x, p_copies[0])),
-                         "ms_warm": time_graph(lambda: packed_matmul(x, p_copies[0])),
-                         "ms_cold": time_calls([lambda w=w: packed_matmul(x, w) for w in p_copies])})
+                         "rel_err": err(packed_matmul(x, p_copies[0], cfg={})),
+                         "ms_warm": time_graph(lambda: packed_matmul(x, p_copies[0], cfg={})),
+                         "ms_cold": time_calls([lambda w=w: packed_matmul(x, w, cfg={}) for w in p_copies])})
             for cfg in launches:
                 if cfg.get("BLOCK_M", 0) > max(16, m):
                     continue
@@ -180,4 +182,48 @@ def bench_ws(shapes=NANO, ms=(16, 32, 64), launches=WS_LAUNCHES) -> list:
                 rows.append(row)
                 print(row, flush=True)
         del wb, wq, q_copies, p_copies, bf16_copies, wd
+    return rows
+
+
+ROW_WS_LAUNCHES = ({"BLOCK_M": 16, "P": 4}, {"BLOCK_M": 32, "P": 4}, {"BLOCK_M": 32, "P": 2},
+                   {"BLOCK_M": 16, "P": 4, "SPLIT": 2}, {"BLOCK_M": 64, "P": 4}, {"BLOCK_M": 64, "P": 2, "SPLIT": 2})
+EVERY_M = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64)
+
+
+def bench_rows(shapes=NANO, ms=EVERY_M, launches=ROW_WS_LAUNCHES) -> list:
+    """Per activation-row count, every W4A16 kernel a decode step could run on the weight, warm and
+    cold (`bench_cold`'s copies), beside torch.matmul on the bf16 weight: `w4a16_matmul` on the
+    checkpoint layout, `packed_matmul`'s own kernel with its launch table ("packed"), `packed_matmul`
+    as called by default ("dispatch": at the rows `uses_ws` names, `packed_ws`) and, from 16 rows,
+    `packed_ws.packed_matmul_ws` at each launch shape of `launches` whose BLOCK_M is at most
+    max(16, M) rounded up to a power of two. One row per (shape, M, kernel)."""
+    from fp4kit.kernels.packed_ws import config as ws_config, packed_matmul_ws
+
+    rows = []
+    for n, k in shapes:
+        wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+        wq = quantize(wb)
+        q_copies = weight_copies(wq, nvfp4_bytes(wq))
+        p_copies = [pack(q) for q in q_copies]
+        bf16_copies = tensor_copies(wb, 2 * n * k)
+        for m in ms:
+            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+            base = {"N": n, "K": k, "M": m}
+            cands = [("bf16", None, [lambda w=w: torch.matmul(x, w.T) for w in bf16_copies]),
+                     ("w4a16", {"path": path(m, n, k, x.device)}, [lambda w=w: w4a16_matmul(x, w) for w in q_copies]),
+                     ("packed", config(m, n, k, x.device), [lambda w=w: packed_matmul(x, w, cfg={}) for w in p_copies]),
+                     ("dispatch", {"uses_ws": uses_ws(m, n, k, x.device)},
+                      [lambda w=w: packed_matmul(x, w) for w in p_copies])]
+            if m >= 16:
+                for cfg in launches:
+                    if cfg["BLOCK_M"] <= max(16, 1 << (m - 1).bit_length()):
+                        cands.append(("ws", {**cfg, **ws_config(m, n, k, cfg)},
+                                      [lambda w=w, cfg=cfg: packed_matmul_ws(x, w, cfg=cfg) for w in p_copies]))
+            for kernel, launch_shape, fns in cands:
+                rows.append({**base, "kernel": kernel, "launch": launch_shape, "ms_warm": time_graph(fns[0]),
+                             "ms_cold": time_calls(fns)})
+            print(f"{n}x{k} M={m}: " + "  ".join(f"{r['kernel']}{'' if r['kernel'] != 'ws' else json.dumps(r['launch'])[:40]} "
+                                                 f"{r['ms_warm'] * 1e3:.2f}/{r['ms_cold'] * 1e3:.2f}"
+                                                 for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)), flush=True)
+        del wb, wq, q_copies, p_copies, bf16_copies
     return rows

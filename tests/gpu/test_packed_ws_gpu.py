@@ -28,7 +28,7 @@ def _check(n, k, m, dtype, cfgs):
     w = pg.pack(quantize(torch.randn((n, k), generator=g, device="cuda", dtype=torch.bfloat16) * 0.02), dtype)
     x = torch.randn((m, k), generator=g, device="cuda", dtype=dtype)
     ref = x.float() @ w.unpack().dequantize().T
-    packed_err = ((pg.packed_matmul(x, w).float() - ref).norm() / ref.norm()).item()
+    packed_err = ((pg.packed_matmul(x, w, cfg={}).float() - ref).norm() / ref.norm()).item()  # its own kernel
     for cfg in cfgs:
         got = ws.packed_matmul_ws(x, w, cfg=cfg)
         assert got.dtype == dtype and got.shape == (m, n)
@@ -68,3 +68,32 @@ def test_warp_specialized_gemm_replays_from_a_cuda_graph():
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("n, k", [(3712, 2688), (2688, 3712)])
+def test_a_rows_bytes_do_not_depend_on_where_its_block_of_rows_starts(n, k):
+    # A last block of rows that M does not fill is moved back to end at row M: its rows sit at
+    # other places in their block than in a launch over more rows, with the same bytes. (Where M
+    # is below BLOCK_M nothing moves: the box's rows past M read as zeros.)
+    w = pg.pack(quantize(torch.randn((n, k), device="cuda", dtype=torch.bfloat16) * 0.02))
+    x = torch.randn((64, k), device="cuda", dtype=torch.bfloat16)
+    for cfg in ({"BLOCK_M": 16}, {"BLOCK_M": 32}, {"BLOCK_M": 32, "SPLIT": 2}, {"BLOCK_M": 16, "P": 2}):
+        full = ws.packed_matmul_ws(x, w, cfg=cfg)
+        rolled = ws.packed_matmul_ws(torch.roll(x, 4, 0), w, cfg=cfg)  # every row 4 places on
+        assert torch.equal(torch.roll(rolled, -4, 0), full), cfg
+        for m in (20, 40, 44, 60):
+            if m >= cfg["BLOCK_M"]:
+                assert torch.equal(ws.packed_matmul_ws(x[:m], w, cfg=cfg), full[:m]), (cfg, m)
+
+
+def test_packed_matmul_hands_16_to_64_rows_of_small_weights_to_it():
+    w = pg.pack(quantize(torch.randn((3712, 2688), device="cuda", dtype=torch.bfloat16) * 0.02))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert [pg.uses_ws(m, 3712, 2688, dev) for m in (1, 12, 15, 16, 33, 64, 65)] == [
+        False, False, False, True, True, True, False]
+    assert not pg.uses_ws(64, 131072, 2688, dev)  # a large weight: packed_matmul's own kernel
+    for m in (16, 37, 64):
+        x = torch.randn((m, 2688), device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(pg.packed_matmul(x, w), ws.packed_matmul_ws(x, w))
+        # a launch shape of its own (cfg) runs packed_matmul's kernel: other sums, other bytes
+        assert not torch.equal(pg.packed_matmul(x, w, cfg={"SPLIT": 1}), ws.packed_matmul_ws(x, w))

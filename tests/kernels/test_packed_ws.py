@@ -11,11 +11,31 @@ from fp4kit.kernels import packed_ws as ws
 from fp4kit.kernels.quantize import quantize
 
 
-def test_config_rounds_rows_and_fits_the_register_file():
+def test_config_rounds_rows():
     assert ws.config(5, 3712, 2688) == {"BLOCK_M": 16, "P": 4, "SPLIT": 1, "kt_per_split": 21, "XS": 2,
                                         "WORKER_REGS": 128}
-    # two programs along M at 32 and 64 rows
+    # without the GPU's size: two programs along M at 32 and 64 rows
     assert [ws.config(m, 3712, 2688)["BLOCK_M"] for m in (1, 16, 17, 32, 33, 64, 100)] == [16, 16, 16, 16, 32, 32, 32]
+
+
+def test_config_puts_the_grid_in_one_wave():
+    # 132 multiprocessors (an H100 SXM): 58 tiles of 64 weight rows on 3712 x 2688, 42 on 2688 x 3712
+    def launch(m, n, k):
+        c = ws.config(m, n, k, sms=132)
+        return c["BLOCK_M"], c["SPLIT"]
+
+    assert [launch(m, 3712, 2688) for m in (1, 16, 17, 32, 33, 48, 64)] == [
+        (16, 2), (16, 2), (16, 1), (16, 1), (32, 1), (32, 1), (32, 1)]
+    assert [launch(m, 2688, 3712) for m in (16, 17, 32, 33, 48, 49, 64)] == [
+        (16, 2), (16, 1), (16, 1), (16, 1), (16, 1), (32, 1), (32, 1)]
+    # more tiles than multiprocessors at any BLOCK_M: 32 rows a program, unsplit
+    assert launch(64, 131072, 2688) == (32, 1) and launch(8, 131072, 2688) == (32, 1)
+    # overrides win over the rule
+    assert ws.config(48, 2688, 3712, {"BLOCK_M": 32, "SPLIT": 2}, sms=132)["SPLIT"] == 2
+    assert ws.config(48, 2688, 3712, {"BLOCK_M": 64}, sms=132)["BLOCK_M"] == 64
+
+
+def test_config_checks_and_fits_the_register_file():
     assert ws.config(64, 3712, 2688, {"P": 2, "BLOCK_M": 32, "SPLIT": 2, "XS": 3}) == {
         "BLOCK_M": 32, "P": 2, "SPLIT": 2, "kt_per_split": 11, "XS": 3, "WORKER_REGS": 168}
     assert ws.config(100, 128, 128, {"SPLIT": 4})["SPLIT"] == 1  # one K tile: no split
@@ -46,3 +66,10 @@ def test_the_launcher_refuses_the_cpu_and_other_weights():
         ws.packed_matmul_ws(x, w.unpack())
     with pytest.raises(ValueError, match="packed for"):
         ws.packed_matmul_ws(x.half(), w)
+
+
+def test_packed_matmul_keeps_its_own_kernel_off_sm90():
+    # the launch table's WS rows apply on an sm_90 GPU only: on the CPU (the interpreter) never
+    tables = pg.launch.table("packed")
+    assert tables["WS"]["min_rows"] <= 32 <= tables["WS"]["max_rows"]
+    assert not pg.uses_ws(32, 3712, 2688, torch.device("cpu"))
