@@ -137,6 +137,15 @@ def bench_chain(n=3712, ms=(1, 16, 64), splits=(1, 4), tiles=(1, 2, 3, 4, 6, 8),
     return rows
 
 
+def _cold_sets(n: int, k: int) -> tuple:
+    """A random bf16 weight [n, k] quantized (the NVFP4 weight), and the copies a cold timing runs
+    in turn: of the NVFP4 weight, of it packed, and of the bf16 weight (`weight_copies`)."""
+    wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+    wq = quantize(wb)
+    q_copies = weight_copies(wq, nvfp4_bytes(wq))
+    return wq, q_copies, [pack(q) for q in q_copies], tensor_copies(wb, 2 * n * k)
+
+
 WS_LAUNCHES = ({"BLOCK_M": 32, "P": 4}, {"BLOCK_M": 32, "P": 4, "XS": 3}, {"BLOCK_M": 32, "P": 2},
                {"BLOCK_M": 64, "P": 4}, {"BLOCK_M": 64, "P": 2, "SPLIT": 2}, {"BLOCK_M": 16, "P": 4},
                {"BLOCK_M": 16, "P": 4, "SPLIT": 2})
@@ -151,11 +160,7 @@ def bench_ws(shapes=NANO, ms=(16, 32, 64), launches=WS_LAUNCHES) -> list:
 
     rows = []
     for n, k in shapes:
-        wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
-        wq = quantize(wb)
-        q_copies = weight_copies(wq, nvfp4_bytes(wq))
-        p_copies = [pack(q) for q in q_copies]
-        bf16_copies = tensor_copies(wb, 2 * n * k)
+        wq, q_copies, p_copies, bf16_copies = _cold_sets(n, k)
         wd = wq.dequantize()
         for m in ms:
             x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
@@ -181,7 +186,7 @@ def bench_ws(shapes=NANO, ms=(16, 32, 64), launches=WS_LAUNCHES) -> list:
                 row["ms_cold"] = time_calls([lambda w=w, cfg=cfg: packed_matmul_ws(x, w, cfg=cfg) for w in p_copies])
                 rows.append(row)
                 print(row, flush=True)
-        del wb, wq, q_copies, p_copies, bf16_copies, wd
+        del wq, q_copies, p_copies, bf16_copies, wd
     return rows
 
 
@@ -201,11 +206,7 @@ def bench_rows(shapes=NANO, ms=EVERY_M, launches=ROW_WS_LAUNCHES) -> list:
 
     rows = []
     for n, k in shapes:
-        wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
-        wq = quantize(wb)
-        q_copies = weight_copies(wq, nvfp4_bytes(wq))
-        p_copies = [pack(q) for q in q_copies]
-        bf16_copies = tensor_copies(wb, 2 * n * k)
+        wq, q_copies, p_copies, bf16_copies = _cold_sets(n, k)
         for m in ms:
             x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
             base = {"N": n, "K": k, "M": m}
@@ -225,5 +226,5 @@ def bench_rows(shapes=NANO, ms=EVERY_M, launches=ROW_WS_LAUNCHES) -> list:
             print(f"{n}x{k} M={m}: " + "  ".join(f"{r['kernel']}{'' if r['kernel'] != 'ws' else json.dumps(r['launch'])[:40]} "
                                                  f"{r['ms_warm'] * 1e3:.2f}/{r['ms_cold'] * 1e3:.2f}"
                                                  for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)), flush=True)
-        del wb, wq, q_copies, p_copies, bf16_copies
+        del wq, q_copies, p_copies, bf16_copies
     return rows
