@@ -7,7 +7,7 @@ with them; `export.load.load_quantized` puts them into a transformers model.
   W4A16 (and NVFP4 with act_quant=False, which is what the engines run on Hopper, where
   `input_scale` is dropped): y = F.linear(x, W.dequantize(x.dtype), bias), i.e. the weight
   dequantized to the activation dtype; backend "triton" runs `kernels.w4a16_matmul`, whose
-  dequantized tiles are the same values, or with layout "packed" `kernels.packed_matmul` on
+  dequantized tiles are the same values, or with layout "packed" `kernels.packed_linear` on
   the weight re-laid out once at load.
   W4A4 (NVFP4 with act_quant=True, the engines on Blackwell): the activation is quantized too,
   per 16-element block along K with a dynamic E4M3 block scale and the stored `input_scale` as
@@ -49,7 +49,7 @@ from .formats import e4m3, nvfp4
 from .kernels import ops as kernel_ops
 from .kernels.backend import BACKENDS
 
-# How an NVFP4Linear holds its weight: as stored, or re-laid out for `kernels.packed_matmul`.
+# How an NVFP4Linear holds its weight: as stored, or re-laid out for `kernels.packed_linear`.
 LAYOUTS = ("checkpoint", "packed")
 
 
@@ -95,7 +95,7 @@ class NVFP4Linear(nn.Module):
     quantized (W4A4 as on Blackwell) or kept in the activation dtype (W4A16, or W4A4 as on Hopper).
     layout "packed" (W4A16 only) holds the weight re-laid out once by `kernels.packed_gemm.pack`
     for `act_dtype` activations (packed_words, packed_scales instead of weight, weight_scale) and
-    runs `packed_matmul`; other activation dtypes raise.
+    runs `kernels.packed_linear`; other activation dtypes raise.
     """
 
     def __init__(self, qweight: nvfp4.NVFP4Tensor, bias: torch.Tensor | None, *, input_scale: torch.Tensor | None,
@@ -169,7 +169,7 @@ class NVFP4Linear(nn.Module):
         return w4a16_matmul(x, self.qweight, backend="triton")
 
     def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .kernels.packed_gemm import packed_matmul
+        from .kernels.packed_linear import packed_linear
 
         if x.dtype != self.packed_scales.dtype:
             raise ValueError(
@@ -180,7 +180,7 @@ class NVFP4Linear(nn.Module):
             y = kernel_ops.packed_matmul(x, self.packed_words, self.packed_scales, self.weight_scale_2,
                                          self.out_features, self.in_features)
         else:
-            y = packed_matmul(x, self.packed(), backend=self.backend)
+            y = packed_linear(x, self.packed(), backend=self.backend)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

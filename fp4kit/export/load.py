@@ -101,8 +101,9 @@ def load_quantized(path: str | Path, device: str | torch.device = "cpu", *, back
     Blackwell (True) or keep them in BF16 as the engines do on Hopper (False). W4A16 and FP8
     layers are not affected.
     layout: how NVFP4 linear weights are held: "checkpoint" (as stored) or "packed" (each
-    re-laid out once here for the model's BF16 activations and run by `kernels.packed_matmul`,
-    which on an sm_90 GPU hands 16-64 rows to `kernels.packed_ws`; W4A16 only, so an NVFP4
+    re-laid out once here for the model's BF16 activations and run by
+    `kernels.packed_linear.packed_linear`: `packed_gemm`'s kernel, on an sm_90 GPU `packed_ws`'s
+    at 16-64 rows; W4A16 only, so an NVFP4
     layer that quantizes its activations is refused). Routed experts keep the checkpoint layout
     either way; a Nemotron-H shared expert runs beside them in either layout.
     """

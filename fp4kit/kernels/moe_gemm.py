@@ -543,13 +543,14 @@ _SIDE_STREAMS: dict = {}  # device index -> the stream the shared expert runs on
 
 def shared_linear(x: torch.Tensor, w) -> torch.Tensor:
     """x @ W^T for one of a shared expert's W4A16 weights on the Triton backend: `w4a16_matmul` for
-    an `nvfp4.NVFP4Tensor` (the checkpoint layout), `packed_gemm.packed_matmul` for a
+    an `nvfp4.NVFP4Tensor` (the checkpoint layout), `packed_linear.packed_linear` for a
     `packed_gemm.PackedNVFP4`."""
-    from .packed_gemm import PackedNVFP4, packed_matmul
+    from .packed_gemm import PackedNVFP4
+    from .packed_linear import packed_linear
     from .w4a16_gemm import w4a16_matmul
 
     if isinstance(w, PackedNVFP4):
-        return packed_matmul(x, w, backend="triton")
+        return packed_linear(x, w, backend="triton")
     return w4a16_matmul(x, w, backend="triton")
 
 

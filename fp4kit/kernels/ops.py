@@ -6,7 +6,7 @@ it, and says only what it returns (shape and dtype) to the tracer. Eager code ca
 directly: the dispatcher adds host time to every call.
 
     w4a16_matmul(x, packed, block_scale, global_scale)           kernels.w4a16_gemm.w4a16_matmul
-    packed_matmul(x, words, scales, global_scale, n, k)           kernels.packed_gemm.packed_matmul
+    packed_matmul(x, words, scales, global_scale, n, k)           kernels.packed_linear.packed_linear
     moe_experts(hidden, top_k_index, top_k_weights, up_packed, up_block_scale, up_global_scale,
                 down_packed, down_block_scale, down_global_scale)  kernels.moe_gemm.moe_experts
     moe_experts_and_shared(the same, then the shared expert's up and down packed, block_scale,
@@ -48,9 +48,10 @@ def _(x, packed, block_scale, global_scale):
 @torch.library.custom_op("fp4kit::packed_matmul", mutates_args=())
 def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                   n: int, k: int) -> torch.Tensor:
-    from .packed_gemm import PackedNVFP4, packed_matmul as launch
+    from .packed_gemm import PackedNVFP4
+    from .packed_linear import packed_linear
 
-    return launch(x, PackedNVFP4(words, scales, global_scale, n, k), backend="triton")
+    return packed_linear(x, PackedNVFP4(words, scales, global_scale, n, k), backend="triton")
 
 
 @packed_matmul.register_fake

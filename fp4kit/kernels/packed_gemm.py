@@ -471,11 +471,10 @@ def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", c
     """y = x @ W.unpack().dequantize(x.dtype)^T, fp32 accumulation, output in x's dtype.
 
     x: [..., K] bf16 / fp16 (the dtype `w` was packed for); w: a `PackedNVFP4` (`pack`).
-    backend: "triton" (`_packed_kernel`; on an sm_90 GPU, at the rows where the launch table's WS
-    entry says so (`uses_ws`), `packed_ws.packed_matmul_ws`, whose sums run in another order) or
-    "torch" (the checkpoint layout back, dequantized, then torch's matmul). cfg: launch-shape
-    overrides of `_packed_kernel` (any of LAUNCH_KEYS; with cfg it always runs). tables: the launch
-    table (default: the device's, `launch.table("packed", x.device)`)."""
+    backend: "triton" (`_packed_kernel`) or "torch" (the checkpoint layout back, dequantized,
+    then torch's matmul). cfg: launch-shape overrides (any of LAUNCH_KEYS). tables: the launch
+    table (default: the device's, `launch.table("packed", x.device)`). The modules call
+    `packed_linear.packed_linear`, which hands some rows to `packed_ws` instead."""
     if not isinstance(w, PackedNVFP4):
         raise TypeError(f"{_WHAT}: w must be a PackedNVFP4 (kernels.packed_gemm.pack), got {type(w).__name__}")
     n, k = w.shape
@@ -490,10 +489,6 @@ def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", c
     m = x2.shape[0]
     if m == 0:
         return out.reshape(*lead, n)
-    if cfg is None and (_default_ws(m, n, k, x.device) if tables is None else uses_ws(m, n, k, x.device, tables)):
-        from .packed_ws import packed_matmul_ws
-
-        return packed_matmul_ws(x, w)
     if cfg is None and tables is None:
         grid, split, kt_per_split, consts = _default_plan(m, n, k, x.device, x.dtype)  # once per problem shape
     else:
@@ -507,24 +502,6 @@ def packed_matmul(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton", c
     launch_cached(_packed_kernel, grid, x2, x_desc, w.words, w.scales, w.global_scale, out, part, counters, m, n, k,
                   *w.words.shape[:2], x2.stride(0), kt_per_split, constants=consts[tma])
     return out.reshape(*lead, n)
-
-
-def uses_ws(m: int, n: int, k: int, device: torch.device, tables: Mapping | None = None) -> bool:
-    """Whether `packed_matmul` hands an [m, k] @ [n, k]^T problem to `packed_ws.packed_matmul_ws`
-    (K split across each program's warpgroups, launch shape by `packed_ws.config`'s rule): on an
-    sm_90 GPU, for weights below the table's LARGE_WEIGHTS, at the rows of its WS entry
-    (min_rows to max_rows; no entry: never)."""
-    t = launch.table("packed", device) if tables is None else tables
-    ws = t.get("WS")
-    return bool(ws is not None and device.type == "cuda" and not interpreted(_packed_kernel)
-                and torch.cuda.get_device_capability(device) == (9, 0) and n * k < t["LARGE_WEIGHTS"]
-                and ws["min_rows"] <= m <= ws["max_rows"])
-
-
-@functools.lru_cache(maxsize=4096)
-def _default_ws(m: int, n: int, k: int, device: torch.device) -> bool:
-    """`uses_ws` under the device's own launch table, kept per shape."""
-    return uses_ws(m, n, k, device)
 
 
 def _plan(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, cfg: dict | None,

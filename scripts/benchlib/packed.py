@@ -7,7 +7,8 @@ import json
 
 import torch
 
-from fp4kit.kernels.packed_gemm import config, pack, packed_matmul, uses_ws
+from fp4kit.kernels.packed_gemm import config, pack, packed_matmul
+from fp4kit.kernels.packed_linear import packed_linear, uses_ws
 from fp4kit.kernels.quantize import quantize
 from fp4kit.kernels.w4a16_gemm import path, w4a16_matmul
 from sweeps.common import nvfp4_bytes, tensor_copies, time_calls, weight_copies
@@ -173,9 +174,9 @@ def bench_ws(shapes=NANO, ms=(16, 32, 64), launches=WS_LAUNCHES) -> list:
             rows.append({**base, "kernel": "bf16", "ms_warm": time_graph(lambda: torch.matmul(x, bf16_copies[0].T)),
                          "ms_cold": time_calls([lambda w=w: torch.matmul(x, w.T) for w in bf16_copies])})
             rows.append({**base, "kernel": "packed", "launch": config(m, n, k, x.device),
-                         "rel_err": err(packed_matmul(x, p_copies[0], cfg={})),
-                         "ms_warm": time_graph(lambda: packed_matmul(x, p_copies[0], cfg={})),
-                         "ms_cold": time_calls([lambda w=w: packed_matmul(x, w, cfg={}) for w in p_copies])})
+                         "rel_err": err(packed_matmul(x, p_copies[0])),
+                         "ms_warm": time_graph(lambda: packed_matmul(x, p_copies[0])),
+                         "ms_cold": time_calls([lambda w=w: packed_matmul(x, w) for w in p_copies])})
             for cfg in launches:
                 if cfg.get("BLOCK_M", 0) > max(16, m):
                     continue
@@ -198,8 +199,8 @@ EVERY_M = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60,
 def bench_rows(shapes=NANO, ms=EVERY_M, launches=ROW_WS_LAUNCHES) -> list:
     """Per activation-row count, every W4A16 kernel a decode step could run on the weight, warm and
     cold (`bench_cold`'s copies), beside torch.matmul on the bf16 weight: `w4a16_matmul` on the
-    checkpoint layout, `packed_matmul`'s own kernel with its launch table ("packed"), `packed_matmul`
-    as called by default ("dispatch": at the rows `uses_ws` names, `packed_ws`) and, from 16 rows,
+    checkpoint layout, `packed_matmul` with its launch table ("packed"), `packed_linear` as the
+    modules call it ("dispatch": at the rows `uses_ws` names, `packed_ws`) and, from 16 rows,
     `packed_ws.packed_matmul_ws` at each launch shape of `launches` whose BLOCK_M is at most
     max(16, M) rounded up to a power of two. One row per (shape, M, kernel)."""
     from fp4kit.kernels.packed_ws import config as ws_config, packed_matmul_ws
@@ -212,9 +213,9 @@ def bench_rows(shapes=NANO, ms=EVERY_M, launches=ROW_WS_LAUNCHES) -> list:
             base = {"N": n, "K": k, "M": m}
             cands = [("bf16", None, [lambda w=w: torch.matmul(x, w.T) for w in bf16_copies]),
                      ("w4a16", {"path": path(m, n, k, x.device)}, [lambda w=w: w4a16_matmul(x, w) for w in q_copies]),
-                     ("packed", config(m, n, k, x.device), [lambda w=w: packed_matmul(x, w, cfg={}) for w in p_copies]),
+                     ("packed", config(m, n, k, x.device), [lambda w=w: packed_matmul(x, w) for w in p_copies]),
                      ("dispatch", {"uses_ws": uses_ws(m, n, k, x.device)},
-                      [lambda w=w: packed_matmul(x, w) for w in p_copies])]
+                      [lambda w=w: packed_linear(x, w) for w in p_copies])]
             if m >= 16:
                 for cfg in launches:
                     if cfg["BLOCK_M"] <= max(16, 1 << (m - 1).bit_length()):

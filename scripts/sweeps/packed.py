@@ -111,7 +111,7 @@ def sweep_overlap(problems=OVERLAP_PROBLEMS, stages=(2, 3), programs_per_sm=(1, 
             base = {"N": n, "K": k, "M": m}
             rows.append({**base, "kernel": "bf16", "ms": time_graph(lambda: torch.matmul(x, wb.T))})
             rows.append({**base, "kernel": "packed", **pg.config(m, n, k, x.device),
-                         "ms": time_graph(lambda: pg.packed_matmul(x, w, cfg={}))})
+                         "ms": time_graph(lambda: pg.packed_matmul(x, w))})
             print(json.dumps(rows[-2]), json.dumps(rows[-1]), flush=True)
             for st, pps, a, pf in itertools.product(stages, programs_per_sm, ahead, prefetch):
                 cfg = {"STAGES": st, "programs_per_sm": pps, "AHEAD": a, "PREFETCH": pf}

@@ -17,6 +17,7 @@ if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("the warp-specialized kernel is written for sm_90", allow_module_level=True)
 
 from fp4kit.kernels import packed_gemm as pg  # noqa: E402
+from fp4kit.kernels import packed_linear as pl  # noqa: E402
 from fp4kit.kernels import packed_ws as ws  # noqa: E402
 from fp4kit.kernels.quantize import quantize  # noqa: E402
 
@@ -28,7 +29,7 @@ def _check(n, k, m, dtype, cfgs):
     w = pg.pack(quantize(torch.randn((n, k), generator=g, device="cuda", dtype=torch.bfloat16) * 0.02), dtype)
     x = torch.randn((m, k), generator=g, device="cuda", dtype=dtype)
     ref = x.float() @ w.unpack().dequantize().T
-    packed_err = ((pg.packed_matmul(x, w, cfg={}).float() - ref).norm() / ref.norm()).item()  # its own kernel
+    packed_err = ((pg.packed_matmul(x, w).float() - ref).norm() / ref.norm()).item()
     for cfg in cfgs:
         got = ws.packed_matmul_ws(x, w, cfg=cfg)
         assert got.dtype == dtype and got.shape == (m, n)
@@ -86,14 +87,15 @@ def test_a_rows_bytes_do_not_depend_on_where_its_block_of_rows_starts(n, k):
                 assert torch.equal(ws.packed_matmul_ws(x[:m], w, cfg=cfg), full[:m]), (cfg, m)
 
 
-def test_packed_matmul_hands_16_to_64_rows_of_small_weights_to_it():
+def test_packed_linear_hands_16_to_64_rows_of_small_weights_to_it():
     w = pg.pack(quantize(torch.randn((3712, 2688), device="cuda", dtype=torch.bfloat16) * 0.02))
     dev = torch.device("cuda", torch.cuda.current_device())
-    assert [pg.uses_ws(m, 3712, 2688, dev) for m in (1, 12, 15, 16, 33, 64, 65)] == [
+    assert [pl.uses_ws(m, 3712, 2688, dev) for m in (1, 12, 15, 16, 33, 64, 65)] == [
         False, False, False, True, True, True, False]
-    assert not pg.uses_ws(64, 131072, 2688, dev)  # a large weight: packed_matmul's own kernel
+    assert not pl.uses_ws(64, 131072, 2688, dev)  # a large weight: packed_matmul
     for m in (16, 37, 64):
         x = torch.randn((m, 2688), device="cuda", dtype=torch.bfloat16)
-        assert torch.equal(pg.packed_matmul(x, w), ws.packed_matmul_ws(x, w))
-        # a launch shape of its own (cfg) runs packed_matmul's kernel: other sums, other bytes
-        assert not torch.equal(pg.packed_matmul(x, w, cfg={"SPLIT": 1}), ws.packed_matmul_ws(x, w))
+        assert torch.equal(pl.packed_linear(x, w), ws.packed_matmul_ws(x, w))
+        assert not torch.equal(pg.packed_matmul(x, w), ws.packed_matmul_ws(x, w))  # other sums, other bytes
+    x = torch.randn((8, 2688), device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(pl.packed_linear(x, w), pg.packed_matmul(x, w))

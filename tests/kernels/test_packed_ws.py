@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fp4kit.kernels import packed_gemm as pg
+from fp4kit.kernels import packed_linear as pl
 from fp4kit.kernels import packed_ws as ws
 from fp4kit.kernels.quantize import quantize
 
@@ -68,8 +69,12 @@ def test_the_launcher_refuses_the_cpu_and_other_weights():
         ws.packed_matmul_ws(x.half(), w)
 
 
-def test_packed_matmul_keeps_its_own_kernel_off_sm90():
+def test_packed_linear_keeps_packed_matmul_off_sm90():
     # the launch table's WS rows apply on an sm_90 GPU only: on the CPU (the interpreter) never
     tables = pg.launch.table("packed")
     assert tables["WS"]["min_rows"] <= 32 <= tables["WS"]["max_rows"]
-    assert not pg.uses_ws(32, 3712, 2688, torch.device("cpu"))
+    assert not pl.uses_ws(32, 3712, 2688, torch.device("cpu"))
+    w = pg.pack(quantize(torch.randn(64, 256, dtype=torch.bfloat16) * 0.02, backend="torch"))
+    x = torch.randn(32, 256, dtype=torch.bfloat16)
+    assert torch.equal(pl.packed_linear(x, w), pg.packed_matmul(x, w))
+    assert torch.equal(pl.packed_linear(x, w, backend="torch"), pg.packed_matmul(x, w, backend="torch"))

@@ -1,0 +1,48 @@
+"""The W4A16 linear on a pre-packed NVFP4 weight, as fp4kit's modules run it: `packed_gemm`'s
+Triton kernel, or on an sm_90 GPU, at the rows the launch table's WS entry names (16 to 64 on a
+weight below LARGE_WEIGHTS), `packed_ws.packed_matmul_ws`, whose sums over K run in another order.
+The choice is measured in benchmarks/README.md (`bench_packed.py --rows`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import torch
+
+from . import launch
+from .backend import interpreted
+from .packed_gemm import PackedNVFP4, _packed_kernel, packed_matmul
+
+
+def uses_ws(m: int, n: int, k: int, device: torch.device, tables: Mapping | None = None) -> bool:
+    """Whether `packed_linear` hands an [m, k] @ [n, k]^T problem to `packed_ws.packed_matmul_ws`
+    (K split across each program's warpgroups, launch shape by `packed_ws.config`'s rule): on an
+    sm_90 GPU, for weights below the table's LARGE_WEIGHTS, at the rows of its WS entry
+    (min_rows to max_rows; no entry: never). tables: the "packed" launch table (default: the
+    device's)."""
+    t = launch.table("packed", device) if tables is None else tables
+    ws = t.get("WS")
+    return bool(ws is not None and device.type == "cuda" and not interpreted(_packed_kernel)
+                and torch.cuda.get_device_capability(device) == (9, 0) and n * k < t["LARGE_WEIGHTS"]
+                and ws["min_rows"] <= m <= ws["max_rows"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_ws(m: int, n: int, k: int, device: torch.device) -> bool:
+    """`uses_ws` under the device's own launch table, kept per shape."""
+    return uses_ws(m, n, k, device)
+
+
+def packed_linear(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton") -> torch.Tensor:
+    """y = x @ W.unpack().dequantize(x.dtype)^T (x: [..., K] in the dtype `w` was packed for):
+    `packed_gemm.packed_matmul` (backend "triton" or "torch"), on the Triton backend
+    `packed_ws.packed_matmul_ws` where `uses_ws` says so."""
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if backend == "triton" and isinstance(w, PackedNVFP4) and x.device.type == "cuda" and rows:
+        n, k = w.shape
+        if _default_ws(rows, n, k, x.device):
+            from .packed_ws import packed_matmul_ws
+
+            return packed_matmul_ws(x, w)
+    return packed_matmul(x, w, backend=backend)
