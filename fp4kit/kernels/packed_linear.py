@@ -39,10 +39,8 @@ def packed_linear(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton") -
     `packed_gemm.packed_matmul` (backend "triton" or "torch"), on the Triton backend
     `packed_ws.packed_matmul_ws` where `uses_ws` says so."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    if backend == "triton" and isinstance(w, PackedNVFP4) and x.device.type == "cuda" and rows:
-        n, k = w.shape
-        if _default_ws(rows, n, k, x.device):
-            from .packed_ws import packed_matmul_ws
+    if backend == "triton" and isinstance(w, PackedNVFP4) and rows and _default_ws(rows, *w.shape, x.device):
+        from .packed_ws import packed_matmul_ws
 
-            return packed_matmul_ws(x, w)
+        return packed_matmul_ws(x, w)
     return packed_matmul(x, w, backend=backend)

@@ -78,3 +78,17 @@ def test_packed_linear_keeps_packed_matmul_off_sm90():
     x = torch.randn(32, 256, dtype=torch.bfloat16)
     assert torch.equal(pl.packed_linear(x, w), pg.packed_matmul(x, w))
     assert torch.equal(pl.packed_linear(x, w, backend="torch"), pg.packed_matmul(x, w, backend="torch"))
+
+
+def test_packed_linear_hands_the_rows_uses_ws_names_to_packed_ws(monkeypatch):
+    # the wiring, with the GPU's answer stood in: every row of a [2, 3, K] input counted, the
+    # weight's shape and the input's device asked about, the call handed over as it came
+    w = pg.pack(quantize(torch.randn(64, 256, dtype=torch.bfloat16) * 0.02, backend="torch"))
+    x = torch.randn(2, 3, 256, dtype=torch.bfloat16)
+    asked, handed = [], []
+    monkeypatch.setattr(pl, "_default_ws", lambda *a: asked.append(a) or True)
+    monkeypatch.setattr(ws, "packed_matmul_ws", lambda x_, w_: handed.append((x_, w_)) or "ws")
+    assert pl.packed_linear(x, w) == "ws" and handed[0][0] is x and handed[0][1] is w
+    assert asked == [(6, 64, 256, x.device)]
+    assert pl.packed_linear(x, w, backend="torch").shape == (2, 3, 64)  # the emulation: never handed over
+    assert len(handed) == 1
