@@ -27,9 +27,9 @@ The weight layout and decoding are `packed_gemm`'s (`packed_overlap._tile_load` 
 not `packed_matmul`'s (its K tiles are summed in one chain). `packed_linear.packed_linear`, which
 the modules call, hands it 16-64 rows of a small weight on an sm_90 GPU (`packed_linear.uses_ws`).
 A last block of rows that M does not fill ends at row M (moved back over rows of the block before,
-which it does not store), so that no activation tile reads past the last row. Measured against `packed_matmul` and bf16:
-benchmarks/README.md. Gluon compiles for NVIDIA GPUs only (Triton's interpreter does not run it):
-on a CPU the launcher refuses.
+which it does not store), so that no activation tile reads past the last row. Measured against
+`packed_matmul` and bf16: benchmarks/README.md. Gluon compiles for NVIDIA GPUs only (Triton's
+interpreter does not run it): on a CPU the launcher refuses.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def config(m: int, n: int, k: int, cfg: dict | None = None, sms: int | None = No
     if "SPLIT" in c:
         split = c["SPLIT"]
     else:
-        split = 2 if sms is not None and bm in BLOCK_MS and 2 * tiles_n * cdiv(m, bm) <= sms else 1
+        split = 2 if sms is not None and 2 * tiles_n * cdiv(m, bm) <= sms else 1
     regs = c.get("WORKER_REGS", 128 if p == 4 else 168)
     if bm not in BLOCK_MS or p not in (2, 4) or split < 1 or regs % 8 or not 24 <= regs <= 256:
         raise ValueError(f"{_WHAT}: BLOCK_M must be one of {BLOCK_MS}, P 2 or 4, SPLIT >= 1 and WORKER_REGS a "

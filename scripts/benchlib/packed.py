@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from fp4kit.kernels.backend import sm_count
 from fp4kit.kernels.packed_gemm import config, pack, packed_matmul
 from fp4kit.kernels.packed_linear import packed_linear, uses_ws
 from fp4kit.kernels.quantize import quantize
@@ -159,6 +160,7 @@ def bench_ws(shapes=NANO, ms=(16, 32, 64), launches=WS_LAUNCHES) -> list:
     `packed_matmul`'s), and whether two calls give the same bytes."""
     from fp4kit.kernels.packed_ws import config as ws_config, packed_matmul_ws
 
+    sms = sm_count(torch.device("cuda", torch.cuda.current_device()))  # the launch packed_matmul_ws runs
     rows = []
     for n, k in shapes:
         wq, q_copies, p_copies, bf16_copies = _cold_sets(n, k)
@@ -181,7 +183,7 @@ def bench_ws(shapes=NANO, ms=(16, 32, 64), launches=WS_LAUNCHES) -> list:
                 if cfg.get("BLOCK_M", 0) > max(16, m):
                     continue
                 y = packed_matmul_ws(x, p_copies[0], cfg=cfg)
-                row = {**base, "kernel": "ws", "cfg": cfg, "launch": ws_config(m, n, k, cfg), "rel_err": err(y),
+                row = {**base, "kernel": "ws", "cfg": cfg, "launch": ws_config(m, n, k, cfg, sms), "rel_err": err(y),
                        "same_bytes_twice": bool(torch.equal(y, packed_matmul_ws(x, p_copies[0], cfg=cfg)))}
                 row["ms_warm"] = time_graph(lambda cfg=cfg: packed_matmul_ws(x, p_copies[0], cfg=cfg))
                 row["ms_cold"] = time_calls([lambda w=w, cfg=cfg: packed_matmul_ws(x, w, cfg=cfg) for w in p_copies])
@@ -205,6 +207,7 @@ def bench_rows(shapes=NANO, ms=EVERY_M, launches=ROW_WS_LAUNCHES) -> list:
     max(16, M) rounded up to a power of two. One row per (shape, M, kernel)."""
     from fp4kit.kernels.packed_ws import config as ws_config, packed_matmul_ws
 
+    sms = sm_count(torch.device("cuda", torch.cuda.current_device()))  # the launch packed_matmul_ws runs
     rows = []
     for n, k in shapes:
         wq, q_copies, p_copies, bf16_copies = _cold_sets(n, k)
@@ -219,7 +222,7 @@ def bench_rows(shapes=NANO, ms=EVERY_M, launches=ROW_WS_LAUNCHES) -> list:
             if m >= 16:
                 for cfg in launches:
                     if cfg["BLOCK_M"] <= max(16, 1 << (m - 1).bit_length()):
-                        cands.append(("ws", {**cfg, **ws_config(m, n, k, cfg)},
+                        cands.append(("ws", {**cfg, **ws_config(m, n, k, cfg, sms)},
                                       [lambda w=w, cfg=cfg: packed_matmul_ws(x, w, cfg=cfg) for w in p_copies]))
             for kernel, launch_shape, fns in cands:
                 rows.append({**base, "kernel": kernel, "launch": launch_shape, "ms_warm": time_graph(fns[0]),
