@@ -246,6 +246,9 @@ def _cold_row(n: int, k: int, m: int):
     return row
 
 
+EVERY_M = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64)  # bench_packed.py --rows
+
+
 def _span(values, digits: int) -> str:
     return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
 
@@ -1516,30 +1519,53 @@ FIGURES = [
     (README, "0.7-2.7 us per projection\nand 2.1 us per token's routed experts", "prefetch-h100.json", (),
      lambda d: "{} us per projection and {:.1f} us per token's".format(
          _span([v for k, v in _prefetch_gains(d).items() if k != "moe"], 1), _prefetch_gains(d)["moe"])),
-    # every row count, 1-64 (packed-gemm-rows-h100.json)
-    *[(doc, text, "packed-gemm-rows-h100.json", ("rows",), _rows_ratio(n, "dispatch", state, lo, hi)) for doc, text, n, state, lo, hi in (
-        (BENCH, "| 3712 x 2688 | 1.12-1.31x at every row count", 3712, "cold", 1, 64),
-        (BENCH, "| 2688 x 3712 | 1.02-1.67x at every row count", 2688, "cold", 1, 64),
-        (BENCH, "at every row count | 1.01-1.23x up to 16 rows", 3712, "warm", 1, 16),
-        (BENCH, "up to 16 rows, 0.81-1.00x at 20-56", 3712, "warm", 20, 56),
-        (BENCH, "0.81-1.00x at 20-56, 1.02-1.04x at 60-64", 3712, "warm", 60, 64),
-        (BENCH, "| 0.94-1.77x; below 1.0 at 52, 60 and 64 rows |", 2688, "warm", 1, 64),
-        (README, "1.12-1.31x bf16 on 3712 x 2688 and 1.02-1.67x", 3712, "cold", 1, 64),
-        (README, "1.12-1.31x bf16 on 3712 x 2688 and 1.02-1.67x", 2688, "cold", 1, 64),
-        (README, "that L2 keeps, 0.81-1.00x at 20-56 rows", 3712, "warm", 20, 56))],
-    *[(BENCH, text, "packed-gemm-rows-h100.json", ("rows",), _rows_ratio(n, "w4a16", state, 16, 64)) for text, n, state in (
-        ("`w4a16_matmul` at 16-64 rows: 0.57-0.76x warm", 3712, "warm"),
-        ("0.57-0.76x warm and 0.78-1.05x cold", 3712, "cold"),
-        ("3712 x 2688, 0.72-1.01x and 0.83-1.40x", 2688, "warm"),
-        ("0.72-1.01x and 0.83-1.40x on 2688 x 3712", 2688, "cold"))],
-    (BENCH, "(its GEMV: 5.15 against 8.04 us cold", "packed-gemm-rows-h100.json", ("rows",),
+    # every row count, 1-64 (packed-gemm-rows-fill-h100.json; packed-gemm-rows-h100.json before the
+    # 16-row entry's cold pick and WS min_fill)
+    *[(doc, text, "packed-gemm-rows-fill-h100.json", ("rows",), _rows_ratio(n, "dispatch", state, lo, hi))
+      for doc, text, n, state, lo, hi in (
+        (BENCH, "| 3712 x 2688 | 1.14-1.52x at every row count", 3712, "cold", 1, 64),
+        (BENCH, "| 2688 x 3712 | 1.05-1.93x at every row count", 2688, "cold", 1, 64),
+        (BENCH, "at every row count | 1.03-1.33x up to 16 rows", 3712, "warm", 1, 16),
+        (BENCH, "up to 16 rows, 0.83-1.02x at 20-56", 3712, "warm", 20, 56),
+        (BENCH, "0.83-1.02x at 20-56, 1.00-1.03x at 60-64", 3712, "warm", 60, 64),
+        (BENCH, "| 0.92-1.55x; below 1.0 at 44, 52, 56, 60 and 64 rows |", 2688, "warm", 1, 64),
+        (README, "1.14-1.52x bf16 on 3712 x 2688 and 1.05-1.93x", 3712, "cold", 1, 64),
+        (README, "1.14-1.52x bf16 on 3712 x 2688 and 1.05-1.93x", 2688, "cold", 1, 64),
+        (README, "that L2 keeps, 0.83-1.02x at 20-56 rows", 3712, "warm", 20, 56))],
+    (BENCH, "below 1.0 at 44, 52, 56, 60 and 64 rows", "packed-gemm-rows-fill-h100.json", ("rows",),
+     lambda rows: "below 1.0 at {} and {} rows".format(*(lambda ms: (", ".join(ms[:-1]), ms[-1]))(
+         [str(m) for m in EVERY_M if _rows_cell(rows, 2688, m, "bf16")["ms_warm"] < _rows_cell(rows, 2688, m, "dispatch")["ms_warm"]]))),
+    (README, "0.92-0.98x at 44 and 52-64 rows on 2688 x 3712", "packed-gemm-rows-fill-h100.json", ("rows",),
+     lambda rows: "{}x".format(_span([_rows_cell(rows, 2688, m, "bf16")["ms_warm"] / _rows_cell(rows, 2688, m, "dispatch")["ms_warm"]
+                                      for m in (44, 52, 56, 60, 64)], 2))),
+    *[(BENCH, text, "packed-gemm-rows-fill-h100.json", ("rows",), _rows_ratio(n, "w4a16", state, 16, 64)) for text, n, state in (
+        ("`w4a16_matmul` at 16-64 rows: 0.55-0.76x warm", 3712, "warm"),
+        ("0.55-0.76x warm and 0.78-1.07x cold", 3712, "cold"),
+        ("3712 x 2688, 0.73-1.07x and 0.81-1.44x", 2688, "warm"),
+        ("0.73-1.07x and 0.81-1.44x on 2688 x 3712", 2688, "cold"))],
+    (BENCH, "(its GEMV: 5.16 against 6.53 us cold", "packed-gemm-rows-fill-h100.json", ("rows",),
      lambda rows: "{:.2f} against {:.2f}".format(*(_rows_cell(rows, 3712, 1, kind)["ms_cold"] * 1e3
                                                   for kind in ("w4a16", "dispatch")))),
-    (BENCH, "faster than `packed_ws` (8.2-8.8 against 9.2-9.3 us cold)", "packed-gemm-rows-h100.json", ("rows",),
-     lambda rows: "{} against {}".format(*(_span([_rows_cell(rows, 2688, m, kind)["ms_cold"] * 1e3
-                                                  for m in (20, 24, 28, 32)], 1) for kind in ("packed", "dispatch")))),
-    (README, "and 0.94x at 64 rows on 2688 x 3712", "packed-gemm-rows-h100.json", ("rows",),
-     lambda rows: "{:.2f}".format(_rows_cell(rows, 2688, 64, "bf16")["ms_warm"] / _rows_cell(rows, 2688, 64, "dispatch")["ms_warm"])),
+    # the 16-row entry's cold pick: one row, 1-12 rows, before and after
+    (BENCH, "takes 6.53 and\n  6.56 us on 3712 x 2688 and 2688 x 3712 where it took 8.04 and 7.45",
+     ("packed-gemm-rows-fill-h100.json", "packed-gemm-rows-h100.json"), (),
+     lambda new, old: "takes {:.2f} and {:.2f} us on 3712 x 2688 and 2688 x 3712 where it took {:.2f} and {:.2f}".format(
+         *(_rows_cell(d["rows"], n, 1, "dispatch")["ms_cold"] * 1e3 for d in (new, old) for n in (3712, 2688)))),
+    (BENCH, "at 1-12 rows 6.33-7.16\n  where it took 7.42-8.30", ("packed-gemm-rows-fill-h100.json", "packed-gemm-rows-h100.json"), (),
+     lambda new, old: "at 1-12 rows {} where it took {}".format(
+         *(_span([_rows_cell(d["rows"], n, m, "dispatch")["ms_cold"] * 1e3 for n in (3712, 2688) for m in EVERY_M if m <= 12], 2)
+           for d in (new, old)))),
+    (BENCH, "warm, 5.01-5.96 against 5.48-5.81 on 3712 x 2688 and\n  5.21-6.07 against 5.15-5.56 on 2688 x 3712",
+     ("packed-gemm-rows-fill-h100.json", "packed-gemm-rows-h100.json"), (),
+     lambda new, old: "warm, {} against {} on 3712 x 2688 and {} against {} on 2688 x 3712".format(
+         *(_span([_rows_cell(d["rows"], n, m, "dispatch")["ms_warm"] * 1e3 for m in EVERY_M if m <= 12], 2)
+           for n in (3712, 2688) for d in (new, old)))),
+    # WS min_fill: 2688 x 3712 at 16-32 rows with packed_ws and without
+    (BENCH, "`packed_linear` took 7.36-8.00 / 8.20-9.26 us warm / cold with it, 6.72-7.62 / 7.75-8.68 without",
+     ("packed-gemm-rows-h100.json", "packed-gemm-rows-fill-h100.json"), (),
+     lambda old, new: "`packed_linear` took {} / {} us warm / cold with it, {} / {} without".format(
+         *(_span([_rows_cell(d["rows"], 2688, m, "dispatch")[f"ms_{st}"] * 1e3 for m in (16, 20, 24, 28, 32)], 2)
+           for d in (old, new) for st in ("warm", "cold")))),
     (BENCH, "took 9.41 / 9.57 us warm / cold, and 7.77 / 8.92", "packed-gemm-ws-pad-h100.json", ("runs",),
      lambda runs: "{:.2f} / {:.2f} us warm / cold, and {:.2f} / {:.2f}".format(*[v * 1e3 for r in runs if (r["N"], r["M"], r["cfg"]) == (3712, 40, {"BLOCK_M": 32, "P": 4}) for v in r["plain"] + r["padded"]])),
     (BENCH, "10.28 / 10.36 us before", "packed-gemm-rows-before-shift-h100.json", ("rows",),
@@ -1555,16 +1581,25 @@ FIGURES = [
     (BENCH, "`modelopt-lightning` 2.15x / 2.07x, 1.96x / 1.97x, 1.52x / 1.53x", "decode-graph-compiled-layouts-lightning-h100.json", (),
      lambda d: "{}x / {}x, {}x / {}x, {}x / {}x".format(*(_decode_speedup(lab, b)(d) for b in ("1", "16", "64") for lab in (
          "modelopt-lightning_graph", "modelopt-lightning_packed-layout_graph")))),
+    *[(doc, text, "decode-graph-compiled-layouts-b1-h100.json", (), lambda d, word=word: "{}x {} {}x".format(
+        _decode_speedup("nemotron-h-w4a16-4o6_packed-layout_graph", "1")(d), word,
+        _decode_speedup("nemotron-h-w4a16-4o6_graph", "1")(d)) if word == "against" else "{}x / {}x".format(
+        _decode_speedup("nemotron-h-w4a16-4o6_graph", "1")(d), _decode_speedup("nemotron-h-w4a16-4o6_packed-layout_graph", "1")(d)))
+      for doc, text, word in ((README, "1.92x against 1.98x at batch 1", "against"), (BENCH, "batch 1 1.98x /\n  1.92x", "/"))],
     (README, "1.89x against 1.96x at batch 1", "decode-graph-compiled-layouts-h100.json", (),
      lambda d: "{}x against {}x".format(_decode_speedup("nemotron-h-w4a16-4o6_packed-layout_graph", "1")(d),
                                        _decode_speedup("nemotron-h-w4a16-4o6_graph", "1")(d))),
 ]
 
 
-@pytest.mark.parametrize("doc,quoted,name,path,fmt", FIGURES, ids=[f"{d}:{n}:{'/'.join(map(str, p))}" for d, _, n, p, _ in FIGURES])
+@pytest.mark.parametrize("doc,quoted,name,path,fmt", FIGURES,
+                         ids=[f"{d}:{'+'.join((n,) if isinstance(n, str) else n)}:{'/'.join(map(str, p))}"
+                              for d, _, n, p, _ in FIGURES])
 def test_quoted_figure_is_its_results_value(doc, quoted, name, path, fmt):
+    # name: one results file, or a tuple of them (a before-and-after figure: fmt takes each in turn)
     assert _flat(quoted) in _flat((ROOT / doc).read_text()), f"{doc} no longer says {quoted!r}"
-    shown = fmt(_at(_load(name), path))
+    names = (name,) if isinstance(name, str) else name
+    shown = fmt(*(_at(_load(n), path) for n in names))
     assert shown in _flat(quoted), f"{name} {path} is {shown}; {doc} says {quoted!r}"
 
 

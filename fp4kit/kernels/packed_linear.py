@@ -1,7 +1,8 @@
 """The W4A16 linear on a pre-packed NVFP4 weight, as fp4kit's modules run it: `packed_gemm`'s
 Triton kernel, or on an sm_90 GPU, at the rows the launch table's WS entry names (16 to 64 on a
-weight below LARGE_WEIGHTS), `packed_ws.packed_matmul_ws`, whose sums over K run in another order.
-The choice is measured in benchmarks/README.md (`bench_packed.py --rows`)."""
+weight below LARGE_WEIGHTS, except where packed_ws would leave multiprocessors idle and
+`packed_gemm` runs 16-row blocks: `ws_rows`), `packed_ws.packed_matmul_ws`, whose sums over K run
+in another order. The choice is measured in benchmarks/README.md (`bench_packed.py --rows`)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,39 @@ from collections.abc import Mapping
 
 import torch
 
-from . import launch
-from .backend import interpreted
-from .packed_gemm import PackedNVFP4, _packed_kernel, packed_matmul
+from . import backend, launch
+from .backend import cdiv, interpreted
+from .packed_gemm import PackedNVFP4, _packed_kernel, packed_matmul, row_class
 
 
 def uses_ws(m: int, n: int, k: int, device: torch.device, tables: Mapping | None = None) -> bool:
     """Whether `packed_linear` hands an [m, k] @ [n, k]^T problem to `packed_ws.packed_matmul_ws`
     (K split across each program's warpgroups, launch shape by `packed_ws.config`'s rule): on an
-    sm_90 GPU, for weights below the table's LARGE_WEIGHTS, at the rows of its WS entry
-    (min_rows to max_rows; no entry: never). tables: the "packed" launch table (default: the
-    device's)."""
+    sm_90 GPU, where `ws_rows` says so for its multiprocessor count. tables: the "packed" launch
+    table (default: the device's)."""
     t = launch.table("packed", device) if tables is None else tables
-    ws = t.get("WS")
-    return bool(ws is not None and device.type == "cuda" and not interpreted(_packed_kernel)
-                and torch.cuda.get_device_capability(device) == (9, 0) and n * k < t["LARGE_WEIGHTS"]
-                and ws["min_rows"] <= m <= ws["max_rows"])
+    return bool(device.type == "cuda" and not interpreted(_packed_kernel)
+                and torch.cuda.get_device_capability(device) == (9, 0)
+                and ws_rows(m, n, k, backend.sm_count(device), t))
+
+
+def ws_rows(m: int, n: int, k: int, sms: int, tables: Mapping) -> bool:
+    """`uses_ws`'s rule on a GPU of `sms` multiprocessors, under the "packed" launch table `tables`:
+    for weights below its LARGE_WEIGHTS, at the rows of its WS entry (min_rows to max_rows; no
+    entry: never), except where `packed_matmul` runs blocks of 16 rows (its PACKED entry for m)
+    and packed_ws's one-wave launch has fewer programs than WS's min_fill times `sms` (no
+    min_fill: no exception). There `packed_matmul`'s split of K over programs keeps every
+    multiprocessor busy, while packed_ws's unsplit programs would leave some idle."""
+    ws = tables.get("WS")
+    if ws is None or n * k >= tables["LARGE_WEIGHTS"] or not ws["min_rows"] <= m <= ws["max_rows"]:
+        return False
+    fill = ws.get("min_fill")
+    if fill is None or tables["PACKED"][str(row_class(m))]["small"]["BLOCK_M"] > 16:
+        return True
+    from .packed_ws import WARPS, config
+
+    c = config(m, n, k, None, sms)
+    return cdiv(n, 16 * WARPS) * cdiv(m, c["BLOCK_M"]) * c["SPLIT"] >= fill * sms
 
 
 @functools.lru_cache(maxsize=4096)

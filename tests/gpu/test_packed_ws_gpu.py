@@ -93,6 +93,8 @@ def test_packed_linear_hands_16_to_64_rows_of_small_weights_to_it():
     assert [pl.uses_ws(m, 3712, 2688, dev) for m in (1, 12, 15, 16, 33, 64, 65)] == [
         False, False, False, True, True, True, False]
     assert not pl.uses_ws(64, 131072, 2688, dev)  # a large weight: packed_matmul
+    if torch.cuda.get_device_properties(dev).multi_processor_count == 132:  # H100 SXM, H200
+        assert [pl.uses_ws(m, 2688, 3712, dev) for m in (16, 32, 33, 64)] == [False, False, True, True]
     for m in (16, 37, 64):
         x = torch.randn((m, 2688), device="cuda", dtype=torch.bfloat16)
         assert torch.equal(pl.packed_linear(x, w), ws.packed_matmul_ws(x, w))

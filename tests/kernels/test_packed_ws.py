@@ -80,6 +80,25 @@ def test_packed_linear_keeps_packed_matmul_off_sm90():
     assert torch.equal(pl.packed_linear(x, w, backend="torch"), pg.packed_matmul(x, w, backend="torch"))
 
 
+def test_ws_rows_leaves_packed_matmul_the_rows_where_packed_ws_would_idle_multiprocessors():
+    # on 132 multiprocessors: Nano's 3712 x 2688 fills 116 with packed_ws's one-wave launch at
+    # 16-32 rows, 2688 x 3712 only 84 (< 0.75 * 132), where packed_matmul runs 16-row blocks;
+    # above 32 rows packed_matmul's blocks are 32 rows and packed_ws takes every shape
+    t = pg.launch.table("packed")
+    assert t["WS"]["min_fill"] == 0.75
+    assert [pl.ws_rows(m, 3712, 2688, 132, t) for m in (1, 15, 16, 20, 32, 33, 64, 65)] == [
+        False, False, True, True, True, True, True, False]
+    assert [pl.ws_rows(m, 2688, 3712, 132, t) for m in (15, 16, 20, 32, 33, 48, 64, 65)] == [
+        False, False, False, False, True, True, True, False]
+    assert not pl.ws_rows(64, 131072, 2688, 132, t)  # a large weight: packed_matmul
+    assert pl.ws_rows(20, 2688, 3712, 112, t)  # 84 programs fill 0.75 of 112
+    bare = pg.launch.thaw(t)
+    del bare["WS"]["min_fill"]
+    assert all(pl.ws_rows(m, 2688, 3712, 132, bare) for m in (16, 20, 32))  # no min_fill: WS's every row
+    del bare["WS"]
+    assert not any(pl.ws_rows(m, 3712, 2688, 132, bare) for m in (16, 32, 64))  # no WS entry: never
+
+
 def test_packed_linear_hands_the_rows_uses_ws_names_to_packed_ws(monkeypatch):
     # the wiring, with the GPU's answer stood in: every row of a [2, 3, K] input counted, the
     # weight's shape and the input's device asked about, the call handed over as it came
