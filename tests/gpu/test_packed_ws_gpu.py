@@ -101,3 +101,21 @@ def test_packed_linear_hands_16_to_64_rows_of_small_weights_to_it():
         assert not torch.equal(pg.packed_matmul(x, w), ws.packed_matmul_ws(x, w))  # other sums, other bytes
     x = torch.randn((8, 2688), device="cuda", dtype=torch.bfloat16)
     assert torch.equal(pl.packed_linear(x, w), pg.packed_matmul(x, w))
+
+
+def test_rows_past_m_read_as_zeros_give_the_bytes_of_a_full_block():
+    # fewer rows than BLOCK_M: the activation box's rows past M are TMA's zero fill; each row's
+    # bytes are those of the same launch shape (SPLIT given: the one-wave rule splits by M) over a
+    # full block, whether that block's other rows hold zeros or data
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for n, k in ((3712, 2688), (2688, 3712)):
+        w = pg.pack(quantize(torch.randn((n, k), generator=g, device="cuda", dtype=torch.bfloat16) * 0.02))
+        x = torch.randn((64, k), generator=g, device="cuda", dtype=torch.bfloat16)
+        for cfg in ({"BLOCK_M": 32, "SPLIT": 1}, {"BLOCK_M": 32, "SPLIT": 2}, {"BLOCK_M": 64, "P": 2, "SPLIT": 1}):
+            full = ws.packed_matmul_ws(x[:cfg["BLOCK_M"]], w, cfg=cfg)
+            for m in (5, 20):
+                zeros = torch.zeros_like(x[:cfg["BLOCK_M"]])
+                zeros[:m] = x[:m]
+                got = ws.packed_matmul_ws(x[:m], w, cfg=cfg)
+                assert torch.equal(got, full[:m]), (n, cfg, m)
+                assert torch.equal(got, ws.packed_matmul_ws(zeros, w, cfg=cfg)[:m]), (n, cfg, m)
