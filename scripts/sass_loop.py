@@ -352,7 +352,9 @@ def packed_ws(launches=((32, 4, 2), (32, 2, 4), (16, 4, 2), (64, 4, 2), (64, 2, 
     how many wgmma each issues before its last decoding multiply (HMUL2), i.e. with decoding still
     to do, and per K tile its instructions, funnel shifts (SHF), multiplies (HMUL2), byte permutes
     (PRMT) and the uniform shifts and sign extensions (USHF, USGXT) that build a wgmma operand
-    descriptor at run time."""
+    descriptor at run time. Also the listing's instructions and the partitions' K loops' together
+    (each partition has its own copy of its loop, and each of the SM's four schedulers runs a warp
+    of every partition: the loop code one scheduler runs, at 16 bytes an instruction)."""
     from triton.experimental.gluon import language as gl
 
     from fp4kit.kernels import packed_ws as ws
@@ -369,8 +371,9 @@ def packed_ws(launches=((32, 4, 2), (32, 2, 4), (16, 4, 2), (64, 4, 2), (64, 2, 
         regs, sass, stack = compile_sm90(ws._ws_kernel, sig, dict(BLOCK_M=bm, SPLIT=1, P=p, XS=xs,
                                                                   WORKER_REGS=regs_budget), 4, divisible,
                                          maxnreg=regs_budget)
-        early, per_tile = [], []
+        early, per_tile, loop_total = [], [], 0
         for seq in (seq for seq in _innermost_loops(sass) if "HGMMA" in seq):
+            loop_total += len(seq)
             last_mul = max(i for i, op in enumerate(seq) if op == "HMUL2")
             early.append(seq[:last_mul].count("HGMMA"))
             per_tile.append({"instructions": len(seq) / xs, "SHF": seq.count("SHF") / xs,
@@ -380,7 +383,9 @@ def packed_ws(launches=((32, 4, 2), (32, 2, 4), (16, 4, 2), (64, 4, 2), (64, 2, 
                      "stack": stack, "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
                      "wgmma_waits": len(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", sass)),
                      "named_barriers": sorted({int(b, 16) for b in re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+), 0x80", sass)}),
-                     "hgmma_before_last_decode": early, "loop_per_tile": per_tile})
+                     "hgmma_before_last_decode": early, "loop_per_tile": per_tile,
+                     "listing_instructions": len([ln for ln in sass.splitlines() if _OP.search(ln)]),
+                     "loop_instructions_all_partitions": loop_total})
     return rows
 
 
