@@ -7,12 +7,13 @@ in another order. The choice is measured in benchmarks/README.md (`bench_packed.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 
 import torch
 
 from . import backend, launch
-from .backend import cdiv, interpreted
+from .backend import interpreted
 from .packed_gemm import PackedNVFP4, _packed_kernel, packed_matmul, row_class
 
 
@@ -40,10 +41,9 @@ def ws_rows(m: int, n: int, k: int, sms: int, tables: Mapping) -> bool:
     fill = ws.get("min_fill")
     if fill is None or tables["PACKED"][str(row_class(m))]["small"]["BLOCK_M"] > 16:
         return True
-    from .packed_ws import WARPS, config
+    from .packed_ws import _default_config, launch_grid
 
-    c = config(m, n, k, None, sms)
-    return cdiv(n, 16 * WARPS) * cdiv(m, c["BLOCK_M"]) * c["SPLIT"] >= fill * sms
+    return math.prod(launch_grid(m, n, _default_config(m, n, k, sms))) >= fill * sms
 
 
 @functools.lru_cache(maxsize=4096)

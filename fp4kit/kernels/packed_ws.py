@@ -255,6 +255,11 @@ def config(m: int, n: int, k: int, cfg: dict | None = None, sms: int | None = No
     return {"BLOCK_M": bm, "P": p, "SPLIT": cdiv(kt, per), "kt_per_split": per, "XS": xs, "WORKER_REGS": regs}
 
 
+def launch_grid(m: int, n: int, c: dict) -> tuple:
+    """The grid of a launch of `config` c on an [m, k] @ [n, k]^T problem: (N / 64, M / BLOCK_M, SPLIT)."""
+    return cdiv(n, 16 * WARPS), cdiv(m, c["BLOCK_M"]), c["SPLIT"]
+
+
 @functools.lru_cache(maxsize=4096)
 def _default_config(m: int, n: int, k: int, sms: int) -> dict:
     """`config` without overrides, kept per problem shape (the caller must not change it)."""
@@ -273,7 +278,7 @@ def packed_matmul_ws(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | None = None
     sms = backend.sm_count(x.device)
     c = _default_config(m, n, k, sms) if cfg is None else config(m, n, k, cfg, sms)
     n16, kt = w.words.shape[:2]
-    grid = (cdiv(n16, WARPS), cdiv(m, c["BLOCK_M"]), c["SPLIT"])
+    grid = launch_grid(m, n, c)
     desc = x_descriptor(x2, c["BLOCK_M"])
     part, counters = split_partials(out, c["SPLIT"], grid)
     _ws_kernel[grid](desc, w.words, w.scales, w.global_scale, out, part, counters, m, n, n16, kt, c["kt_per_split"],
