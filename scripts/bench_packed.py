@@ -9,7 +9,7 @@ the packed weight. Writes JSON (default benchmarks/results/packed-gemm-<gpu>.jso
 table.
 
     PYTHONPATH=. python scripts/bench_packed.py [--out PATH] [--no-sweep] [--ms 1,4,16,64,256,1024] [--pipeline]
-        [--shapes 3712x2688,2688x3712] [--overlap] [--cold] [--chain] [--ws] [--rows]
+        [--shapes 3712x2688,2688x3712] [--overlap] [--cold] [--chain] [--ws] [--rows] [--cluster]
 
 --cold sweeps the 16-64-row launch shapes with every launch reading its weight from device memory
 (copies of the weight, four L2s in all, run in turn: a decode step's condition) and times the
@@ -25,8 +25,14 @@ packed-gemm-chain-<gpu>.json).
 against the fp32 product (default JSON packed-gemm-ws-<gpu>.json).
 
 --rows times, at 1-64 activation rows, every W4A16 kernel a decode step could run on the weight
-(checkpoint layout, packed_matmul, packed_ws at its launch shapes) against torch.matmul, warm and
-cold, and prints the fastest per row count (default JSON packed-gemm-rows-<gpu>.json).
+(checkpoint layout, packed_matmul, packed_ws at its launch shapes, packed_cluster at its default)
+against torch.matmul, warm and cold, and prints the fastest per row count (default JSON
+packed-gemm-rows-<gpu>.json).
+
+--cluster times the CUDA C++ kernel with K split over a thread block cluster
+(fp4kit.kernels.packed_cluster) at its launch shapes, and at its default launch with the
+activation tiles unswizzled or a stage left out, against torch.matmul and packed_linear, warm and
+cold, at 16-64 rows (default JSON packed-cluster-<gpu>.json).
 
 --overlap times only the Gluon kernel with overlapped K tiles (fp4kit.kernels.packed_overlap)
 against torch.matmul and packed_matmul, checking its bytes against packed_matmul's (sweeps/packed.py's
@@ -41,7 +47,7 @@ import os
 
 import torch
 from bench_kernels import run_record, write
-from benchlib.packed import EVERY_M, bench, bench_chain, bench_cold, bench_rows, bench_ws, chain_fits
+from benchlib.packed import EVERY_M, bench, bench_chain, bench_cluster, bench_cold, bench_rows, bench_ws, chain_fits
 from sweeps import packed as sweeps
 
 from fp4kit.formats import e2m1, nvfp4
@@ -152,7 +158,18 @@ def main() -> None:
                     help="only time every W4A16 kernel at 1-64 activation rows (EVERY_M, or --ms) against "
                          "torch.matmul, warm and cold (benchlib/packed.py's bench_rows; default JSON "
                          "packed-gemm-rows-<gpu>.json)")
+    ap.add_argument("--cluster", action="store_true",
+                    help="only time packed_cluster at its launch shapes and with stages left out, at 16-64 "
+                         "activation rows, against torch.matmul and packed_linear, warm and cold "
+                         "(benchlib/packed.py's bench_cluster; default JSON packed-cluster-<gpu>.json)")
     args = ap.parse_args()
+    if args.cluster:
+        path, result = run_record("packed-cluster", args.out)
+        kw = {} if args.ms is None else {"ms": tuple(int(v) for v in args.ms.split(","))}
+        result["cluster"] = bench_cluster(shapes=args.shapes or sweeps.NANO, **kw)
+        write(path, result)
+        print(f"wrote {path}")
+        return
     if args.rows:
         path, result = run_record("packed-gemm-rows", args.out)
         ms = EVERY_M if args.ms is None else tuple(int(v) for v in args.ms.split(","))

@@ -328,6 +328,22 @@ def _rows_cell(rows: list, n: int, m: int, kernel: str) -> dict:
     return row
 
 
+def _cluster_cell(rows: list, n: int, m: int, kernel: str = "cluster", launch: dict | None = None,
+                  variant: str | None = None) -> dict:
+    """bench_packed.py --cluster's row of one kernel at m rows: "cluster" at the launch whose keys
+    include `launch` (with no variant) or at `variant`; "bf16" or "dispatch"."""
+    (row,) = [r for r in rows if (r["N"], r["M"], r["kernel"], r.get("variant")) == (n, m, kernel, variant)
+              and (launch is None or all(r["launch"].get(k) == v for k, v in launch.items()))]
+    return row
+
+
+CLUSTER_DEFAULT = {"WG": 4, "CL": 2, "STAGES": 3}  # packed_cluster's default launch on Nano's shapes (132 SMs)
+
+
+def _us(row: dict) -> str:
+    return "{:.2f} / {:.2f}".format(row["ms_warm"] * 1e3, row["ms_cold"] * 1e3)
+
+
 def _decode_speedup(label: str, batch: str):
     return lambda d: f"{d['batches'][batch]['speedup_over_bf16_graph'][label]:.2f}"
 
@@ -1537,7 +1553,74 @@ FIGURES = [
         (BENCH, "| 0.92-1.55x; below 1.0 at 44, 52, 56, 60 and 64 rows |", 2688, "warm", 1, 64),
         (README, "1.14-1.52x bf16 on 3712 x 2688 and 1.05-1.93x", 3712, "cold", 1, 64),
         (README, "1.14-1.52x bf16 on 3712 x 2688 and 1.05-1.93x", 2688, "cold", 1, 64),
-        (README, "that L2 keeps, 0.83-1.02x at 20-56 rows", 3712, "warm", 20, 56))],
+        (README, "warm 0.83-1.02x at 20-56 rows on 3712 x 2688", 3712, "warm", 20, 56))],
+    # packed_cluster at 16-48 rows of 3712 x 2688 (packed-gemm-rows-cluster-h100.json)
+    *[(doc, text, "packed-gemm-rows-cluster-h100.json", ("rows",), _rows_ratio(n, "dispatch", state, lo, hi))
+      for doc, text, n, state, lo, hi in (
+        (README, "1.12-1.51x bf16 on 3712 x 2688 and 1.02-1.89x", 3712, "cold", 1, 64),
+        (README, "1.12-1.51x bf16 on 3712 x 2688 and 1.02-1.89x", 2688, "cold", 1, 64),
+        (README, "that L2 keeps, 0.88-1.05x at 20-56 rows", 3712, "warm", 20, 56),
+        (README, "and 0.95-1.01x at 52-64 rows on 2688 x 3712", 2688, "warm", 52, 64),
+        (BENCH, "| 3712 x 2688 | 1.12-1.51x at every row count", 3712, "cold", 1, 64),
+        (BENCH, "| 2688 x 3712 | 1.02-1.89x at every row count", 2688, "cold", 1, 64),
+        (BENCH, "at every row count | 1.09-1.31x up to 16 rows", 3712, "warm", 1, 16),
+        (BENCH, "up to 16 rows, 0.88-1.05x at 20-56", 3712, "warm", 20, 56),
+        (BENCH, "0.88-1.05x at 20-56, 1.02-1.03x at 60-64", 3712, "warm", 60, 64),
+        (BENCH, "| 0.95-1.53x; below 1.0 at 52, 60 and 64 rows |", 2688, "warm", 1, 64))],
+    (BENCH, "below 1.0 at 52, 60 and 64 rows", "packed-gemm-rows-cluster-h100.json", ("rows",),
+     lambda rows: "below 1.0 at {} and {} rows".format(*(lambda ms: (", ".join(ms[:-1]), ms[-1]))(
+         [str(m) for m in _rows_ms(rows) if _rows_cell(rows, 2688, m, "bf16")["ms_warm"] < _rows_cell(rows, 2688, m, "dispatch")["ms_warm"]]))),
+    (README, "(below 1.0 at 20-28 and 36-56)", "packed-gemm-rows-cluster-h100.json", ("rows",),
+     lambda rows: "(below 1.0 at {} and {})".format(*(lambda ms: ("{}-{}".format(ms[0], ms[2]), "{}-{}".format(ms[3], ms[-1])))(
+         [m for m in _rows_ms(rows) if _rows_cell(rows, 3712, m, "bf16")["ms_warm"] < _rows_cell(rows, 3712, m, "dispatch")["ms_warm"]]))
+     if [m for m in _rows_ms(rows) if _rows_cell(rows, 3712, m, "bf16")["ms_warm"] < _rows_cell(rows, 3712, m, "dispatch")["ms_warm"]]
+     == [20, 24, 28, 36, 40, 44, 48, 52, 56] else "other rows"),
+    (README, "takes 0.15-0.61 us warm and 0.16-0.56 cold off `packed_linear` at 16-48 rows on 3712 x 2688",
+     ("packed-gemm-rows-fill-h100.json", "packed-gemm-rows-cluster-h100.json"), ("rows",),
+     lambda old, new: "takes {} us warm and {} cold off".format(*(_span(
+         [(_rows_cell(old, 3712, m, "dispatch")[f"ms_{st}"] - _rows_cell(new, 3712, m, "dispatch")[f"ms_{st}"]) * 1e3
+          for m in _rows_ms(new) if 16 <= m <= 48], 2) for st in ("warm", "cold")))),
+    (BENCH, "takes 5.79-7.37 / 7.00-8.51 us warm / cold at 16-48\n  rows where it took 6.40-7.81 / 7.56-8.86",
+     ("packed-gemm-rows-cluster-h100.json", "packed-gemm-rows-fill-h100.json"), ("rows",),
+     lambda new, old: "takes {} / {} us warm / cold at 16-48 rows where it took {} / {}".format(*(
+         _span([_rows_cell(d, 3712, m, "dispatch")[f"ms_{st}"] * 1e3 for m in _rows_ms(d) if 16 <= m <= 48], 2)
+         for d in (new, old) for st in ("warm", "cold")))),
+    # packed_cluster's stages and launch shapes (packed-cluster-h100.json)
+    *[(BENCH, text, "packed-cluster-h100.json", ("cluster",),
+       lambda rows, m=m: "| 3712 x 2688, {} | {} |".format(m, " | ".join(
+           _us(_cluster_cell(rows, 3712, m, *args)) for args in (
+               ("cluster", CLUSTER_DEFAULT), ("cluster", None, "plain"), ("cluster", None, "no-x"),
+               ("cluster", None, "no-mma"), ("cluster", None, "no-x-no-mma"), ("dispatch",), ("bf16",)))))
+      for text, m in (("| 3712 x 2688, 16 | 5.79 / 7.03 | 8.24 / 9.07 | 5.17 / 6.47 | 5.33 / 6.69 | 4.60 / 6.15 | 5.74 / 7.01 | 6.35 / 9.91 |", 16),
+                      ("| 3712 x 2688, 48 | 7.29 / 8.45 | 15.19 / 15.99 | 6.10 / 7.39 | 6.31 / 7.69 | 5.22 / 6.87 | 7.30 / 8.42 | 7.15 / 10.11 |", 48),
+                      ("| 3712 x 2688, 64 | 8.18 / 9.30 | 20.29 / 21.09 | 6.81 / 8.09 | 6.94 / 8.36 | 5.62 / 7.32 | 7.73 / 8.88 | 7.80 / 10.09 |", 64))],
+    (BENCH, "a launch took up to\n12.11 us longer", "packed-cluster-h100.json", ("cluster",),
+     lambda rows: "up to {:.2f} us longer".format(max(
+         (_cluster_cell(rows, n, m, "cluster", None, "plain")["ms_warm"] - _cluster_cell(rows, n, m, "cluster", CLUSTER_DEFAULT)["ms_warm"]) * 1e3
+         for n in (3712, 2688) for m in _rows_ms(rows)))),
+    (BENCH, "At 48-64 rows the copies take 1.19-1.37 us warm and the wgmma 0.98-1.24", "packed-cluster-h100.json", ("cluster",),
+     lambda rows: "the copies take {} us warm and the wgmma {}".format(*(_span([
+         (_cluster_cell(rows, 3712, m, "cluster", CLUSTER_DEFAULT)["ms_warm"] - _cluster_cell(rows, 3712, m, "cluster", None, v)["ms_warm"]) * 1e3
+         for m in (48, 64)], 2) for v in ("no-x", "no-mma")))),
+    (BENCH, "the launch, 4.60-5.62 us at 16-64\nrows", "packed-cluster-h100.json", ("cluster",),
+     lambda rows: "the launch, {} us at 16-64".format(_span([_cluster_cell(rows, 3712, m, "cluster", None, "no-x-no-mma")["ms_warm"] * 1e3
+                                                              for m in (16, 48, 64)], 2))),
+    (BENCH, "7.63, clusters of 2 (3 tiles) 5.79, of 4 (two waves of 2 tiles) 9.01", "packed-cluster-h100.json", ("cluster",),
+     lambda rows: "{:.2f}, clusters of 2 (3 tiles) {:.2f}, of 4 (two waves of 2 tiles) {:.2f}".format(*(
+         _cluster_cell(rows, 3712, 16, "cluster", {"WG": 4, "CL": q, "STAGES": 3})["ms_warm"] * 1e3 for q in (1, 2, 4)))),
+    (BENCH, "a K\ntile costs a warpgroup 0.61 us and a block 2.6 besides", "packed-cluster-h100.json", ("cluster",),
+     lambda rows: (lambda t: "tile costs a warpgroup {:.2f} us and a block {:.1f} besides".format(
+         (t[1] - t[2]) / 3, (t[4] - 4 * (t[1] - t[2]) / 3) - (t[2] - (t[1] - t[2]))))(
+         {q: _cluster_cell(rows, 3712, 16, "cluster", {"WG": 4, "CL": q, "STAGES": 3})["ms_warm"] * 1e3 for q in (1, 2, 4)})),
+    (BENCH, "Clusters of 3 take 9.20-15.53 us against 5.79-9.31 for 2", "packed-cluster-h100.json", ("cluster",),
+     lambda rows: "Clusters of 3 take {} us against {} for 2".format(*(_span([
+         _cluster_cell(rows, n, m, "cluster", {"WG": 4, "CL": q, "STAGES": 3})["ms_warm"] * 1e3
+         for n in (3712, 2688) for m in _rows_ms(rows)], 2) for q in (3, 2)))),
+    (BENCH, "within -0.63 to +0.18 us of four warm and 0.60-1.71 us slower cold", "packed-cluster-h100.json", ("cluster",),
+     lambda rows: "within {:+.2f} to {:+.2f} us of four warm and {} us slower cold".format(*(lambda d: (min(d["warm"]), max(d["warm"]), _span(d["cold"], 2)))(
+         {st: [(_cluster_cell(rows, n, m, "cluster", {"WG": 2, "CL": 2, "STAGES": 3})[f"ms_{st}"]
+                - _cluster_cell(rows, n, m, "cluster", CLUSTER_DEFAULT)[f"ms_{st}"]) * 1e3
+               for n in (3712, 2688) for m in _rows_ms(rows)] for st in ("warm", "cold")}))),
     (BENCH, "below 1.0 at 44, 52, 56, 60 and 64 rows", "packed-gemm-rows-fill-h100.json", ("rows",),
      lambda rows: "below 1.0 at {} and {} rows".format(*(lambda ms: (", ".join(ms[:-1]), ms[-1]))(
          [str(m) for m in _rows_ms(rows) if _rows_cell(rows, 2688, m, "bf16")["ms_warm"] < _rows_cell(rows, 2688, m, "dispatch")["ms_warm"]]))),

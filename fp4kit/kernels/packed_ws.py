@@ -26,7 +26,8 @@ The weight layout and decoding are `packed_gemm`'s (`packed_overlap._tile_load` 
 `_group_chunks`); every sum is in a fixed order, so a launch shape always gives the same bytes, but
 not `packed_matmul`'s (its K tiles are summed in one chain). `packed_linear.packed_linear`, which
 the modules call, hands it 16-64 rows of a small weight on an sm_90 GPU, where its programs fill
-the GPU or `packed_matmul` would run blocks of 32 rows (`packed_linear.ws_rows`).
+the GPU or `packed_matmul` would run blocks of 32 rows (`packed_linear.ws_rows`), and where
+`packed_cluster` does not take them first (`packed_linear.cluster_rows`).
 A last block of rows that M does not fill ends at row M (moved back over rows of the block before,
 which it does not store), so that no activation tile reads past the last row. Measured against
 `packed_matmul` and bf16: benchmarks/README.md. Gluon compiles for NVIDIA GPUs only (Triton's

@@ -158,6 +158,7 @@ def bench_ws(shapes=NANO, ms=(16, 32, 64), launches=WS_LAUNCHES) -> list:
     and `packed_matmul` (the launch table's shape), warm and cold (`bench_cold`'s copies), per launch
     shape: its relative error against the fp32 product of the dequantized weight (and
     `packed_matmul`'s), and whether two calls give the same bytes."""
+    from fp4kit.kernels.packed_cluster import config as cluster_config, packed_matmul_cluster
     from fp4kit.kernels.packed_ws import config as ws_config, packed_matmul_ws
 
     sms = sm_count(torch.device("cuda", torch.cuda.current_device()))  # the launch packed_matmul_ws runs
@@ -202,9 +203,11 @@ def bench_rows(shapes=NANO, ms=EVERY_M, launches=ROW_WS_LAUNCHES) -> list:
     """Per activation-row count, every W4A16 kernel a decode step could run on the weight, warm and
     cold (`bench_cold`'s copies), beside torch.matmul on the bf16 weight: `w4a16_matmul` on the
     checkpoint layout, `packed_matmul` with its launch table ("packed"), `packed_linear` as the
-    modules call it ("dispatch": at the rows `uses_ws` names, `packed_ws`) and, from 16 rows,
+    modules call it ("dispatch": at the rows `uses_ws` names, `packed_ws`), `packed_cluster` at its
+    default launch shape ("cluster") and, from 16 rows,
     `packed_ws.packed_matmul_ws` at each launch shape of `launches` whose BLOCK_M is at most
     max(16, M) rounded up to a power of two. One row per (shape, M, kernel)."""
+    from fp4kit.kernels.packed_cluster import config as cluster_config, packed_matmul_cluster
     from fp4kit.kernels.packed_ws import config as ws_config, packed_matmul_ws
 
     sms = sm_count(torch.device("cuda", torch.cuda.current_device()))  # the launch packed_matmul_ws runs
@@ -218,7 +221,9 @@ def bench_rows(shapes=NANO, ms=EVERY_M, launches=ROW_WS_LAUNCHES) -> list:
                      ("w4a16", {"path": path(m, n, k, x.device)}, [lambda w=w: w4a16_matmul(x, w) for w in q_copies]),
                      ("packed", config(m, n, k, x.device), [lambda w=w: packed_matmul(x, w) for w in p_copies]),
                      ("dispatch", {"uses_ws": uses_ws(m, n, k, x.device)},
-                      [lambda w=w: packed_linear(x, w) for w in p_copies])]
+                      [lambda w=w: packed_linear(x, w) for w in p_copies]),
+                     ("cluster", cluster_config(m, n, k, None, sms),
+                      [lambda w=w: packed_matmul_cluster(x, w) for w in p_copies])]
             if m >= 16:
                 for cfg in launches:
                     if cfg["BLOCK_M"] <= max(16, 1 << (m - 1).bit_length()):
@@ -232,3 +237,48 @@ def bench_rows(shapes=NANO, ms=EVERY_M, launches=ROW_WS_LAUNCHES) -> list:
                                                  for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)), flush=True)
         del wq, q_copies, p_copies, bf16_copies
     return rows
+
+
+CLUSTER_LAUNCHES = ({"WG": 4, "CL": 1}, {"WG": 4, "CL": 2}, {"WG": 4, "CL": 3}, {"WG": 4, "CL": 4},
+                    {"WG": 2, "CL": 1}, {"WG": 2, "CL": 2}, {"WG": 2, "CL": 2, "STAGES": 4}, {"WG": 2, "CL": 4})
+# the default launch with the activation tiles in plain core matrices, or a stage left out
+CLUSTER_VARIANTS = (("plain", False, ()), ("no-x", True, ("x",)), ("no-mma", True, ("mma",)),
+                    ("no-x-no-mma", True, ("x", "mma")))
+
+
+def bench_cluster(shapes=NANO, ms=(16, 20, 24, 32, 40, 48, 56, 64), launches=CLUSTER_LAUNCHES,
+                  variants=CLUSTER_VARIANTS) -> list:
+    """`packed_cluster.packed_matmul_cluster` at each launch shape of `launches` and, at its default
+    launch, each variant of `variants` (name, swizzle, stages skipped: those give wrong products,
+    timed to place the time of the stages they leave out), beside torch.matmul on the bf16 weight
+    and `packed_linear` ("dispatch"), warm and cold (`bench_cold`'s copies). One row per (shape, M,
+    kernel); "launch": the launch shape, "variant": the variant's name."""
+    from fp4kit.kernels.packed_cluster import config as cluster_config, packed_matmul_cluster
+
+    sms = sm_count(torch.device("cuda", torch.cuda.current_device()))
+    rows = []
+    for n, k in shapes:
+        wq, q_copies, p_copies, bf16_copies = _cold_sets(n, k)
+        for m in ms:
+            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+            base = {"N": n, "K": k, "M": m}
+            cands = [("bf16", None, None, [lambda w=w: torch.matmul(x, w.T) for w in bf16_copies]),
+                     ("dispatch", {"uses_ws": uses_ws(m, n, k, x.device)}, None,
+                      [lambda w=w: packed_linear(x, w) for w in p_copies])]
+            for cfg in launches:
+                cands.append(("cluster", cluster_config(m, n, k, cfg, sms), None,
+                              [lambda w=w, cfg=cfg: packed_matmul_cluster(x, w, cfg=cfg) for w in p_copies]))
+            for name, swizzle, skip in variants:
+                cands.append(("cluster", cluster_config(m, n, k, None, sms), name,
+                              [lambda w=w, sw=swizzle, sk=skip: packed_matmul_cluster(x, w, swizzle=sw, skip=sk)
+                               for w in p_copies]))
+            for kernel, launch_shape, variant, fns in cands:
+                rows.append({**base, "kernel": kernel, "launch": launch_shape, "variant": variant,
+                             "ms_warm": time_graph(fns[0]), "ms_cold": time_calls(fns)})
+            print(f"{n}x{k} M={m}: " + "  ".join(
+                f"{r['kernel']}{'' if r['kernel'] != 'cluster' else ' ' + (r['variant'] or 'WG%d CL%d S%d' % (r['launch']['WG'], r['launch']['CL'], r['launch']['STAGES']))} "
+                f"{r['ms_warm'] * 1e3:.2f}/{r['ms_cold'] * 1e3:.2f}"
+                for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)), flush=True)
+        del wq, q_copies, p_copies, bf16_copies
+    return rows
+

@@ -97,7 +97,11 @@ def test_packed_linear_hands_16_to_64_rows_of_small_weights_to_it():
         assert [pl.uses_ws(m, 2688, 3712, dev) for m in (16, 32, 33, 64)] == [False, False, True, True]
     for m in (16, 37, 64):
         x = torch.randn((m, 2688), device="cuda", dtype=torch.bfloat16)
-        assert torch.equal(pl.packed_linear(x, w), ws.packed_matmul_ws(x, w))
+        x16 = x.half()
+        w16 = pg.pack(w.unpack(), torch.float16)
+        assert torch.equal(pl.packed_linear(x16, w16), ws.packed_matmul_ws(x16, w16))  # fp16: packed_ws's rows
+        if not pl.uses_cluster(m, 3712, 2688, dev):  # bf16: packed_cluster's rows first
+            assert torch.equal(pl.packed_linear(x, w), ws.packed_matmul_ws(x, w))
         assert not torch.equal(pg.packed_matmul(x, w), ws.packed_matmul_ws(x, w))  # other sums, other bytes
     x = torch.randn((8, 2688), device="cuda", dtype=torch.bfloat16)
     assert torch.equal(pl.packed_linear(x, w), pg.packed_matmul(x, w))

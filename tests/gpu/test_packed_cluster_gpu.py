@@ -1,0 +1,95 @@
+"""The W4A16 GEMM with K split over a thread block cluster (`kernels.packed_cluster`, CUDA C++ by
+NVRTC) on an sm_90 GPU: within bf16 rounding of the fp32 product of the dequantized weight, as close
+as `packed_gemm.packed_matmul`, the same bytes call after call and whatever the other rows hold,
+on ragged shapes, at every launch shape kind, eagerly and from a CUDA graph.
+
+Run: python -m pytest -q tests/gpu   (skipped without CUDA)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the cluster kernel is written for sm_90", allow_module_level=True)
+
+from fp4kit.kernels import packed_cluster as pc  # noqa: E402
+from fp4kit.kernels import packed_gemm as pg  # noqa: E402
+from fp4kit.kernels import packed_linear as pl  # noqa: E402
+from fp4kit.kernels.quantize import quantize  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+LAUNCHES = ({}, {"CL": 1}, {"CL": 3, "PF": 3, "STAGES": 2}, {"CL": 8, "WG": 1, "STAGES": 4}, {"CL": 5, "WG": 2})
+
+
+def _weight(n, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return pg.pack(quantize(torch.randn((n, k), generator=g, device="cuda", dtype=torch.bfloat16) * 0.02)), g
+
+
+@pytest.mark.parametrize("n, k", [(3712, 2688), (2688, 3712), (200, 1008), (100, 1008), (64, 128)])
+@pytest.mark.parametrize("m", [1, 5, 16, 37, 64])
+def test_cluster_gemm_is_the_product(n, k, m):
+    # ragged N (200, 100: past the last slab, 100 not a multiple of 8) and K (1008: past the last
+    # tile, zeros by cp.async); a single K tile (k = 128: warpgroups with no tile)
+    w, g = _weight(n, k, n + k + m)
+    x = torch.randn((m, k), generator=g, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ w.unpack().dequantize().T
+    packed_err = ((pg.packed_matmul(x, w).float() - ref).norm() / ref.norm()).item()
+    for cfg in LAUNCHES:
+        got = pc.packed_matmul_cluster(x, w, cfg=cfg)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        err = ((got.float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2 and err < 1.2 * packed_err, (cfg, err, packed_err)
+        assert torch.equal(got, pc.packed_matmul_cluster(x, w, cfg=cfg)), cfg
+
+
+def test_a_rows_bytes_do_not_depend_on_the_other_rows():
+    # rows past M are cp.async's zero fill: a row's bytes are those of the same launch shape over
+    # more rows, whether those hold zeros or data
+    w, g = _weight(3712, 2688, 3)
+    x = torch.randn((48, 2688), generator=g, device="cuda", dtype=torch.bfloat16)
+    for cfg in ({"CL": 2}, {"CL": 3, "WG": 2}):
+        full = pc.packed_matmul_cluster(x, w, cfg=cfg)
+        for m in (33, 40, 47):  # the same wgmma N (48) as the full launch
+            assert torch.equal(pc.packed_matmul_cluster(x[:m], w, cfg=cfg), full[:m]), (cfg, m)
+            zeros = torch.zeros_like(x)
+            zeros[:m] = x[:m]
+            assert torch.equal(pc.packed_matmul_cluster(zeros, w, cfg=cfg)[:m], full[:m]), (cfg, m)
+
+
+def test_cluster_gemm_replays_from_a_cuda_graph():
+    w, g = _weight(2688, 3712, 5)
+    x = torch.randn((40, 3712), generator=g, device="cuda", dtype=torch.bfloat16)
+    want = pc.packed_matmul_cluster(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pc.packed_matmul_cluster(x, w)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+def test_the_launcher_refuses_other_activations():
+    w, _ = _weight(64, 128, 1)
+    with pytest.raises(ValueError, match="bf16 activations"):
+        pc.packed_matmul_cluster(torch.randn((4, 128), device="cuda", dtype=torch.float16), w)
+    with pytest.raises(ValueError, match="1 to 64 activation rows"):
+        pc.packed_matmul_cluster(torch.randn((65, 128), device="cuda", dtype=torch.bfloat16), w)
+
+
+def test_packed_linear_hands_it_the_rows_cluster_rows_names():
+    w, g = _weight(3712, 2688, 9)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if torch.cuda.get_device_properties(dev).multi_processor_count == 132:  # H100 SXM, H200
+        assert [pl.uses_cluster(m, 3712, 2688, dev) for m in (8, 16, 48, 49)] == [False, True, True, False]
+        assert not pl.uses_cluster(32, 2688, 3712, dev)  # 84 blocks of 132
+    for m in (16, 33, 48):
+        x = torch.randn((m, 2688), generator=g, device="cuda", dtype=torch.bfloat16)
+        if pl.uses_cluster(m, 3712, 2688, dev):
+            assert torch.equal(pl.packed_linear(x, w), pc.packed_matmul_cluster(x, w))

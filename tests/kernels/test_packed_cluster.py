@@ -1,0 +1,123 @@
+"""`kernels.packed_cluster`'s launch rule, its CUDA source and its refusals, on the CPU (the kernel
+itself: tests/gpu/test_packed_cluster_gpu.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from fp4kit.kernels import packed_cluster as pc
+from fp4kit.kernels import packed_gemm as pg
+from fp4kit.kernels import packed_linear as pl
+from fp4kit.kernels.quantize import quantize
+
+
+def test_mma_rows_round_up_to_16():
+    assert [pc.mma_rows(m) for m in (1, 16, 17, 32, 33, 48, 49, 64)] == [16, 16, 32, 32, 48, 48, 64, 64]
+
+
+def test_config_splits_k_where_the_busiest_multiprocessor_takes_least():
+    # 132 multiprocessors: 58 column blocks of 64 weight rows on 3712 x 2688 (21 K tiles), 42 on
+    # 2688 x 3712 (29); four warpgroups a block, one block a multiprocessor at a time, each block
+    # BLOCK_TILES (4) tiles' worth besides its own
+    assert pc.config(48, 3712, 2688, sms=132) == {"BN": 48, "CL": 2, "WG": 4, "STAGES": 3, "PF": 2}
+    # 3712 x 2688: CL 1: 6 + 4; CL 2 (116 blocks): 3 + 4; CL 4 (232 blocks, two waves): 2 * (2 + 4)
+    cost = {q: -(-58 * q // 132) * (-(-21 // (4 * q)) + pc.BLOCK_TILES) for q in pc.CLUSTERS}
+    assert cost == {1: 10, 2: 7, 4: 12, 8: 20}
+    # 2688 x 3712: CL 8 would run 3 waves of one tile each (3 * 5) against CL 2's 4 + 4
+    assert [pc.config(m, 2688, 3712, sms=132)["CL"] for m in (16, 20, 64)] == [2, 2, 2]
+    # ties go to the smaller cluster: one K tile is one warpgroup's work however many blocks share it
+    assert pc.config(16, 64, 128, sms=132)["CL"] == 1
+    assert pc.config(16, 64, 1024, sms=132)["CL"] == 2  # 8 tiles: CL 2 takes 1 + 4, CL 1 2 + 4
+    assert pc.config(16, 3712, 2688)["CL"] == 2  # without the GPU's size
+    assert pc.config(16, 3712, 2688, {"CL": 5, "WG": 2}, sms=132) == {"BN": 16, "CL": 5, "WG": 2, "STAGES": 3,
+                                                                       "PF": 2}
+
+
+def test_config_checks():
+    for bad in ({"CL": 0}, {"CL": 9}, {"WG": 3}, {"STAGES": 1}, {"PF": 4}):
+        with pytest.raises(ValueError, match="CL must be 1 to 8"):
+            pc.config(16, 64, 128, bad)
+    with pytest.raises(ValueError, match="unknown launch keys"):
+        pc.config(16, 64, 128, {"BLOCK_M": 16})
+    for m in (0, 65):
+        with pytest.raises(ValueError, match="1 to 64 activation rows"):
+            pc.config(m, 64, 128)
+    # shared memory: STAGES activation tiles per warpgroup and 1 KiB to align them, within 227 KiB;
+    # each warpgroup's padded sums [BN, 68] fit in its first two tiles
+    assert pc.smem_bytes(64, 3, 4) == 4 * 3 * 64 * 128 * 2 + 1024 <= pc.SMEM_BYTES
+    assert 64 * 68 * 4 <= 2 * 64 * 128 * 2
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        pc.config(64, 64, 128, {"STAGES": 4})
+
+
+def test_the_source_decodes_with_packed_gemm_and_runs_the_launch_shape():
+    src = pc.cuda_source(48, 2, 4, 3, 2)
+    # the decoding is packed_gemm's, operand for operand
+    want = pg.decode_asm("bf16").replace("$", "%").splitlines()
+    lines = [m.group(1)[:-2] for m in re.finditer(r'^\s+"(.*)"$', src, re.M)]
+    assert lines[:len(want)] == want
+    assert "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16" in src
+    assert "__cluster_dims__(CL, 1, 1)" in src and "#define CL 2" in src and "#define WG 4" in src
+    assert "__launch_bounds__(128 * WG, 1)" in src and "#define STAGES 3" in src and "#define PF 2" in src
+    # 24 accumulators, then the four A registers and the descriptor
+    assert '"+f"(d[23])' in src and '"+f"(d[24])' not in src and "%24, %25, %26, %27}, %28" in src
+    assert "#define SWIZZLE 1" in src and "#define SWIZZLE 0" in pc.cuda_source(48, 2, 4, 3, 2, swizzle=False)
+    assert "#define SKIP_X 0" in src and "#define SKIP_MMA 1" in pc.cuda_source(48, 2, 4, 3, 2, skip=("mma",))
+    with pytest.raises(ValueError, match="unknown stages to skip"):
+        pc.cuda_source(48, 2, 4, 3, 2, skip=("epilogue",))
+
+
+def test_the_swizzled_copy_and_the_descriptors_address_the_same_bytes():
+    # The copy puts activation (row r, K column c) at (c // 64) * BN * 128 + (r // 8) * 1024 + (r % 8)
+    # * 128 + (((c % 64) // 8) ^ (r % 8)) * 16 + (c % 8) * 2; the wgmma reads chunk t's (K 16 t..)
+    # row r, column c from its descriptor's start, + (r // 8) * SBO (1024) + (r % 8) * 128 + the
+    # 16-byte granule of (start + c * 2) with bits 4-6 xor-ed with bits 7-9 (the 128-byte swizzle)
+    bn = 48
+    for r in range(bn):
+        for c in range(128):
+            copy = (c // 64) * bn * 128 + (r // 8) * 1024 + (r % 8) * 128 + (((c % 64) // 8) ^ (r % 8)) * 16 + (c % 8) * 2
+            t, cc = divmod(c, 16)
+            start = (t >> 2) * bn * 128 + (t & 3) * 32  # `descriptor`'s start for chunk t
+            plain = start + (r // 8) * 1024 + (r % 8) * 128 + cc * 2
+            swz = plain ^ (((plain >> 7) & 7) << 4)
+            assert swz == copy, (r, c)
+def test_the_launcher_refuses_the_cpu_and_other_inputs():
+    w = pg.pack(quantize(torch.randn(64, 128, dtype=torch.bfloat16) * 0.02, backend="torch"))
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="runs on an sm_90 GPU"):
+        pc.packed_matmul_cluster(x, w)
+
+
+def test_cluster_rows_take_the_entrys_rows_where_a_wave_fills_the_gpu():
+    # on 132 multiprocessors: Nano's 3712 x 2688 at clusters of 2 fills 116 (>= 0.75 * 132) with
+    # its one wave; 2688 x 3712 fills 84, which is 0.75 of 112
+    t = pg.launch.table("packed")
+    assert t["CLUSTER"] == {"min_rows": 16, "max_rows": 48, "min_fill": 0.75}
+    assert [pl.cluster_rows(m, 3712, 2688, 132, t) for m in (1, 15, 16, 20, 32, 48, 49, 64)] == [
+        False, False, True, True, True, True, False, False]
+    assert not any(pl.cluster_rows(m, 2688, 3712, 132, t) for m in (16, 32, 48))
+    assert all(pl.cluster_rows(m, 2688, 3712, 112, t) for m in (16, 32, 48))
+    assert not pl.cluster_rows(32, 131072, 2688, 132, t)  # a large weight
+    bare = pg.launch.thaw(t)
+    del bare["CLUSTER"]
+    assert not any(pl.cluster_rows(m, 3712, 2688, 132, bare) for m in (16, 32, 48))  # no entry: never
+    assert not pl.uses_cluster(32, 3712, 2688, torch.device("cpu"))
+
+
+def test_packed_linear_hands_bf16_rows_uses_cluster_names_to_packed_cluster(monkeypatch):
+    # the wiring, with the GPU's answer stood in: every row counted, the weight's shape and the
+    # input's device asked about, bf16 only (an fp16 weight goes on to packed_ws's rule)
+    w = pg.pack(quantize(torch.randn(64, 256, dtype=torch.bfloat16) * 0.02, backend="torch"))
+    x = torch.randn(2, 3, 256, dtype=torch.bfloat16)
+    asked, handed = [], []
+    monkeypatch.setattr(pl, "_default_cluster", lambda *a: asked.append(a) or True)
+    monkeypatch.setattr(pc, "packed_matmul_cluster", lambda x_, w_: handed.append((x_, w_)) or "cluster")
+    assert pl.packed_linear(x, w) == "cluster" and handed[0][0] is x and handed[0][1] is w
+    assert asked == [(6, 64, 256, x.device)]
+    assert pl.packed_linear(x, w, backend="torch").shape == (2, 3, 64)
+    w16 = pg.pack(quantize(torch.randn(64, 256, dtype=torch.bfloat16) * 0.02, backend="torch"), torch.float16)
+    monkeypatch.setattr(pl, "_default_ws", lambda *a: False)
+    assert pl.packed_linear(x.half(), w16).shape == (2, 3, 64) and len(handed) == 1
