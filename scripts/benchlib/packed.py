@@ -212,31 +212,34 @@ def bench_rows(shapes=NANO, ms=EVERY_M, launches=ROW_WS_LAUNCHES) -> list:
 
     sms = sm_count(torch.device("cuda", torch.cuda.current_device()))  # the launch packed_matmul_ws runs
     rows = []
-    for n, k in shapes:
-        wq, q_copies, p_copies, bf16_copies = _cold_sets(n, k)
-        for m in ms:
-            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
-            base = {"N": n, "K": k, "M": m}
-            cands = [("bf16", None, [lambda w=w: torch.matmul(x, w.T) for w in bf16_copies]),
-                     ("w4a16", {"path": path(m, n, k, x.device)}, [lambda w=w: w4a16_matmul(x, w) for w in q_copies]),
-                     ("packed", config(m, n, k, x.device), [lambda w=w: packed_matmul(x, w) for w in p_copies]),
-                     ("dispatch", {"uses_ws": uses_ws(m, n, k, x.device)},
-                      [lambda w=w: packed_linear(x, w) for w in p_copies]),
-                     ("cluster", cluster_config(m, n, k, None, sms),
-                      [lambda w=w: packed_matmul_cluster(x, w) for w in p_copies])]
-            if m >= 16:
-                for cfg in launches:
-                    if cfg["BLOCK_M"] <= max(16, 1 << (m - 1).bit_length()):
-                        cands.append(("ws", {**cfg, **ws_config(m, n, k, cfg, sms)},
-                                      [lambda w=w, cfg=cfg: packed_matmul_ws(x, w, cfg=cfg) for w in p_copies]))
-            for kernel, launch_shape, fns in cands:
-                rows.append({**base, "kernel": kernel, "launch": launch_shape, "ms_warm": time_graph(fns[0]),
-                             "ms_cold": time_calls(fns)})
-            print(f"{n}x{k} M={m}: " + "  ".join(f"{r['kernel']}{'' if r['kernel'] != 'ws' else json.dumps(r['launch'])[:40]} "
-                                                 f"{r['ms_warm'] * 1e3:.2f}/{r['ms_cold'] * 1e3:.2f}"
-                                                 for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)), flush=True)
-        del wq, q_copies, p_copies, bf16_copies
+    for n, k, m, x, base, (wq, q_copies, p_copies, bf16_copies) in _problems(shapes, ms):
+        cands = [("bf16", None, [lambda w=w: torch.matmul(x, w.T) for w in bf16_copies]),
+                 ("w4a16", {"path": path(m, n, k, x.device)}, [lambda w=w: w4a16_matmul(x, w) for w in q_copies]),
+                 ("packed", config(m, n, k, x.device), [lambda w=w: packed_matmul(x, w) for w in p_copies]),
+                 ("dispatch", {"uses_ws": uses_ws(m, n, k, x.device)}, [lambda w=w: packed_linear(x, w) for w in p_copies]),
+                 ("cluster", cluster_config(m, n, k, None, sms), [lambda w=w: packed_matmul_cluster(x, w) for w in p_copies])]
+        if m >= 16:
+            for cfg in launches:
+                if cfg["BLOCK_M"] <= max(16, 1 << (m - 1).bit_length()):
+                    cands.append(("ws", {**cfg, **ws_config(m, n, k, cfg, sms)},
+                                  [lambda w=w, cfg=cfg: packed_matmul_ws(x, w, cfg=cfg) for w in p_copies]))
+        for kernel, launch_shape, fns in cands:
+            rows.append({**base, "kernel": kernel, "launch": launch_shape, "ms_warm": time_graph(fns[0]),
+                         "ms_cold": time_calls(fns)})
+        print(f"{n}x{k} M={m}: " + "  ".join(f"{r['kernel']}{'' if r['kernel'] != 'ws' else json.dumps(r['launch'])[:40]} "
+                                             f"{r['ms_warm'] * 1e3:.2f}/{r['ms_cold'] * 1e3:.2f}"
+                                             for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)), flush=True)
     return rows
+
+
+def _problems(shapes, ms):
+    """Per shape (its `_cold_sets`, made once and dropped before the next shape's) and row count:
+    (N, K, M, random bf16 activations [M, K], the row's {"N", "K", "M"}, the shape's sets)."""
+    for n, k in shapes:
+        sets = _cold_sets(n, k)
+        for m in ms:
+            yield n, k, m, torch.randn((m, k), dtype=torch.bfloat16, device="cuda"), {"N": n, "K": k, "M": m}, sets
+        del sets
 
 
 CLUSTER_LAUNCHES = ({"WG": 4, "CL": 1}, {"WG": 4, "CL": 2}, {"WG": 4, "CL": 3}, {"WG": 4, "CL": 4},
@@ -257,28 +260,22 @@ def bench_cluster(shapes=NANO, ms=(16, 20, 24, 32, 40, 48, 56, 64), launches=CLU
 
     sms = sm_count(torch.device("cuda", torch.cuda.current_device()))
     rows = []
-    for n, k in shapes:
-        wq, q_copies, p_copies, bf16_copies = _cold_sets(n, k)
-        for m in ms:
-            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
-            base = {"N": n, "K": k, "M": m}
-            cands = [("bf16", None, None, [lambda w=w: torch.matmul(x, w.T) for w in bf16_copies]),
-                     ("dispatch", {"uses_ws": uses_ws(m, n, k, x.device)}, None,
-                      [lambda w=w: packed_linear(x, w) for w in p_copies])]
-            for cfg in launches:
-                cands.append(("cluster", cluster_config(m, n, k, cfg, sms), None,
-                              [lambda w=w, cfg=cfg: packed_matmul_cluster(x, w, cfg=cfg) for w in p_copies]))
-            for name, swizzle, skip in variants:
-                cands.append(("cluster", cluster_config(m, n, k, None, sms), name,
-                              [lambda w=w, sw=swizzle, sk=skip: packed_matmul_cluster(x, w, swizzle=sw, skip=sk)
-                               for w in p_copies]))
-            for kernel, launch_shape, variant, fns in cands:
-                rows.append({**base, "kernel": kernel, "launch": launch_shape, "variant": variant,
-                             "ms_warm": time_graph(fns[0]), "ms_cold": time_calls(fns)})
-            print(f"{n}x{k} M={m}: " + "  ".join(
-                f"{r['kernel']}{'' if r['kernel'] != 'cluster' else ' ' + (r['variant'] or 'WG%d CL%d S%d' % (r['launch']['WG'], r['launch']['CL'], r['launch']['STAGES']))} "
-                f"{r['ms_warm'] * 1e3:.2f}/{r['ms_cold'] * 1e3:.2f}"
-                for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)), flush=True)
-        del wq, q_copies, p_copies, bf16_copies
+    for n, k, m, x, base, (_, _, p_copies, bf16_copies) in _problems(shapes, ms):
+        cands = [("bf16", None, None, [lambda w=w: torch.matmul(x, w.T) for w in bf16_copies]),
+                 ("dispatch", {"uses_ws": uses_ws(m, n, k, x.device)}, None, [lambda w=w: packed_linear(x, w) for w in p_copies])]
+        for cfg in launches:
+            cands.append(("cluster", cluster_config(m, n, k, cfg, sms), None,
+                          [lambda w=w, cfg=cfg: packed_matmul_cluster(x, w, cfg=cfg) for w in p_copies]))
+        for name, swizzle, skip in variants:
+            cands.append(("cluster", cluster_config(m, n, k, None, sms), name,
+                          [lambda w=w, sw=swizzle, sk=skip: packed_matmul_cluster(x, w, swizzle=sw, skip=sk)
+                           for w in p_copies]))
+        for kernel, launch_shape, variant, fns in cands:
+            rows.append({**base, "kernel": kernel, "launch": launch_shape, "variant": variant,
+                         "ms_warm": time_graph(fns[0]), "ms_cold": time_calls(fns)})
+        print(f"{n}x{k} M={m}: " + "  ".join(
+            f"{r['kernel']}{'' if r['kernel'] != 'cluster' else ' ' + (r['variant'] or 'WG%d CL%d S%d' % (r['launch']['WG'], r['launch']['CL'], r['launch']['STAGES']))} "
+            f"{r['ms_warm'] * 1e3:.2f}/{r['ms_cold'] * 1e3:.2f}"
+            for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)), flush=True)
     return rows
 
