@@ -101,7 +101,7 @@ def pdl(device: torch.device, kernel) -> bool:
     interpreter, which has no grid dependencies."""
     if device.type != "cuda" or interpreted(kernel):
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    return capability(device) >= (9, 0)
 
 
 def dependent_launch(want, device: torch.device, kernel, native: bool | None = None) -> bool:
@@ -116,6 +116,11 @@ def dependent_launch(want, device: torch.device, kernel, native: bool | None = N
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked of the driver once per GPU."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def split_k(programs: int, k: int, block_k: int, device: torch.device, rule: Mapping) -> tuple[int, int]:

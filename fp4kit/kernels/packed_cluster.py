@@ -37,7 +37,7 @@ import functools
 
 import torch
 
-from .backend import cdiv
+from .backend import capability, cdiv, sm_count
 from .packed_gemm import TILE_K, PackedNVFP4, decode_asm
 
 _WHAT = "kernels.packed_matmul_cluster"
@@ -425,7 +425,7 @@ def packed_matmul_cluster(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | None =
     """y = x @ W.unpack().dequantize(x.dtype)^T for 1 to 64 rows of bf16 x on an sm_90 GPU, fp32
     accumulation, bf16 output, K split over a cluster's blocks (module docstring); cfg: launch-shape
     overrides (`config`)."""
-    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
+    if x.device.type != "cuda" or capability(x.device) != (9, 0):
         raise RuntimeError(f"{_WHAT}: runs on an sm_90 GPU, got {x.device}")
     if not isinstance(w, PackedNVFP4):
         raise TypeError(f"{_WHAT}: the weight must be a PackedNVFP4, got {type(w).__name__}")
@@ -443,8 +443,6 @@ def packed_matmul_cluster(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | None =
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
-    from .backend import sm_count
-
     sms = sm_count(x.device)
     c = _default_config(m, n, k, sms) if cfg is None else config(m, n, k, cfg, sms)
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()

@@ -28,6 +28,15 @@ def uses_ws(m: int, n: int, k: int, device: torch.device, tables: Mapping | None
     return _sm90(device) and ws_rows(m, n, k, backend.sm_count(device), t)
 
 
+def _entry(tables: Mapping, key: str, m: int, n: int, k: int) -> Mapping | None:
+    """The table's `key` entry where it takes an [m, k] @ [n, k]^T problem (a weight below
+    LARGE_WEIGHTS, m from its min_rows to its max_rows), else None."""
+    e = tables.get(key)
+    if e is None or n * k >= tables["LARGE_WEIGHTS"] or not e["min_rows"] <= m <= e["max_rows"]:
+        return None
+    return e
+
+
 def _sm90(device: torch.device) -> bool:
     return bool(device.type == "cuda" and not interpreted(_packed_kernel)
                 and torch.cuda.get_device_capability(device) == (9, 0))
@@ -47,8 +56,8 @@ def cluster_rows(m: int, n: int, k: int, sms: int, tables: Mapping) -> bool:
     `tables`: for weights below its LARGE_WEIGHTS, at the rows of its CLUSTER entry (min_rows to
     max_rows; no entry: never), where the default launch's blocks (one wave: one block of four
     warpgroups a multiprocessor) are at least the entry's min_fill times `sms`."""
-    c = tables.get("CLUSTER")
-    if c is None or n * k >= tables["LARGE_WEIGHTS"] or not c["min_rows"] <= m <= c["max_rows"]:
+    c = _entry(tables, "CLUSTER", m, n, k)
+    if c is None:
         return False
     from .packed_cluster import _default_config, launch_grid
 
@@ -62,8 +71,8 @@ def ws_rows(m: int, n: int, k: int, sms: int, tables: Mapping) -> bool:
     and packed_ws's one-wave launch has fewer programs than WS's min_fill times `sms` (no
     min_fill: no exception). There `packed_matmul`'s split of K over programs keeps every
     multiprocessor busy, while packed_ws's unsplit programs would leave some idle."""
-    ws = tables.get("WS")
-    if ws is None or n * k >= tables["LARGE_WEIGHTS"] or not ws["min_rows"] <= m <= ws["max_rows"]:
+    ws = _entry(tables, "WS", m, n, k)
+    if ws is None:
         return False
     fill = ws.get("min_fill")
     if fill is None or tables["PACKED"][str(row_class(m))]["small"]["BLOCK_M"] > 16:
