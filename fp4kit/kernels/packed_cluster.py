@@ -4,36 +4,41 @@ thread block cluster (CUDA C++ compiled at run time by NVRTC, sm_90a).
 `packed_ws` decodes each K tile once per block of activation rows: at 17-64 rows on a GPU of 132
 multiprocessors its one-wave rule runs 32-row blocks, so every weight is decoded twice, and a
 program's K tiles cost the same instructions whatever its rows. Here a block takes all the rows
-(the wgmma's N: M rounded up to 16), so each weight is decoded once, and the K tiles of a 64-row
-slice of the weight are split over the CL blocks of a cluster and the WG warpgroups of each block
-(4 warps, 16 weight rows per warp; part p = rank * WG + warpgroup takes the p-th contiguous share
-of the K tiles, in order). Every warpgroup runs the same code:
+(the wgmma's N: M rounded up to 16), so each weight is decoded once. A block holds WN slices of 64
+weight rows, and the K tiles of those are split over the CL blocks of a cluster and WG shares of
+each block (part p = rank * WG + share takes the p-th contiguous share of the K tiles, in order);
+each (share, slice) is one warpgroup (4 warps, 16 weight rows per warp). Every warpgroup runs the
+same code:
 
-- its activation tiles [BN, 128] come by cp.async into a ring of STAGES shared-memory buffers of
-  its own, STAGES - 1 ahead (rows past M and columns past K filled with zeros), laid out in the
-  wgmma's 128-byte swizzle (each row's 256 bytes copied by 16 lanes);
+- its share's activation tiles [BN, 128] come by cp.async into a ring of STAGES shared-memory
+  buffers, copied by the share's WN warpgroups together and read by all of them, STAGES - 1 ahead
+  (rows past M and columns past K filled with zeros), laid out in the wgmma's 128-byte swizzle
+  (each row's 256 bytes copied by 16 lanes);
 - a tile's codes and scales are loaded PF - 1 tiles ahead of their decoding, decoded in registers
   by `packed_gemm.decode_asm` (the bytes of `NVFP4Tensor.dequantize`, times 2^-7) and handed to
   wgmma as its A operand from registers, four 16-wide chunks at a time, the tile's eight wgmma
-  waited for together;
-- it puts its fp32 sums in its shared memory (rows padded so that a warp's stores hit distinct
-  banks); the cluster meets at a barrier, and block r adds up its share of the outputs over the
-  CL * WG parts, read through distributed shared memory, in the order of K, scales them by the
-  global scale times 2^7 and stores them in bf16; a second barrier keeps each block's sums until
-  the others have read them.
+  waited for together (DB 1: waited for after the next tile is decoded, from a second set of
+  registers, the activations then STAGES - 2 tiles ahead);
+- it puts its fp32 sums in shared memory (rows padded so that a warp's stores hit distinct banks);
+  the cluster meets at a barrier, and block r adds up its share of the outputs over the CL * WG
+  parts, read through distributed shared memory, in the order of K, scales them by the global
+  scale times 2^7 and stores them in bf16; a second barrier keeps each block's sums until the
+  others have read them.
 
-Every sum runs in a fixed order, so a launch shape always gives the same bytes (not those of
-`packed_matmul` or `packed_ws`, whose splits of K differ). The source is built per launch shape
-(`cuda_source`), compiled once per shape with NVRTC (torch's, from the nvidia-cuda-nvrtc package
-that CUDA builds of torch depend on) and launched through the CUDA driver API (ctypes). On a CPU,
-on a GPU other than sm_90, or for fp16 the launcher refuses. `packed_linear.packed_linear` hands
-it 16-48 rows where its one wave fills the GPU (`packed_linear.cluster_rows`). Measured against
-bf16, `packed_ws` and `packed_matmul`: benchmarks/README.md."""
+Every sum runs in a fixed order, the same for any WN and DB, so a launch shape's CL and WG give
+the same bytes call after call (not those of `packed_matmul` or `packed_ws`, whose splits of K
+differ). The source is built per launch shape (`cuda_source`), compiled once per shape with NVRTC
+(torch's, from the nvidia-cuda-nvrtc package that CUDA builds of torch depend on) and launched
+through the CUDA driver API (ctypes). On a CPU, on a GPU other than sm_90, or for fp16 the launcher
+refuses. `packed_linear.packed_linear` hands it 16-48 rows where its one wave fills the GPU
+(`packed_linear.cluster_rows`). Measured against bf16, `packed_ws` and `packed_matmul`:
+benchmarks/README.md."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import torch
 
@@ -42,9 +47,10 @@ from .packed_gemm import TILE_K, PackedNVFP4, decode_asm
 
 _WHAT = "kernels.packed_matmul_cluster"
 WARPS = 4  # one warpgroup per block: 64 weight rows, 16 per warp
-LAUNCH_KEYS = ("CL", "WG", "STAGES", "PF")
+LAUNCH_KEYS = ("CL", "WG", "WN", "STAGES", "PF", "DB")
 MAX_CLUSTER = 8  # the portable cluster size
 CLUSTERS = (1, 2, 4, 8)  # the default's choices (clusters of 3 measured slower: benchmarks/README.md)
+SHARES = ((4, 1),)  # the default's (WG, WN) choices
 # What a block costs besides its K tiles, in one warpgroup's K tiles (its start, the cluster's sums
 # and the stores): fitted to launches of 1, 2 and 4 blocks per cluster (benchmarks/README.md).
 BLOCK_TILES = 4
@@ -56,10 +62,11 @@ def mma_rows(m: int) -> int:
     return 16 * cdiv(m, 16)
 
 
-def smem_bytes(bn: int, stages: int, wg: int) -> int:
-    """A block's dynamic shared memory: per warpgroup STAGES activation tiles [BN, 128] bf16 (its
-    fp32 sums [BN, 68] take its first tiles' place after the K loop), and 1 KiB to align them."""
-    return wg * stages * bn * TILE_K * 2 + 1024
+def smem_bytes(bn: int, stages: int, wg: int, wn: int = 1) -> int:
+    """A block's dynamic shared memory: per share of K, STAGES activation tiles [BN, 128] bf16, or
+    where more, per warpgroup its fp32 sums [BN, 68], which take the tiles' place after the K loop;
+    and 1 KiB to align them."""
+    return max(wg * stages * bn * TILE_K * 2, wg * wn * bn * 68 * 4) + 1024
 
 
 def _asm(text: str) -> str:
@@ -68,11 +75,77 @@ def _asm(text: str) -> str:
     return "\n".join(f'        "{line}\\n"' for line in body.splitlines())
 
 
-def cuda_source(bn: int, cl: int, wg: int, stages: int, pf: int, swizzle: bool = True, skip: tuple = ()) -> str:
+# One K tile of a warpgroup (tile i of its part, codes in slot @J@ of PF, A fragments in @A@): its
+# codes and scales PF - 1 tiles on loaded, its activations waited for and those STAGES - 1 - DB tiles
+# on started, its codes decoded and its wgmma issued, then the wgmma of all tiles but the last DB
+# waited for. C++ text for `cuda_source`, @J@ and @A@ put in by `_tiles`.
+_TILE = """        {  // codes and scales PF - 1 tiles on, into the slot tile i - 1 had
+            const int nj = (@J@ + PF - 1) % PF;
+            int kt = min(kt0 + i + PF - 1, last);
+            rw[nj][0] = wp[kt * 64]; rw[nj][1] = wp[kt * 64 + 1];
+            rs[nj][0] = sp[kt * 16]; rs[nj][1] = sp[kt * 16 + 1];
+        }
+        asm volatile("cp.async.wait_group %0;\\n" :: "n"(AHEAD - 1) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
+        asm volatile("bar.sync %0, %1;\\n" :: "r"(1 + wg), "n"(GROUP) : "memory");
+        {
+            const int nxt = i + AHEAD;
+            if (nxt < n_k) load_x(base + (nxt % STAGES) * STAGE_BYTES, x, row0, M, K, kt0 + nxt, t);
+            asm volatile("cp.async.commit_group;\\n" ::: "memory");
+        }
+        const u32 xb = base + (i % STAGES) * STAGE_BYTES;
+        u32 (&frag)[8][4] = @A@;
+#pragma unroll
+        for (int G = 0; G < 2; ++G) {
+            const uint4 w = rw[@J@][G], sc = rs[@J@][G];
+            const u32 ww[4] = {w.x, w.y, w.z, w.w};
+            const u32 s01[2] = {__byte_perm(sc.x, sc.y, 0x5410), __byte_perm(sc.z, sc.w, 0x5410)};
+            const u32 s23[2] = {__byte_perm(sc.x, sc.y, 0x7632), __byte_perm(sc.z, sc.w, 0x7632)};
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                decode(ww[q], s01[q & 1], s23[q & 1], frag[4 * G][q], frag[4 * G + 1][q], frag[4 * G + 2][q],
+                       frag[4 * G + 3][q]);
+#if SKIP_MMA
+            u32 f = 0;
+#pragma unroll
+            for (int u = 0; u < 16; ++u) f ^= frag[4 * G + u / 4][u % 4];
+            d[0] += (float)(f & 1);
+#else
+            asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory");
+#pragma unroll
+            for (int u = 0; u < 4; ++u) mma(d, frag[4 * G + u], descriptor(xb, 4 * G + u));
+#endif
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned %0;\\n" :: "n"(DB) : "memory");
+"""
+
+
+def _tiles(pf: int, db: int) -> str:
+    """The K loop of `cuda_source`. DB 0: PF tiles a turn (each tile's slot of codes a constant), each
+    tile's wgmma waited for before the next tile. DB 1 (PF 2): two tiles a turn, each with its own
+    A fragments, so that a tile's wgmma runs while the next tile is decoded, the odd last tile after
+    the loop."""
+
+    def tile(i: str, j: str, frag: str) -> str:
+        return f"        {{\n        const int i = {i};\n" + _TILE.replace("@J@", j).replace("@A@", frag) + "        }\n"
+
+    if not db:  # j: a constant once unrolled
+        return ("    for (int i0 = 0; i0 < n_k; i0 += PF) {\n#pragma unroll\n    for (int j = 0; j < PF; ++j) {\n"
+                "    if (i0 + j < n_k) {\n        u32 a[8][4];\n" + tile("i0 + j", "j", "a") + "        keep(d);\n    }\n    }\n    }\n")
+    return ("    u32 fa[2][8][4];\n    int i0 = 0;\n    for (; i0 + 1 < n_k; i0 += 2) {\n" + tile("i0", "0", "fa[0]")
+            + tile("i0 + 1", "1", "fa[1]") + "    }\n    if (i0 < n_k) {\n" + tile("i0", "0", "fa[0]") + "    }\n"
+            + '    asm volatile("wgmma.wait_group.sync.aligned 0;\\n" ::: "memory");\n    keep(d);\n')
+
+
+def cuda_source(bn: int, cl: int, wg: int, stages: int, pf: int, swizzle: bool = True, skip: tuple = (),
+                wn: int = 1, db: int = 0) -> str:
     """The kernel `packed_cluster` for one launch shape: BN activation rows per block (the wgmma's
-    N: 16, 32, 48 or 64), CL blocks per cluster, WG warpgroups per block (each its own share of
-    K), STAGES activation buffers per warpgroup, codes and scales loaded PF - 1 tiles ahead (PF 2
-    or 3). swizzle: the activation tiles in the wgmma's 128-byte swizzle (else its plain 8 x 8 core
+    N: 16, 32, 48 or 64), CL blocks per cluster, WG shares of K per block, WN slices of 64 weight
+    rows per block (WG * WN warpgroups; the WN warpgroups of a share read the same activation
+    buffers), STAGES activation buffers per share, codes and scales loaded PF - 1 tiles ahead (PF 2
+    or 3), DB 1: each tile's wgmma left running while the next is decoded (two sets of A fragments,
+    activations STAGES - 2 tiles ahead; else STAGES - 1). swizzle: the activation tiles in the wgmma's 128-byte swizzle (else its plain 8 x 8 core
     matrices). skip: stages left out, for timing the others ("x": the activation copies, "mma": the
     wgmma, the decoded fragments only folded into one accumulator); the product is then wrong."""
     acc_regs = bn // 2
@@ -90,13 +163,17 @@ typedef unsigned long long u64;
 #define BN {bn}
 #define CL {cl}
 #define WG {wg}
+#define WN {wn}
 #define STAGES {stages}
 #define PF {pf}
 #define STAGE_BYTES (BN * 256)
 #define RING_BYTES (STAGES * STAGE_BYTES)
 #define SWIZZLE {int(swizzle)}
-#define AHEAD (STAGES - 1)
+#define DB {db}
+#define AHEAD (STAGES - 1 - DB)
 #define SP 68  // the sums' row stride in floats: a warp's stores in distinct banks
+#define SUMS_BYTES (BN * SP * 4)
+#define GROUP (128 * WN)  // the threads of a share of K
 #define SKIP_X {int("x" in skip)}
 #define SKIP_MMA {int("mma" in skip)}
 
@@ -149,39 +226,45 @@ static __device__ __forceinline__ float4 remote_load4(u32 addr, u32 rank) {{
     return v;
 }}
 
-// K tile kt of the activations (rows row0.., zeros past M and K) into the buffer at dst. Swizzled:
-// warp v copies rows 8 j + 2 v + lane / 16, each row's 256 bytes by 16 lanes, granule (16 bytes, 8
-// values) g of row r at (g / 8) * BN * 128 + (r / 8) * 1024 + (r % 8) * 128 + ((g % 8) ^ (r % 8)) * 16;
-// plain: warp v copies granules g = 4 v + lane / 8 of rows 8 j + lane % 8, at ((g * BN / 8 + r / 8) *
-// 8 + r % 8) * 16.
+// K tile kt of the activations (rows row0.., zeros past M and K) into the buffer at dst, copied by the
+// share's thread t (0 to GROUP - 1): 8-row group jj = t / 128 + WN j of the tile; swizzled: granule
+// (16 bytes, 8 values) g = t % 16 of row r = t / 16 % 8 of the group (each row's 256 bytes by 16
+// lanes), granule g of row 8 jj + r at (g / 8) * BN * 128 + jj * 1024 + r * 128 + ((g % 8) ^ r) * 16;
+// plain: granule g = t / 8 % 16 of row r = t % 8, at ((g * BN / 8 + jj) * 8 + r) * 16.
 static __device__ __forceinline__ void load_x(u32 dst, const unsigned short *x, int row0, int M, int K, int kt,
-                                               int v, int lane) {{
+                                               int t) {{
 #if !SKIP_X
+    const int slot = t >> 7;
 #if SWIZZLE
-    const int g = lane & 15, r = 2 * v + (lane >> 4);
-    const u32 d0 = dst + (g >> 3) * (BN * 128) + r * 128 + (((g & 7) ^ r) * 16);
+    const int g = t & 15, r = (t >> 4) & 7;
+    const u32 d0 = dst + (g >> 3) * (BN * 128) + slot * 1024 + r * 128 + (((g & 7) ^ r) * 16);
 #else
-    const int g = 4 * v + (lane >> 3), r = lane & 7;
-    const u32 d0 = dst + ((g * (BN / 8)) * 8 + r) * 16;
+    const int g = (t >> 3) & 15, r = t & 7;
+    const u32 d0 = dst + ((g * (BN / 8) + slot) * 8 + r) * 16;
 #endif
     const int col = kt * 128 + g * 8;
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {{
-        const int row = row0 + 8 * j + r;
-        const bool ok = row < M && col < K;
-        cp16(d0 + j * (SWIZZLE ? 1024 : 128), ok ? x + (long long)row * K + col : x, ok ? 16u : 0u);
+    for (int j = 0; j < (BN / 8 + WN - 1) / WN; ++j) {{
+        const int jj = slot + WN * j;
+        if (BN / 8 % WN == 0 || jj < BN / 8) {{
+            const int row = row0 + 8 * jj + r;
+            const bool ok = row < M && col < K;
+            cp16(d0 + j * WN * (SWIZZLE ? 1024 : 128), ok ? x + (long long)row * K + col : x, ok ? 16u : 0u);
+        }}
     }}
 #endif
 }}
 
-extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(128 * WG, 1)
+extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(128 * WG * WN, 1)
 packed_cluster(const uint4 *__restrict__ words, const uint4 *__restrict__ scales, const float *__restrict__ gs,
                const unsigned short *__restrict__ x, unsigned short *__restrict__ out, int M, int N, int N16, int KT,
                int K) {{
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // the swizzle's 1024-byte groups at 1024-byte aligned addresses (the launch adds 1 KiB)
     unsigned char *smem = smem_raw + ((1024 - ((u32)__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
-    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    // warpgroup wi: share of K wg = wi / WN, slice of weight rows wn = wi % WN
+    const int tid = threadIdx.x, wi = tid >> 7, wg = wi / WN, wn = wi % WN, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int t = tid - wg * GROUP;  // the thread's place in its share
     const u32 base = (u32)__cvta_generic_to_shared(smem) + wg * RING_BYTES;
     const u32 rank = cluster_rank();
     const int pid_n = blockIdx.x / CL;
@@ -189,14 +272,14 @@ packed_cluster(const uint4 *__restrict__ words, const uint4 *__restrict__ scales
     const int part = (int)rank * WG + wg;  // the K tiles of part p: KT * p / (CL * WG) on, in order
     const int kt0 = (int)(((long long)part * KT) / (CL * WG));
     const int n_k = (int)(((long long)(part + 1) * KT) / (CL * WG)) - kt0;
-    const int slab = min(pid_n * 4 + warp, N16 - 1);
+    const int slab = min((pid_n * WN + wn) * 4 + warp, N16 - 1);
     const uint4 *wp = words + ((long long)slab * KT * 32 + lane) * 2;
     const uint4 *sp = scales + ((long long)slab * KT * 8 + (lane >> 2)) * 2;
     const int last = KT - 1;
 
 #pragma unroll
     for (int s = 0; s < AHEAD; ++s) {{
-        if (s < n_k) load_x(base + s * STAGE_BYTES, x, row0, M, K, kt0 + s, warp, lane);
+        if (s < n_k) load_x(base + s * STAGE_BYTES, x, row0, M, K, kt0 + s, t);
         asm volatile("cp.async.commit_group;\\n" ::: "memory");
     }}
     uint4 rw[PF][2], rs[PF][2];
@@ -210,57 +293,9 @@ packed_cluster(const uint4 *__restrict__ words, const uint4 *__restrict__ scales
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
 
-    for (int i0 = 0; i0 < n_k; i0 += PF) {{
-#pragma unroll
-        for (int j = 0; j < PF; ++j) {{
-            const int i = i0 + j;
-            if (i < n_k) {{
-                {{  // codes and scales PF - 1 tiles on, into the slot tile i - 1 had
-                    const int nj = (j + PF - 1) % PF;
-                    int kt = min(kt0 + i + PF - 1, last);
-                    rw[nj][0] = wp[kt * 64]; rw[nj][1] = wp[kt * 64 + 1];
-                    rs[nj][0] = sp[kt * 16]; rs[nj][1] = sp[kt * 16 + 1];
-                }}
-                asm volatile("cp.async.wait_group %0;\\n" :: "n"(AHEAD - 1) : "memory");
-                asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
-                asm volatile("bar.sync %0, 128;\\n" :: "r"(1 + wg) : "memory");
-                {{
-                    const int nxt = i + AHEAD;
-                    if (nxt < n_k) load_x(base + (nxt % STAGES) * STAGE_BYTES, x, row0, M, K, kt0 + nxt, warp, lane);
-                    asm volatile("cp.async.commit_group;\\n" ::: "memory");
-                }}
-                const u32 xb = base + (i % STAGES) * STAGE_BYTES;
-                u32 a[8][4];
-#pragma unroll
-                for (int G = 0; G < 2; ++G) {{
-                    const uint4 w = rw[j][G], sc = rs[j][G];
-                    const u32 ww[4] = {{w.x, w.y, w.z, w.w}};
-                    const u32 s01[2] = {{__byte_perm(sc.x, sc.y, 0x5410), __byte_perm(sc.z, sc.w, 0x5410)}};
-                    const u32 s23[2] = {{__byte_perm(sc.x, sc.y, 0x7632), __byte_perm(sc.z, sc.w, 0x7632)}};
-#pragma unroll
-                    for (int q = 0; q < 4; ++q)
-                        decode(ww[q], s01[q & 1], s23[q & 1], a[4 * G][q], a[4 * G + 1][q], a[4 * G + 2][q],
-                               a[4 * G + 3][q]);
-#if SKIP_MMA
-                    u32 f = 0;
-#pragma unroll
-                    for (int t = 0; t < 16; ++t) f ^= a[4 * G + t / 4][t % 4];
-                    d[0] += (float)(f & 1);
-#else
-                    asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory");
-#pragma unroll
-                    for (int t = 0; t < 4; ++t) mma(d, a[4 * G + t], descriptor(xb, 4 * G + t));
-#endif
-                }}
-                asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory");
-                asm volatile("wgmma.wait_group.sync.aligned 0;\\n" ::: "memory");
-                keep(d);
-            }}
-        }}
-    }}
-    asm volatile("cp.async.wait_group 0;\\n" ::: "memory");
-    asm volatile("bar.sync %0, 128;\\n" :: "r"(1 + wg) : "memory");
-    float *sums = (float *)(smem + wg * RING_BYTES);  // [BN][SP]: activation row by weight row
+{_tiles(pf, db)}    asm volatile("cp.async.wait_group 0;\\n" ::: "memory");
+    __syncthreads();  // every share done with its buffers, which the sums overwrite
+    float *sums = (float *)(smem + wi * SUMS_BYTES);  // [BN][SP]: activation row by weight row
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {{
         int row = 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1);
@@ -268,24 +303,26 @@ packed_cluster(const uint4 *__restrict__ words, const uint4 *__restrict__ scales
         sums[col * SP + row] = d[i];
     }}
     asm volatile("barrier.cluster.arrive.release.aligned;\\nbarrier.cluster.wait.acquire.aligned;\\n" ::: "memory");
-    // Block `rank` sums the outputs e4 = 4 e .. 4 e + 3 (activation row e / 16, weight rows 4 (e % 16)..)
-    // of its share over the CL * WG parts in the order of K, scales them and stores them.
+    // Block `rank` sums the outputs e4 = 4 e .. 4 e + 3 (activation row e / (16 WN), weight rows 4 (e %
+    // 16).. of slice e / 16 % WN) of its share over the CL * WG parts in the order of K, scales them
+    // and stores them.
     const float scale = gs[0] * 128.0f;
     const u32 sums0 = (u32)__cvta_generic_to_shared(smem);
-    const int e_end = (int)(((rank + 1) * (16 * BN)) / CL);
-    for (int e = (int)((rank * (16 * BN)) / CL) + tid; e < e_end; e += 128 * WG) {{
+    const int e_end = (int)(((rank + 1) * (16 * WN * BN)) / CL);
+    for (int e = (int)((rank * (16 * WN * BN)) / CL) + tid; e < e_end; e += 128 * WG * WN) {{
+        const int am = e / (16 * WN), sl = (e >> 4) % WN, c = e & 15;
+        const u32 at = sums0 + sl * SUMS_BYTES + am * (SP * 4) + c * 16;
         float4 v[CL * WG];
 #pragma unroll
-        for (int q = 0; q < CL * WG; ++q) v[q] = remote_load4(sums0 + (q % WG) * RING_BYTES + (e >> 4) * (SP * 4) + (e & 15) * 16,
-                                                                        q / WG);
-        float4 t = v[0];
+        for (int q = 0; q < CL * WG; ++q) v[q] = remote_load4(at + (q % WG) * WN * SUMS_BYTES, q / WG);
+        float4 f = v[0];
 #pragma unroll
-        for (int q = 1; q < CL * WG; ++q) {{ t.x += v[q].x; t.y += v[q].y; t.z += v[q].z; t.w += v[q].w; }}
-        const int m = row0 + (e >> 4), n = pid_n * 64 + 4 * (e & 15);
+        for (int q = 1; q < CL * WG; ++q) {{ f.x += v[q].x; f.y += v[q].y; f.z += v[q].z; f.w += v[q].w; }}
+        const int m = row0 + am, n = (pid_n * WN + sl) * 64 + 4 * c;
         if (m < M) {{
             u32 lo, hi;
-            asm("cvt.rn.bf16x2.f32 %0, %1, %2;\\n" : "=r"(lo) : "f"(t.y * scale), "f"(t.x * scale));
-            asm("cvt.rn.bf16x2.f32 %0, %1, %2;\\n" : "=r"(hi) : "f"(t.w * scale), "f"(t.z * scale));
+            asm("cvt.rn.bf16x2.f32 %0, %1, %2;\\n" : "=r"(lo) : "f"(f.y * scale), "f"(f.x * scale));
+            asm("cvt.rn.bf16x2.f32 %0, %1, %2;\\n" : "=r"(hi) : "f"(f.w * scale), "f"(f.z * scale));
             unsigned short *o = out + (long long)m * N + n;
             if (n + 3 < N && (((unsigned long long)o) & 7) == 0) {{
                 *(uint2 *)o = make_uint2(lo, hi);
@@ -304,11 +341,15 @@ packed_cluster(const uint4 *__restrict__ words, const uint4 *__restrict__ scales
 
 def config(m: int, n: int, k: int, cfg: dict | None = None, sms: int | None = None) -> dict:
     """Launch shape for an [m, k] @ [n, k]^T problem (m 1 to 64): CL (blocks per cluster), WG
-    (warpgroups per block, 1, 2 or 4; default 4), STAGES (activation buffers per warpgroup, default
-    3) and PF (codes loaded PF - 1 tiles ahead, default 2), overridden by cfg. K is split into
-    CL * WG parts. Default CL, for a GPU of `sms` multiprocessors: the one of CLUSTERS whose busiest
-    multiprocessor takes least, its N / 64 * CL blocks spread evenly in waves of one block each, a
-    block costing its warpgroups' K tiles plus BLOCK_TILES (ties: the smaller CL); without `sms`, 2."""
+    (shares of K per block), WN (slices of 64 weight rows per block, whose warpgroups read one
+    share's activation tiles together; WG * WN warpgroups, at most 4), STAGES (activation buffers
+    per share, default 3), PF (codes loaded PF - 1 tiles ahead, default 2) and DB (1: each tile's
+    wgmma left running while the next tile is decoded; default 0), overridden by cfg. K
+    is split into CL * WG parts. Default: the (WG, WN) of SHARES and the CL of CLUSTERS for which
+    the busiest multiprocessor of a GPU of `sms` multiprocessors takes least, the N / (64 WN) * CL
+    blocks spread evenly in waves of one block each, a block costing its warpgroups' K tiles plus
+    BLOCK_TILES (ties: the first of SHARES, then the smaller CL); without `sms`, WG 4, WN 1, CL 2.
+    A WG or WN in cfg leaves the default the choices with it."""
     c = dict(cfg or {})
     unknown = set(c) - set(LAUNCH_KEYS)
     if unknown:
@@ -316,23 +357,34 @@ def config(m: int, n: int, k: int, cfg: dict | None = None, sms: int | None = No
     if not 1 <= m <= 64:
         raise ValueError(f"{_WHAT}: takes 1 to 64 activation rows, got {m}")
     kt = cdiv(k, TILE_K)
-    tiles_n = cdiv(n, 16 * WARPS)
-    wg = c.get("WG", 4)
-    if "CL" in c:
-        cl = c["CL"]
-    elif sms is None:
-        cl = 2
+    shares = [(g, s) for g, s in SHARES if c.get("WG", g) == g and c.get("WN", s) == s]
+    if not shares:
+        shares = [(c.get("WG", 4), c.get("WN", 1))]
+    if sms is None:
+        wg, wn = shares[0]
+        cl = c.get("CL", 2)
     else:
-        cl = min(CLUSTERS, key=lambda q: (cdiv(tiles_n * q, sms) * (cdiv(kt, q * wg) + BLOCK_TILES), q))
-    stages, pf = c.get("STAGES", 3), c.get("PF", 2)
+        cls = (c["CL"],) if "CL" in c else CLUSTERS
+
+        def cost(choice):
+            (g, s), q = choice
+            return cdiv(cdiv(n, 16 * WARPS * s) * q, sms) * (cdiv(kt, q * g) + BLOCK_TILES)
+
+        choices = [(gs, q) for gs in shares for q in cls]
+        (wg, wn), cl = min(choices, key=lambda ch: (cost(ch), choices.index(ch) // len(cls), ch[1]))
+    stages, pf, db = c.get("STAGES", 3), c.get("PF", 2), c.get("DB", 0)
     bn = mma_rows(m)
-    if not 1 <= cl <= MAX_CLUSTER or wg not in (1, 2, 4) or not 2 <= stages <= 8 or pf not in (2, 3):
-        raise ValueError(f"{_WHAT}: CL must be 1 to {MAX_CLUSTER}, WG 1, 2 or 4, STAGES 2 to 8 and PF 2 or 3, got "
-                         f"{cl}, {wg}, {stages}, {pf}")
-    if smem_bytes(bn, stages, wg) > SMEM_BYTES:
-        raise ValueError(f"{_WHAT}: {wg} warpgroups of {stages} stages of {bn} rows need "
-                         f"{smem_bytes(bn, stages, wg)} bytes of shared memory, more than a block has ({SMEM_BYTES})")
-    return {"BN": bn, "CL": cl, "WG": wg, "STAGES": stages, "PF": pf}
+    if db not in (0, 1) or (db and (pf != 2 or stages < 3)):
+        raise ValueError(f"{_WHAT}: DB must be 0 or 1, and 1 only with PF 2 and STAGES 3 or more, got DB {db}, "
+                         f"PF {pf}, STAGES {stages}")
+    if (not 1 <= cl <= MAX_CLUSTER or wg not in (1, 2, 4) or wn not in (1, 2, 3, 4) or wg * wn > 4
+            or not 2 <= stages <= 8 or pf not in (2, 3)):
+        raise ValueError(f"{_WHAT}: CL must be 1 to {MAX_CLUSTER}, WG 1, 2 or 4, WN 1 to 4 with WG * WN at most 4, "
+                         f"STAGES 2 to 8 and PF 2 or 3, got {cl}, {wg}, {wn}, {stages}, {pf}")
+    if smem_bytes(bn, stages, wg, wn) > SMEM_BYTES:
+        raise ValueError(f"{_WHAT}: {wg} shares of {stages} stages of {bn} rows need "
+                         f"{smem_bytes(bn, stages, wg, wn)} bytes of shared memory, more than a block has ({SMEM_BYTES})")
+    return {"BN": bn, "CL": cl, "WG": wg, "WN": wn, "STAGES": stages, "PF": pf, "DB": db}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -342,12 +394,13 @@ def _default_config(m: int, n: int, k: int, sms: int) -> dict:
 
 
 def launch_grid(m: int, n: int, c: dict) -> tuple:
-    """The grid of a launch of `config` c: (N / 64 * CL, 1) blocks, clusters of CL along x."""
-    return cdiv(n, 16 * WARPS) * c["CL"], cdiv(m, c["BN"])
+    """The grid of a launch of `config` c: (N / (64 WN) * CL, 1) blocks, clusters of CL along x."""
+    return cdiv(n, 16 * WARPS * c["WN"]) * c["CL"], cdiv(m, c["BN"])
 
 
 class _Kernel:
-    """One compiled launch shape: its CUDA module and function, launched through the driver API."""
+    """One compiled launch shape: its CUDA module and function, launched through the driver API, the
+    launch's argument buffers made once per thread and refilled on each call."""
 
     def __init__(self, cubin: bytes, smem: int, threads: int) -> None:
         cuda = _driver()
@@ -356,10 +409,24 @@ class _Kernel:
         _check(cuda.cuModuleGetFunction(ctypes.byref(self.func), self.module, b"packed_cluster"), "cuModuleGetFunction")
         _check(cuda.cuFuncSetAttribute(self.func, 8, smem), "cuFuncSetAttribute")  # max dynamic shared memory
         self.smem, self.threads = smem, threads
+        self._local = threading.local()
+
+    def _buffers(self, n_ptrs: int, n_ints: int) -> tuple:
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None or len(bufs[0]) != n_ptrs or len(bufs[1]) != n_ints:
+            ptrs = [ctypes.c_void_p() for _ in range(n_ptrs)]
+            ints = [ctypes.c_int() for _ in range(n_ints)]
+            args = (ctypes.c_void_p * (n_ptrs + n_ints))(
+                *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in ptrs + ints])
+            bufs = self._local.bufs = (ptrs, ints, args)
+        return bufs
 
     def __call__(self, grid: tuple, ptrs: tuple, ints: tuple, stream: int) -> None:
-        vals = [ctypes.c_void_p(p) for p in ptrs] + [ctypes.c_int(i) for i in ints]
-        args = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+        p_bufs, i_bufs, args = self._buffers(len(ptrs), len(ints))
+        for b, v in zip(p_bufs, ptrs):
+            b.value = v
+        for b, v in zip(i_bufs, ints):
+            b.value = v
         _check(_driver().cuLaunchKernel(self.func, grid[0], grid[1], 1, self.threads, 1, 1, self.smem, ctypes.c_void_p(stream),
                                         args, None), "cuLaunchKernel")
 
@@ -411,13 +478,13 @@ def compile_cubin(source: str, arch: str = "sm_90a") -> bytes:
 
 @functools.lru_cache(maxsize=64)
 def compiled(bn: int, cl: int, wg: int, stages: int, pf: int, device_index: int, swizzle: bool = True,
-             skip: tuple = ()):
+             skip: tuple = (), wn: int = 1, db: int = 0):
     """The kernel of one launch shape, compiled by NVRTC for sm_90a and loaded on the device, its
     dynamic shared memory limit raised to what the shape takes."""
-    cubin = compile_cubin(cuda_source(bn, cl, wg, stages, pf, swizzle, skip))
+    cubin = compile_cubin(cuda_source(bn, cl, wg, stages, pf, swizzle, skip, wn, db))
     with torch.cuda.device(device_index):
         torch.cuda.current_stream(device_index)  # the device's context current
-        return _Kernel(cubin, smem_bytes(bn, stages, wg), 128 * wg)
+        return _Kernel(cubin, smem_bytes(bn, stages, wg, wn), 128 * wg * wn)
 
 
 def packed_matmul_cluster(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | None = None,
@@ -446,7 +513,7 @@ def packed_matmul_cluster(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | None =
     sms = sm_count(x.device)
     c = _default_config(m, n, k, sms) if cfg is None else config(m, n, k, cfg, sms)
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = compiled(c["BN"], c["CL"], c["WG"], c["STAGES"], c["PF"], index, swizzle, tuple(skip))
+    kernel = compiled(c["BN"], c["CL"], c["WG"], c["STAGES"], c["PF"], index, swizzle, tuple(skip), c["WN"], c["DB"])
     n16, kt = w.words.shape[:2]
     gx, gy = launch_grid(m, n, c)
     kernel((gx, gy), (w.words.data_ptr(), w.scales.data_ptr(), w.global_scale.data_ptr(), x2.data_ptr(),

@@ -242,8 +242,10 @@ def _problems(shapes, ms):
         del sets
 
 
-CLUSTER_LAUNCHES = ({"WG": 4, "CL": 1}, {"WG": 4, "CL": 2}, {"WG": 4, "CL": 3}, {"WG": 4, "CL": 4},
-                    {"WG": 2, "CL": 1}, {"WG": 2, "CL": 2}, {"WG": 2, "CL": 2, "STAGES": 4}, {"WG": 2, "CL": 4})
+CLUSTER_LAUNCHES = ({"WG": 4, "WN": 1, "CL": 1}, {"WG": 4, "WN": 1, "CL": 2}, {"WG": 2, "WN": 2, "CL": 2},
+                    {"WG": 2, "WN": 2, "CL": 4}, {"WG": 2, "WN": 2, "CL": 6}, {"WG": 1, "WN": 4, "CL": 8},
+                    {"WG": 1, "WN": 3, "CL": 6}, {"WG": 1, "WN": 3, "CL": 8}, {"WG": 4, "WN": 1, "CL": 2, "DB": 1},
+                    {"WG": 2, "WN": 2, "CL": 4, "DB": 1}, {"WG": 1, "WN": 4, "CL": 8, "DB": 1})
 # the default launch with the activation tiles in plain core matrices, or a stage left out
 CLUSTER_VARIANTS = (("plain", False, ()), ("no-x", True, ("x",)), ("no-mma", True, ("mma",)),
                     ("no-x-no-mma", True, ("x", "mma")))
@@ -274,7 +276,7 @@ def bench_cluster(shapes=NANO, ms=(16, 20, 24, 32, 40, 48, 56, 64), launches=CLU
             rows.append({**base, "kernel": kernel, "launch": launch_shape, "variant": variant,
                          "ms_warm": time_graph(fns[0]), "ms_cold": time_calls(fns)})
         print(f"{n}x{k} M={m}: " + "  ".join(
-            f"{r['kernel']}{'' if r['kernel'] != 'cluster' else ' ' + (r['variant'] or 'WG%d CL%d S%d' % (r['launch']['WG'], r['launch']['CL'], r['launch']['STAGES']))} "
+            f"{r['kernel']}{'' if r['kernel'] != 'cluster' else ' ' + (r['variant'] or 'WG%d WN%d CL%d S%d DB%d' % tuple(r['launch'][q] for q in ('WG', 'WN', 'CL', 'STAGES', 'DB')))} "
             f"{r['ms_warm'] * 1e3:.2f}/{r['ms_cold'] * 1e3:.2f}"
             for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)), flush=True)
     return rows

@@ -23,7 +23,9 @@ from fp4kit.kernels.quantize import quantize  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-LAUNCHES = ({}, {"CL": 1}, {"CL": 3, "PF": 3, "STAGES": 2}, {"CL": 8, "WG": 1, "STAGES": 4}, {"CL": 5, "WG": 2})
+LAUNCHES = ({}, {"CL": 1}, {"CL": 3, "PF": 3, "STAGES": 2}, {"CL": 8, "WG": 1, "STAGES": 4}, {"CL": 5, "WG": 2},
+            {"CL": 4, "WG": 2, "WN": 2}, {"CL": 8, "WG": 1, "WN": 4}, {"CL": 6, "WG": 1, "WN": 3, "STAGES": 2},
+            {"CL": 1, "WG": 1, "WN": 2, "PF": 3}, {"CL": 2, "DB": 1}, {"CL": 4, "WG": 2, "WN": 2, "DB": 1, "STAGES": 4})
 
 
 def _weight(n, k, seed):
@@ -48,12 +50,39 @@ def test_cluster_gemm_is_the_product(n, k, m):
         assert torch.equal(got, pc.packed_matmul_cluster(x, w, cfg=cfg)), cfg
 
 
+@pytest.mark.parametrize("cfg", [{"CL": 2, "WG": 4, "WN": 1}, {"CL": 4, "WG": 2, "WN": 2}, {"CL": 3, "WG": 1, "WN": 3}])
+def test_the_plain_layout_gives_the_swizzled_layouts_bytes(cfg):
+    # the activation tiles in plain core matrices (a timing variant) feed the wgmma the same values,
+    # summed in the same order
+    w, g = _weight(200, 1008, 11)
+    for m in (5, 37, 64):
+        x = torch.randn((m, 1008), generator=g, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(pc.packed_matmul_cluster(x, w, cfg=cfg, swizzle=False),
+                           pc.packed_matmul_cluster(x, w, cfg=cfg)), (cfg, m)
+
+
+def test_slices_of_weight_rows_and_overlapped_tiles_keep_the_sums_order():
+    # WN slices of a block read one share's activation tiles, and DB 1 leaves a tile's wgmma running
+    # while the next is decoded; the K parts, their tiles and the wgmma into each accumulator are
+    # those of the same CL and WG with WN 1 and DB 0, in the same order, so the bytes are too
+    w, g = _weight(3712, 2688, 13)
+    for m in (7, 33, 64):
+        x = torch.randn((m, 2688), generator=g, device="cuda", dtype=torch.bfloat16)
+        for cl, wg in ((4, 2), (8, 1), (2, 1)):
+            one = pc.packed_matmul_cluster(x, w, cfg={"CL": cl, "WG": wg, "WN": 1})
+            for wn in (1, 2, 3, 4):
+                for db in (0, 1):
+                    if wg * wn <= 4 and (wn, db) != (1, 0):
+                        got = pc.packed_matmul_cluster(x, w, cfg={"CL": cl, "WG": wg, "WN": wn, "DB": db})
+                        assert torch.equal(got, one), (cl, wg, wn, db)
+
+
 def test_a_rows_bytes_do_not_depend_on_the_other_rows():
     # rows past M are cp.async's zero fill: a row's bytes are those of the same launch shape over
     # more rows, whether those hold zeros or data
     w, g = _weight(3712, 2688, 3)
     x = torch.randn((48, 2688), generator=g, device="cuda", dtype=torch.bfloat16)
-    for cfg in ({"CL": 2}, {"CL": 3, "WG": 2}):
+    for cfg in ({"CL": 2}, {"CL": 3, "WG": 2}, {"CL": 4, "WG": 1, "WN": 4}):
         full = pc.packed_matmul_cluster(x, w, cfg=cfg)
         for m in (33, 40, 47):  # the same wgmma N (48) as the full launch
             assert torch.equal(pc.packed_matmul_cluster(x[:m], w, cfg=cfg), full[:m]), (cfg, m)

@@ -22,7 +22,8 @@ def test_config_splits_k_where_the_busiest_multiprocessor_takes_least():
     # 132 multiprocessors: 58 column blocks of 64 weight rows on 3712 x 2688 (21 K tiles), 42 on
     # 2688 x 3712 (29); four warpgroups a block, one block a multiprocessor at a time, each block
     # BLOCK_TILES (4) tiles' worth besides its own
-    assert pc.config(48, 3712, 2688, sms=132) == {"BN": 48, "CL": 2, "WG": 4, "STAGES": 3, "PF": 2}
+    assert pc.config(48, 3712, 2688, sms=132) == {"BN": 48, "CL": 2, "WG": 4, "WN": 1, "STAGES": 3, "PF": 2,
+                                                  "DB": 0}
     # 3712 x 2688: CL 1: 6 + 4; CL 2 (116 blocks): 3 + 4; CL 4 (232 blocks, two waves): 2 * (2 + 4)
     cost = {q: -(-58 * q // 132) * (-(-21 // (4 * q)) + pc.BLOCK_TILES) for q in pc.CLUSTERS}
     assert cost == {1: 10, 2: 7, 4: 12, 8: 20}
@@ -32,23 +33,30 @@ def test_config_splits_k_where_the_busiest_multiprocessor_takes_least():
     assert pc.config(16, 64, 128, sms=132)["CL"] == 1
     assert pc.config(16, 64, 1024, sms=132)["CL"] == 2  # 8 tiles: CL 2 takes 1 + 4, CL 1 2 + 4
     assert pc.config(16, 3712, 2688)["CL"] == 2  # without the GPU's size
-    assert pc.config(16, 3712, 2688, {"CL": 5, "WG": 2}, sms=132) == {"BN": 16, "CL": 5, "WG": 2, "STAGES": 3,
-                                                                       "PF": 2}
+    assert pc.config(16, 3712, 2688, {"CL": 5, "WG": 2}, sms=132) == {"BN": 16, "CL": 5, "WG": 2, "WN": 1,
+                                                                       "STAGES": 3, "PF": 2, "DB": 0}
+    assert pc.config(16, 3712, 2688, {"WG": 1, "WN": 4}, sms=132)["CL"] == 8  # 15 blocks of 256 rows
 
 
 def test_config_checks():
-    for bad in ({"CL": 0}, {"CL": 9}, {"WG": 3}, {"STAGES": 1}, {"PF": 4}):
+    for bad in ({"CL": 0}, {"CL": 9}, {"WG": 3}, {"STAGES": 1}, {"PF": 4}, {"WN": 5}, {"WG": 2, "WN": 3}):
         with pytest.raises(ValueError, match="CL must be 1 to 8"):
             pc.config(16, 64, 128, bad)
     with pytest.raises(ValueError, match="unknown launch keys"):
         pc.config(16, 64, 128, {"BLOCK_M": 16})
+    # the overlapped loop takes PF 2 (its two slots of codes) and a spare activation buffer
+    for bad in ({"DB": 2}, {"DB": 1, "PF": 3}, {"DB": 1, "STAGES": 2}):
+        with pytest.raises(ValueError, match="DB must be 0 or 1"):
+            pc.config(16, 64, 128, bad)
+    assert pc.config(16, 64, 128, {"DB": 1})["DB"] == 1
     for m in (0, 65):
         with pytest.raises(ValueError, match="1 to 64 activation rows"):
             pc.config(m, 64, 128)
-    # shared memory: STAGES activation tiles per warpgroup and 1 KiB to align them, within 227 KiB;
-    # each warpgroup's padded sums [BN, 68] fit in its first two tiles
+    # shared memory: STAGES activation tiles per share of K and 1 KiB to align them, within 227 KiB,
+    # or each warpgroup's padded sums [BN, 68] where those take more
     assert pc.smem_bytes(64, 3, 4) == 4 * 3 * 64 * 128 * 2 + 1024 <= pc.SMEM_BYTES
-    assert 64 * 68 * 4 <= 2 * 64 * 128 * 2
+    assert pc.smem_bytes(64, 3, 2, 2) == 2 * 3 * 64 * 128 * 2 + 1024
+    assert pc.smem_bytes(64, 3, 1, 4) == 4 * 64 * 68 * 4 + 1024 > 3 * 64 * 128 * 2 + 1024
     with pytest.raises(ValueError, match="bytes of shared memory"):
         pc.config(64, 64, 128, {"STAGES": 4})
 
@@ -61,11 +69,15 @@ def test_the_source_decodes_with_packed_gemm_and_runs_the_launch_shape():
     assert lines[:len(want)] == want
     assert "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16" in src
     assert "__cluster_dims__(CL, 1, 1)" in src and "#define CL 2" in src and "#define WG 4" in src
-    assert "__launch_bounds__(128 * WG, 1)" in src and "#define STAGES 3" in src and "#define PF 2" in src
+    assert "__launch_bounds__(128 * WG * WN, 1)" in src and "#define WN 1" in src and "#define STAGES 3" in src and "#define PF 2" in src
     # 24 accumulators, then the four A registers and the descriptor
     assert '"+f"(d[23])' in src and '"+f"(d[24])' not in src and "%24, %25, %26, %27}, %28" in src
     assert "#define SWIZZLE 1" in src and "#define SWIZZLE 0" in pc.cuda_source(48, 2, 4, 3, 2, swizzle=False)
     assert "#define SKIP_X 0" in src and "#define SKIP_MMA 1" in pc.cuda_source(48, 2, 4, 3, 2, skip=("mma",))
+    # DB 1: two sets of A fragments, activations one tile less ahead, one wgmma group left running
+    db = pc.cuda_source(48, 2, 4, 3, 2, db=1)
+    assert "#define DB 1" in db and "#define AHEAD (STAGES - 1 - DB)" in db and "u32 fa[2][8][4];" in db
+    assert '"wgmma.wait_group.sync.aligned %0;\\n" :: "n"(DB)' in db and "#define DB 0" in src and "fa[" not in src
     with pytest.raises(ValueError, match="unknown stages to skip"):
         pc.cuda_source(48, 2, 4, 3, 2, skip=("epilogue",))
 
@@ -84,6 +96,45 @@ def test_the_swizzled_copy_and_the_descriptors_address_the_same_bytes():
             plain = start + (r // 8) * 1024 + (r % 8) * 128 + cc * 2
             swz = plain ^ (((plain >> 7) & 7) << 4)
             assert swz == copy, (r, c)
+
+
+def _copies(bn, wn, swizzle=True):
+    """Where `load_x`'s copy puts each (row, granule) of a tile, thread by thread of a share of WN
+    warpgroups (its comment's rule): {(row, granule): byte offset}."""
+    out = {}
+    for t in range(128 * wn):
+        slot = t >> 7
+        for j in range(-(-(bn // 8) // wn)):
+            jj = slot + wn * j
+            if jj >= bn // 8:
+                continue
+            if swizzle:
+                g, r = t & 15, (t >> 4) & 7
+                at = (g >> 3) * bn * 128 + jj * 1024 + r * 128 + ((g & 7) ^ r) * 16
+            else:
+                g, r = (t >> 3) & 15, t & 7
+                at = ((g * (bn // 8) + jj) * 8 + r) * 16
+            assert (8 * jj + r, g) not in out
+            out[8 * jj + r, g] = at
+    return out
+
+
+@pytest.mark.parametrize("wn", [1, 2, 3, 4])
+@pytest.mark.parametrize("bn", [16, 32, 48, 64])
+def test_a_shares_warpgroups_copy_every_granule_of_a_tile_once(bn, wn):
+    src = pc.cuda_source(bn, 2, 1, 3, 2, wn=wn)
+    assert "const int jj = slot + WN * j;" in src and f"#define WN {wn}" in src
+    for swizzle in (True, False):
+        got = _copies(bn, wn, swizzle)
+        assert set(got) == {(r, g) for r in range(bn) for g in range(16)}
+        assert sorted(got.values()) == list(range(0, bn * 256, 16))  # the stage's bytes, each once
+        if swizzle:  # the swizzle test's address of the granule's first value
+            assert all(at == (8 * g // 64) * bn * 128 + (r // 8) * 1024 + (r % 8) * 128 + (((8 * g % 64) // 8) ^ (r % 8)) * 16
+                       for (r, g), at in got.items())
+        else:  # plain 8 x 8 core matrices: granule g's core matrices BN * 16 bytes apart
+            assert all(at == ((g * (bn // 8) + r // 8) * 8 + r % 8) * 16 for (r, g), at in got.items())
+
+
 def test_the_launcher_refuses_the_cpu_and_other_inputs():
     w = pg.pack(quantize(torch.randn(64, 128, dtype=torch.bfloat16) * 0.02, backend="torch"))
     x = torch.randn(3, 128, dtype=torch.bfloat16)
