@@ -1679,6 +1679,26 @@ FIGURES = [
     (README, "1.89x against 1.96x at batch 1", "decode-graph-compiled-layouts-h100.json", (),
      lambda d: "{}x against {}x".format(_decode_speedup("nemotron-h-w4a16-4o6_packed-layout_graph", "1")(d),
                                        _decode_speedup("nemotron-h-w4a16-4o6_graph", "1")(d))),
+    # packed_cluster's overlapped K tiles (DB 1) and shared activation tiles (WN), 40 rows (packed-cluster-wn-h100.json)
+    (BENCH, "6.95 / 7.94 against 7.32 / 8.50 us on 3712 x 2688 and 8.05 / 8.94 against 8.57 / 9.50 on\n2688 x 3712",
+     "packed-cluster-wn-h100.json", ("cluster",),
+     lambda rows: "{} against {} us on 3712 x 2688 and {} against {} on 2688 x 3712".format(*(
+         _us(_cluster_cell(rows, n, 40, "cluster", {"WG": 4, "WN": 1, "CL": 2, "DB": db})) for n in (3712, 2688) for db in (1, 0)))),
+    (BENCH, "bf16 there\n6.53 / 10.02 and 8.92 / 13.17", "packed-cluster-wn-h100.json", ("cluster",),
+     lambda rows: "bf16 there {} and {}".format(*(_us(_cluster_cell(rows, n, 40, "bf16")) for n in (3712, 2688)))),
+    (BENCH, "8.17 / 9.58 and 8.55 / 9.85 on 3712 x 2688 and\n8.81 / 10.09 and 9.58 / 10.89 on 2688 x 3712 (and at "
+            "clusters of 6, 14.43 / 15.34 and 14.88 / 16.54)", "packed-cluster-wn-h100.json", ("cluster",),
+     lambda rows: "{} and {} on 3712 x 2688 and {} and {} on 2688 x 3712 (and at clusters of 6, {} and {})".format(*(
+         [_us(_cluster_cell(rows, n, 40, "cluster", {"WG": wg, "WN": wn, "CL": cl, "DB": 0}))
+          for n in (3712, 2688) for wg, wn, cl in ((2, 2, 4), (1, 4, 8))]
+         + [_us(_cluster_cell(rows, n, 40, "cluster", {"WG": 2, "WN": 2, "CL": 6, "DB": 0})) for n in (3712, 2688)]))),
+    (README, "the CUDA C++ launch of `kernels.packed_cluster` (32 rows, 3712 x 2688) 24.0 us on an H100",
+     "packed-cluster-wn-h100.json", ("eager_host_us", "us"), lambda us: f"{us:.1f} us on an H100"),
+    (README, "6.95 / 7.94 us warm / cold against 7.32 / 8.50 before on 3712 x 2688 (bf16 6.53 / 10.02) and 8.05 / 8.94 "
+             "against 8.57 / 9.50 on 2688 x 3712 (bf16 8.92 / 13.17)", "packed-cluster-wn-h100.json", ("cluster",),
+     lambda rows: "{} us warm / cold against {} before on 3712 x 2688 (bf16 {}) and {} against {} on 2688 x 3712 (bf16 {})".format(*(
+         _us(_cluster_cell(rows, n, 40, *args)) for n in (3712, 2688) for args in (
+             ("cluster", {"WG": 4, "WN": 1, "CL": 2, "DB": 1}), ("cluster", {"WG": 4, "WN": 1, "CL": 2, "DB": 0}), ("bf16",))))),
 ]
 
 

@@ -344,7 +344,8 @@ def config(m: int, n: int, k: int, cfg: dict | None = None, sms: int | None = No
     (shares of K per block), WN (slices of 64 weight rows per block, whose warpgroups read one
     share's activation tiles together; WG * WN warpgroups, at most 4), STAGES (activation buffers
     per share, default 3), PF (codes loaded PF - 1 tiles ahead, default 2) and DB (1: each tile's
-    wgmma left running while the next tile is decoded; default 0), overridden by cfg. K
+    wgmma left running while the next tile is decoded; default 1 where PF is 2 and STAGES at least
+    3, else 0; benchmarks/README.md), overridden by cfg. K
     is split into CL * WG parts. Default: the (WG, WN) of SHARES and the CL of CLUSTERS for which
     the busiest multiprocessor of a GPU of `sms` multiprocessors takes least, the N / (64 WN) * CL
     blocks spread evenly in waves of one block each, a block costing its warpgroups' K tiles plus
@@ -372,7 +373,8 @@ def config(m: int, n: int, k: int, cfg: dict | None = None, sms: int | None = No
 
         choices = [(gs, q) for gs in shares for q in cls]
         (wg, wn), cl = min(choices, key=lambda ch: (cost(ch), choices.index(ch) // len(cls), ch[1]))
-    stages, pf, db = c.get("STAGES", 3), c.get("PF", 2), c.get("DB", 0)
+    stages, pf = c.get("STAGES", 3), c.get("PF", 2)
+    db = c.get("DB", int(pf == 2 and stages >= 3))
     bn = mma_rows(m)
     if db not in (0, 1) or (db and (pf != 2 or stages < 3)):
         raise ValueError(f"{_WHAT}: DB must be 0 or 1, and 1 only with PF 2 and STAGES 3 or more, got DB {db}, "

@@ -242,10 +242,12 @@ def _problems(shapes, ms):
         del sets
 
 
-CLUSTER_LAUNCHES = ({"WG": 4, "WN": 1, "CL": 1}, {"WG": 4, "WN": 1, "CL": 2}, {"WG": 2, "WN": 2, "CL": 2},
-                    {"WG": 2, "WN": 2, "CL": 4}, {"WG": 2, "WN": 2, "CL": 6}, {"WG": 1, "WN": 4, "CL": 8},
-                    {"WG": 1, "WN": 3, "CL": 6}, {"WG": 1, "WN": 3, "CL": 8}, {"WG": 4, "WN": 1, "CL": 2, "DB": 1},
-                    {"WG": 2, "WN": 2, "CL": 4, "DB": 1}, {"WG": 1, "WN": 4, "CL": 8, "DB": 1})
+CLUSTER_LAUNCHES = ({"WG": 4, "WN": 1, "CL": 1, "DB": 0}, {"WG": 4, "WN": 1, "CL": 2, "DB": 0},
+                    {"WG": 2, "WN": 2, "CL": 2, "DB": 0}, {"WG": 2, "WN": 2, "CL": 4, "DB": 0},
+                    {"WG": 2, "WN": 2, "CL": 6, "DB": 0}, {"WG": 1, "WN": 4, "CL": 8, "DB": 0},
+                    {"WG": 1, "WN": 3, "CL": 8, "DB": 0}, {"WG": 4, "WN": 1, "CL": 1, "DB": 1},
+                    {"WG": 4, "WN": 1, "CL": 2, "DB": 1}, {"WG": 2, "WN": 2, "CL": 4, "DB": 1},
+                    {"WG": 1, "WN": 4, "CL": 8, "DB": 1})
 # the default launch with the activation tiles in plain core matrices, or a stage left out
 CLUSTER_VARIANTS = (("plain", False, ()), ("no-x", True, ("x",)), ("no-mma", True, ("mma",)),
                     ("no-x-no-mma", True, ("x", "mma")))

@@ -23,7 +23,7 @@ def test_config_splits_k_where_the_busiest_multiprocessor_takes_least():
     # 2688 x 3712 (29); four warpgroups a block, one block a multiprocessor at a time, each block
     # BLOCK_TILES (4) tiles' worth besides its own
     assert pc.config(48, 3712, 2688, sms=132) == {"BN": 48, "CL": 2, "WG": 4, "WN": 1, "STAGES": 3, "PF": 2,
-                                                  "DB": 0}
+                                                  "DB": 1}
     # 3712 x 2688: CL 1: 6 + 4; CL 2 (116 blocks): 3 + 4; CL 4 (232 blocks, two waves): 2 * (2 + 4)
     cost = {q: -(-58 * q // 132) * (-(-21 // (4 * q)) + pc.BLOCK_TILES) for q in pc.CLUSTERS}
     assert cost == {1: 10, 2: 7, 4: 12, 8: 20}
@@ -34,7 +34,7 @@ def test_config_splits_k_where_the_busiest_multiprocessor_takes_least():
     assert pc.config(16, 64, 1024, sms=132)["CL"] == 2  # 8 tiles: CL 2 takes 1 + 4, CL 1 2 + 4
     assert pc.config(16, 3712, 2688)["CL"] == 2  # without the GPU's size
     assert pc.config(16, 3712, 2688, {"CL": 5, "WG": 2}, sms=132) == {"BN": 16, "CL": 5, "WG": 2, "WN": 1,
-                                                                       "STAGES": 3, "PF": 2, "DB": 0}
+                                                                       "STAGES": 3, "PF": 2, "DB": 1}
     assert pc.config(16, 3712, 2688, {"WG": 1, "WN": 4}, sms=132)["CL"] == 8  # 15 blocks of 256 rows
 
 
@@ -48,7 +48,8 @@ def test_config_checks():
     for bad in ({"DB": 2}, {"DB": 1, "PF": 3}, {"DB": 1, "STAGES": 2}):
         with pytest.raises(ValueError, match="DB must be 0 or 1"):
             pc.config(16, 64, 128, bad)
-    assert pc.config(16, 64, 128, {"DB": 1})["DB"] == 1
+    # DB 1 by default where it can run
+    assert [pc.config(16, 64, 128, cfg)["DB"] for cfg in ({}, {"PF": 3}, {"STAGES": 2}, {"DB": 0})] == [1, 0, 0, 0]
     for m in (0, 65):
         with pytest.raises(ValueError, match="1 to 64 activation rows"):
             pc.config(m, 64, 128)
