@@ -50,7 +50,6 @@ WARPS = 4  # one warpgroup per block: 64 weight rows, 16 per warp
 LAUNCH_KEYS = ("CL", "WG", "WN", "STAGES", "PF", "DB")
 MAX_CLUSTER = 8  # the portable cluster size
 CLUSTERS = (1, 2, 4, 8)  # the default's choices (clusters of 3 measured slower: benchmarks/README.md)
-SHARES = ((4, 1),)  # the default's (WG, WN) choices
 # What a block costs besides its K tiles, in one warpgroup's K tiles (its start, the cluster's sums
 # and the stores): fitted to launches of 1, 2 and 4 blocks per cluster (benchmarks/README.md).
 BLOCK_TILES = 4
@@ -346,11 +345,10 @@ def config(m: int, n: int, k: int, cfg: dict | None = None, sms: int | None = No
     per share, default 3), PF (codes loaded PF - 1 tiles ahead, default 2) and DB (1: each tile's
     wgmma left running while the next tile is decoded; default 1 where PF is 2 and STAGES at least
     3, else 0; benchmarks/README.md), overridden by cfg. K
-    is split into CL * WG parts. Default: the (WG, WN) of SHARES and the CL of CLUSTERS for which
-    the busiest multiprocessor of a GPU of `sms` multiprocessors takes least, the N / (64 WN) * CL
-    blocks spread evenly in waves of one block each, a block costing its warpgroups' K tiles plus
-    BLOCK_TILES (ties: the first of SHARES, then the smaller CL); without `sms`, WG 4, WN 1, CL 2.
-    A WG or WN in cfg leaves the default the choices with it."""
+    is split into CL * WG parts. Default WG 4, WN 1 and DB as above; CL: the one of CLUSTERS for
+    which the busiest multiprocessor of a GPU of `sms` multiprocessors takes least, the
+    N / (64 WN) * CL blocks spread evenly in waves of one block each, a block costing its
+    warpgroups' K tiles plus BLOCK_TILES (ties: the smaller CL); without `sms`, 2."""
     c = dict(cfg or {})
     unknown = set(c) - set(LAUNCH_KEYS)
     if unknown:
@@ -358,21 +356,14 @@ def config(m: int, n: int, k: int, cfg: dict | None = None, sms: int | None = No
     if not 1 <= m <= 64:
         raise ValueError(f"{_WHAT}: takes 1 to 64 activation rows, got {m}")
     kt = cdiv(k, TILE_K)
-    shares = [(g, s) for g, s in SHARES if c.get("WG", g) == g and c.get("WN", s) == s]
-    if not shares:
-        shares = [(c.get("WG", 4), c.get("WN", 1))]
-    if sms is None:
-        wg, wn = shares[0]
-        cl = c.get("CL", 2)
+    wg, wn = c.get("WG", 4), c.get("WN", 1)
+    if "CL" in c:
+        cl = c["CL"]
+    elif sms is None:
+        cl = 2
     else:
-        cls = (c["CL"],) if "CL" in c else CLUSTERS
-
-        def cost(choice):
-            (g, s), q = choice
-            return cdiv(cdiv(n, 16 * WARPS * s) * q, sms) * (cdiv(kt, q * g) + BLOCK_TILES)
-
-        choices = [(gs, q) for gs in shares for q in cls]
-        (wg, wn), cl = min(choices, key=lambda ch: (cost(ch), choices.index(ch) // len(cls), ch[1]))
+        tiles_n = cdiv(n, 16 * WARPS * wn)
+        cl = min(CLUSTERS, key=lambda q: (cdiv(tiles_n * q, sms) * (cdiv(kt, q * wg) + BLOCK_TILES), q))
     stages, pf = c.get("STAGES", 3), c.get("PF", 2)
     db = c.get("DB", int(pf == 2 and stages >= 3))
     bn = mma_rows(m)
@@ -415,7 +406,7 @@ class _Kernel:
 
     def _buffers(self, n_ptrs: int, n_ints: int) -> tuple:
         bufs = getattr(self._local, "bufs", None)
-        if bufs is None or len(bufs[0]) != n_ptrs or len(bufs[1]) != n_ints:
+        if bufs is None:
             ptrs = [ctypes.c_void_p() for _ in range(n_ptrs)]
             ints = [ctypes.c_int() for _ in range(n_ints)]
             args = (ctypes.c_void_p * (n_ptrs + n_ints))(

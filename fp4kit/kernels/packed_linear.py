@@ -38,8 +38,7 @@ def _entry(tables: Mapping, key: str, m: int, n: int, k: int) -> Mapping | None:
 
 
 def _sm90(device: torch.device) -> bool:
-    return bool(device.type == "cuda" and not interpreted(_packed_kernel)
-                and torch.cuda.get_device_capability(device) == (9, 0))
+    return bool(device.type == "cuda" and not interpreted(_packed_kernel) and backend.capability(device) == (9, 0))
 
 
 def uses_cluster(m: int, n: int, k: int, device: torch.device, tables: Mapping | None = None) -> bool:
@@ -100,13 +99,14 @@ def packed_linear(x: torch.Tensor, w: PackedNVFP4, *, backend: str = "triton") -
     `packed_cluster.packed_matmul_cluster` where `uses_cluster` says so (bf16), else
     `packed_ws.packed_matmul_ws` where `uses_ws` does."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    if (backend == "triton" and isinstance(w, PackedNVFP4) and rows and x.dtype == torch.bfloat16
-            and w.scales.dtype == torch.bfloat16 and _default_cluster(rows, *w.shape, x.device)):
-        from .packed_cluster import packed_matmul_cluster
+    if backend == "triton" and isinstance(w, PackedNVFP4) and rows:
+        if (x.dtype == torch.bfloat16 and w.scales.dtype == torch.bfloat16
+                and _default_cluster(rows, *w.shape, x.device)):
+            from .packed_cluster import packed_matmul_cluster
 
-        return packed_matmul_cluster(x, w)
-    if backend == "triton" and isinstance(w, PackedNVFP4) and rows and _default_ws(rows, *w.shape, x.device):
-        from .packed_ws import packed_matmul_ws
+            return packed_matmul_cluster(x, w)
+        if _default_ws(rows, *w.shape, x.device):
+            from .packed_ws import packed_matmul_ws
 
-        return packed_matmul_ws(x, w)
+            return packed_matmul_ws(x, w)
     return packed_matmul(x, w, backend=backend)
