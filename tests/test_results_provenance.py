@@ -328,6 +328,17 @@ def _rows_cell(rows: list, n: int, m: int, kernel: str) -> dict:
     return row
 
 
+def _linear_now(rows: list, n: int, m: int) -> dict:
+    """packed-gemm-rows-db-h100.json's cell of what `packed_linear` now runs at m rows: packed_cluster's
+    default ("cluster") at 16-48 rows on both Nano shapes (the CLUSTER entry's min_fill 0.6), else
+    "dispatch" (the run's own choice, the same there)."""
+    return _rows_cell(rows, n, m, "cluster" if 16 <= m <= 48 else "dispatch")
+
+
+def _linear_now_ratios(rows: list, n: int, state: str) -> list:
+    return [(m, _rows_cell(rows, n, m, "bf16")[f"ms_{state}"] / _linear_now(rows, n, m)[f"ms_{state}"]) for m in _rows_ms(rows)]
+
+
 def _cluster_cell(rows: list, n: int, m: int, kernel: str = "cluster", launch: dict | None = None,
                   variant: str | None = None) -> dict:
     """bench_packed.py --cluster's row of one kernel at m rows: "cluster" at the launch whose keys
@@ -808,9 +819,9 @@ FIGURES = [
     *[(README, "2498.4, 4065.3 (1.63x) and\n4104.3 (1.64x) at batch 16",
        "decode-graph-compiled-before-pick-h200.json", ("batches", "16", *key), fmt)
       for key, fmt in _decode_cells("bf16_graph", *_CKPTS)],
-    (README, "| default recipe over BF16, batch 1 | 1.70x (decode-b1-moe-tile-h200.json)", "decode-b1-moe-tile-h200.json",
+    (BENCH, "| default recipe over BF16, batch 1 | 1.70x (decode-b1-moe-tile-h200.json)", "decode-b1-moe-tile-h200.json",
      ("batches", "1", "speedup_over_bf16_graph", "nemotron-h-w4a16-4o6_graph"), _f(2)),
-    (README, "| `modelopt-lightning` over BF16, batch 1 | 1.84x (same file)", "decode-b1-moe-tile-h200.json",
+    (BENCH, "| `modelopt-lightning` over BF16, batch 1 | 1.84x (same file)", "decode-b1-moe-tile-h200.json",
      ("batches", "1", "speedup_over_bf16_graph", "modelopt-lightning_graph"), _f(2)),
     *[(README, "batch 1 gives BF16 445.0, the default recipe 756.7 (1.70x) and\n`modelopt-lightning` 817.8 tokens/s (1.84x)",
        "decode-b1-moe-tile-h200.json", ("batches", "1", *key), fmt) for key, fmt in _decode_cells("bf16_graph", *_CKPTS)],
@@ -818,7 +829,7 @@ FIGURES = [
      ("batches", "1", "tokens_per_s_bf16_eager"), _f(1)),
     (README, "`generate` 38.4 on that machine, 29.8 on the one\nbefore", "decode-b1-fp8-fix-h200.json",
      ("batches", "1", "tokens_per_s_bf16_eager"), _f(1)),
-    *[(README, "| batch 16 / batch 64 | 1.80x / 1.45x (decode-b16-b64-fp8-fix-h200.json)", "decode-b16-b64-fp8-fix-h200.json",
+    *[(BENCH, "| batch 16 / batch 64 | 1.80x / 1.45x (decode-b16-b64-fp8-fix-h200.json)", "decode-b16-b64-fp8-fix-h200.json",
        ("batches", b, "speedup_over_bf16_graph", "nemotron-h-w4a16-4o6_graph"), _f(2)) for b in ("16", "64")],
     *[(README, "Batches 16 and 64 give BF16 2716.8 and 6703.4, the default\nrecipe 4892.1 (1.80x) and 9696.6 (1.45x), "
        "`modelopt-lightning` 5054.7 (1.86x) and 9712.9 (1.45x)", "decode-b16-b64-fp8-fix-h200.json", ("batches", b, *key), fmt)
@@ -849,7 +860,7 @@ FIGURES = [
              lambda d, q=q, b=b: f"({d['steps_tokens_per_s_' + q] / d['steps_tokens_per_s_' + b]:.2f}x)")
             for q, b in (("nemotron-h-w4a16-4o6_graph_triton-ops", "bf16_graph_triton-ops"),
                          ("nemotron-h-w4a16-4o6_graph", "bf16_graph"))])],
-    *[(README, "with `step_ops=\"triton\"` for both, on an H100, 1.76x / 1.46x", name, ("batches", b), fmt)
+    *[(BENCH, "with `step_ops=\"triton\"` for both, on an H100, 1.76x / 1.46x", name, ("batches", b), fmt)
       for name, b, fmt in (("decode-b16-one-launch-h100.json", "16",
                             lambda d: f"{d['speedup_over_bf16_graph']['nemotron-h-w4a16-4o6_graph_triton-ops']:.2f}x"),
                            ("decode-b64-one-launch-h100.json", "64",
@@ -865,7 +876,7 @@ FIGURES = [
       for fmt in (lambda d: f"{d['steps_tokens_per_s_modelopt-lightning_graph']:.1f}",
                   lambda d: f"{d['steps_tokens_per_s_bf16_graph']:.1f}",
                   lambda d: f"{d['steps_tokens_per_s_modelopt-lightning_graph'] / d['steps_tokens_per_s_bf16_graph']:.2f}x")],
-    (README, "with the down launch as a dependent launch, 2.00x (decode-b1-lightning-pdl-h100.json)",
+    (BENCH, "with the down launch as a dependent launch, 2.00x (decode-b1-lightning-pdl-h100.json)",
      "decode-b1-lightning-pdl-h100.json", ("batches", "1"),
      lambda d: f"{d['steps_tokens_per_s_modelopt-lightning_graph'] / d['steps_tokens_per_s_bf16_graph']:.2f}x"),
     *[(README, text, "decode-profile-compiled-lightning-one-launch-h100.json", path, fmt) for text, path, fmt in (
@@ -888,7 +899,7 @@ FIGURES = [
        "and 7.23 against 7.10 us at one token", "kernels-sweeps-router-route-h100.json",
        ("rows", {"T": t, "experts": 4, "num_warps": w}), lambda r: f"{r['ms'] * 1e3:.2f}")
       for t in (1, 16, 64) for w in (4, 8)],
-    (README, "1.88x with `step_ops=\"triton\"` for both (decode-b1-one-launch-h200.json)", "decode-b1-one-launch-h200.json",
+    (BENCH, "1.88x with `step_ops=\"triton\"` for both (decode-b1-one-launch-h200.json)", "decode-b1-one-launch-h200.json",
      ("batches", "1", "speedup_over_bf16_graph", "modelopt-lightning_graph_triton-ops"), _f(2)),
     *[(BENCH, text, "packed-gemm-overlap-h200.json", (), _overlap_row(*p)) for text, p in (
         ("| 3712 x 2688, 16 | 6.9 | 6.1 | 7.1 |", (3712, 2688, 16)), ("| 3712 x 2688, 64 | 6.5 | 9.3 | 10.2 |", (3712, 2688, 64)),
@@ -904,7 +915,7 @@ FIGURES = [
                               (10, "dram_pct", "against {:.1f} %"), (6, "cycles_per_issue", "waiting {:.1f} cycles"))],
     (BENCH, "split in all 120 timed launches", "packed-gemm-overlap-h200.json", ("sweep_overlap",),
      lambda rows: f"split in all {sum(r['equal'] for r in rows if r['kernel'] == 'overlap')} timed launches"),
-    (README, "10.2 / 10.4 against bf16's 6.5 / 8.0 us (packed-gemm-overlap-h200.json", "packed-gemm-overlap-h200.json", (),
+    (BENCH, "10.2 / 10.4 against bf16's 6.5 / 8.0 us (packed-gemm-overlap-h200.json", "packed-gemm-overlap-h200.json", (),
      lambda d: "{} / {} against bf16's {} / {} us (packed-gemm-overlap-h200.json".format(
          *[_overlap_row(n, k, 64)(d).split(" | ")[3].rstrip(" |") for n, k in ((3712, 2688), (2688, 3712))],
          *[_overlap_row(n, k, 64)(d).split(" | ")[1] for n, k in ((3712, 2688), (2688, 3712))])),
@@ -1000,11 +1011,11 @@ FIGURES = [
      ("weight_memory_over_bf16", "nemotron-h-w4a16-4o6"), _f(2)),
     (README, "| eager W4A16 call, host time | 15.8 us", "kernels-host-h200.json",
      ("host_overhead", "w4a16_host_us_per_call"), _f(1)),
-    (README, "Before: the linear 0.69x / 0.84x", KERNELS,
+    (BENCH, "Before: the linear 0.69x / 0.84x", KERNELS,
      ("gemm", {**NANO[0], "M": 64}, "speedup_vs_bf16_best"), _f(2)),
-    (README, "Before: the linear 0.69x / 0.84x", KERNELS,
+    (BENCH, "Before: the linear 0.69x / 0.84x", KERNELS,
      ("gemm", {**NANO[1], "M": 64}, "speedup_vs_bf16_best"), _f(2)),
-    (README, "the MoE 2.85x bf16 at 64 tokens", KERNELS, ("moe", {"tokens": 64}, "speedup_vs_bf16"), _f(2)),
+    (BENCH, "the MoE 2.85x bf16 at 64 tokens", KERNELS, ("moe", {"tokens": 64}, "speedup_vs_bf16"), _f(2)),
     *[(README, "And 0.42 ms of the default\nrecipe's step (0.49 ms of BF16's; decode-profile-compiled-h200.json) goes to copies",
        "decode-profile-compiled-h200.json", ("per_step", model),
        lambda kinds: f"{sum(kinds[k]['us'] for k in ('copy', 'elementwise', 'top-k and sort', 'other', 'reduction')) / 1e3:.2f}")
@@ -1122,15 +1133,15 @@ FIGURES = [
     (BENCH, "was 0.12-0.88 us slower than without", "packed-gemm-cold-slice-h100.json", ("gemm_cold",), _slice_cost),
     (BENCH, "its output equal byte for byte\n(`results/packed-gemm-cold-slice-h100.json`", "packed-gemm-cold-slice-h100.json",
      ("gemm_cold",), lambda rows: "equal" if all(r["slice_equal"] for r in rows) else "differs"),
-    *[(README, text, "packed-gemm-cold-h100.json", ("gemm_cold",), fmt) for text, fmt in (
-        ("on an H100: 0.97x / 0.97x at 64 rows, 1.12x-1.55x at 16-32 (packed-gemm-cold-h100.json)",
+    *[(doc, text, "packed-gemm-cold-h100.json", ("gemm_cold",), fmt) for doc, text, fmt in (
+        (BENCH, "on an H100: 0.97x / 0.97x at 64 rows, 1.12x-1.55x at 16-32 (packed-gemm-cold-h100.json)",
          lambda rows: "{:.2f}x / {:.2f}x at 64 rows, {:.2f}x-{:.2f}x at 16-32".format(
              *[_ours_over_bf16(r, "cold") for r in rows if r["M"] == 64],
              *sorted(_ours_over_bf16(r, "cold") for r in rows if r["M"] in (16, 32))[::3])),
-        ("with cold weights, 0.97x and 0.97x on an H100 (packed-gemm-cold-h100.json)",
+        (README, "with cold weights, 0.97x and 0.97x on an H100 (packed-gemm-cold-h100.json)",
          lambda rows: "{:.2f}x and {:.2f}x".format(*[_ours_over_bf16(r, "cold") for r in rows if r["M"] == 64])))],
     # the same on an H200, and its decode at batch 1 with the dependent launch
-    (README, "on an H200: 0.76x / 0.86x at 64 rows, 1.26x-1.33x at 16-32 (packed-gemm-cold-h200.json)",
+    (BENCH, "on an H200: 0.76x / 0.86x at 64 rows, 1.26x-1.33x at 16-32 (packed-gemm-cold-h200.json)",
      "packed-gemm-cold-h200.json", ("gemm_cold",), lambda rows: "{:.2f}x / {:.2f}x at 64 rows, {:.2f}x-{:.2f}x at 16-32".format(
          *[_ours_over_bf16(r, "cold") for r in rows if r["M"] == 64],
          *sorted(_ours_over_bf16(r, "cold") for r in rows if r["M"] in (16, 32))[::3])),
@@ -1146,7 +1157,7 @@ FIGURES = [
          *[r["ms_packed_cold"] * 1e3 for r in rows if r["M"] == 64],
          *[_ours_over_bf16(r, "cold") for r in rows if r["M"] == 64],
          _span([_ours_over_bf16(r, "cold") for r in rows if r["M"] in (16, 32)], 2))),
-    *[(README, text, "decode-b1-pdl-h200.json", ("batches", "1"), fmt) for text, fmt in (
+    *[(BENCH, text, "decode-b1-pdl-h200.json", ("batches", "1"), fmt) for text, fmt in (
         ("with the dependent launch and today's tables 1.95x, the decode steps alone 1.81x (decode-b1-pdl-h200.json)",
          lambda d: "{:.2f}x, the decode steps alone {:.2f}x".format(
              d["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"],
@@ -1157,10 +1168,10 @@ FIGURES = [
        "the decode steps alone 480.7, 868.6 (1.81x) and\n945.3 (1.97x)", "decode-b1-pdl-h200.json", ("batches", "1"), fmt)
       for fmt in _B1_CELLS],
     # the step as one compiled graph (H100)
-    (README, "with the step one compiled graph, on an H100, 1.82x (decode-b1-one-graph-h100.json)",
+    (BENCH, "with the step one compiled graph, on an H100, 1.82x (decode-b1-one-graph-h100.json)",
      "decode-b1-one-graph-h100.json", ("batches", "1", "speedup_over_bf16_graph", "nemotron-h-w4a16-4o6_graph"),
      lambda v: f"{v:.2f}x"),
-    (README, "with the step one compiled graph, on an H100, 2.09x, the decode steps alone 2.07x",
+    (BENCH, "with the step one compiled graph, on an H100, 2.09x, the decode steps alone 2.07x",
      "decode-b1-one-graph-h100.json", ("batches", "1"),
      _lightning_over_bf16),
     # before (the one-launch profile) and after (one graph): kernels and wall time per step
@@ -1173,16 +1184,16 @@ FIGURES = [
        "decode steps alone 434.3, 796.7 (1.83x) and 900.7 (2.07x)", "decode-b1-one-graph-h100.json", ("batches", "1"), fmt)
       for fmt in _B1_CELLS],
     # the FP8 GEMV and Inductor's kernels as programmatic dependents (decode issue, H100)
-    (README, "2.18x and 2.16x on a rerun, the decode steps alone 2.16x and 2.15x", "decode-graph-compiled-pdl-h100.json",
+    (BENCH, "2.18x and 2.16x on a rerun, the decode steps alone 2.16x and 2.15x", "decode-graph-compiled-pdl-h100.json",
      ("batches", "1"), lambda d: "{:.2f}x and".format(d["speedup_over_bf16_graph"]["modelopt-lightning_graph"])
      + " {:.2f}x on a rerun".format(_load("decode-b1-pdl-rerun-h100.json")["batches"]["1"]["speedup_over_bf16_graph"]
                                     ["modelopt-lightning_graph"])
      + ", the decode steps alone {:.2f}x and {:.2f}x".format(
          _steps_over_bf16(d, "modelopt-lightning"),
          _steps_over_bf16(_load("decode-b1-pdl-rerun-h100.json")["batches"]["1"], "modelopt-lightning"))),
-    (README, "with Inductor's kernels as dependent launches, on an H100, 1.91x (decode-graph-compiled-pdl-h100.json)", "decode-graph-compiled-pdl-h100.json",
+    (BENCH, "with Inductor's kernels as dependent launches, on an H100, 1.91x (decode-graph-compiled-pdl-h100.json)", "decode-graph-compiled-pdl-h100.json",
      ("batches", "1", "speedup_over_bf16_graph", "nemotron-h-w4a16-4o6_graph"), lambda v: f"{v:.2f}x"),
-    (README, "with the code of that day, on an H100, 1.84x / 1.49x", "decode-graph-compiled-pdl-h100.json", ("batches",),
+    (BENCH, "with the code of that day, on an H100, 1.84x / 1.49x", "decode-graph-compiled-pdl-h100.json", ("batches",),
      lambda b: "{:.2f}x / {:.2f}x".format(*(b[n]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"] for n in ("16", "64")))),
     (README, "at batches 16 and 64, 1.84x / 1.92x and 1.49x / 1.50x", "decode-graph-compiled-pdl-h100.json", ("batches",),
      lambda b: "{:.2f}x / {:.2f}x and {:.2f}x / {:.2f}x".format(*(b[n]["speedup_over_bf16_graph"][f"{r}_graph"]
@@ -1198,7 +1209,7 @@ FIGURES = [
      lambda d: "a one-token generate, " + ", ".join(
          f"{_load(n)['batches']['1']['speedup_over_bf16_graph']['modelopt-lightning_graph']:.2f}x" for n in _MAMBA_AB[:3])
      + f" and {_load(_MAMBA_AB[3])['batches']['1']['speedup_over_bf16_graph']['modelopt-lightning_graph']:.2f}x"),
-    (README, "on an H200, 2.08x and 2.24x on a rerun, the decode steps alone 2.17x and 2.17x", "decode-b1-mamba-pdl-h200.json",
+    (BENCH, "on an H200, 2.08x and 2.24x on a rerun, the decode steps alone 2.17x and 2.17x", "decode-b1-mamba-pdl-h200.json",
      ("batches", "1"), lambda d: "on an H200, {:.2f}x and {:.2f}x on a rerun, the decode steps alone {:.2f}x and {:.2f}x".format(
          d["speedup_over_bf16_graph"]["modelopt-lightning_graph"],
          _load(_MAMBA_AB[2])["batches"]["1"]["speedup_over_bf16_graph"]["modelopt-lightning_graph"],
@@ -1292,10 +1303,10 @@ FIGURES = [
     *[(doc, text, "prefetch-h100.json", (), lambda d: f"about {round(_prefetch_step_bound(d), -1):.0f} us")
       for doc, text in ((BENCH, "add up to about 80 us of the H100's 1161"), (README, "about 80 us in all"))],
     # the router inside the MoE call, as a dependent launch, the up launch as its dependent (one H100)
-    (README, "with the router inside the MoE block's call, on an H100, 2.23x, the decode steps alone 2.24x",
+    (BENCH, "with the router inside the MoE block's call, on an H100, 2.23x, the decode steps alone 2.24x",
      "decode-b1-router-inside-h100.json", ("batches", "1"), lambda d: "on an H100, {:.2f}x, the decode steps alone {:.2f}x".format(
          d["speedup_over_bf16_graph"]["modelopt-lightning_graph"], _steps_over_bf16(d, "modelopt-lightning"))),
-    (README, "(today's tables) 2.26x, the decode steps alone 2.27x", "decode-b1-router-inside-route-pdl-h100.json",
+    (BENCH, "(today's tables) 2.26x, the decode steps alone 2.27x", "decode-b1-router-inside-route-pdl-h100.json",
      ("batches", "1"), lambda d: "{:.2f}x, the decode steps alone {:.2f}x".format(
          d["speedup_over_bf16_graph"]["modelopt-lightning_graph"], _steps_over_bf16(d, "modelopt-lightning"))),
     *[(README, f"| {row} | {n} |", name, ("batches", "1"),
@@ -1317,31 +1328,31 @@ FIGURES = [
                         ("decode-b1-router-inside-up-pdl-h100.json", "decode-b1-router-inside-h100.json"),
                         ("decode-b1-router-inside-up-route-pdl-h100.json", "decode-b1-router-inside-route-pdl-h100.json"))))),
     # the issue's whole bench with the router inside the MoE call (one H100, two runs back to back)
-    (README, "as a dependent launch, on an H100, 1.98x, the decode steps alone 1.98x (decode-graph-compiled-h100.json)",
+    (BENCH, "as a dependent launch, on an H100, 1.98x, the decode steps alone 1.98x (decode-graph-compiled-h100.json)",
      "decode-graph-compiled-h100.json", ("batches", "1"), lambda d: "on an H100, {:.2f}x, the decode steps alone {:.2f}x".format(
          d["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"], _steps_over_bf16(d, "nemotron-h-w4a16-4o6"))),
-    (README, "with today's code, on an H100, 2.26x, the decode steps alone 2.26x (decode-graph-compiled-h100.json)",
+    (BENCH, "with today's code, on an H100, 2.26x, the decode steps alone 2.26x (decode-graph-compiled-h100.json)",
      "decode-graph-compiled-h100.json", ("batches", "1"), lambda d: "on an H100, {:.2f}x, the decode steps alone {:.2f}x".format(
          d["speedup_over_bf16_graph"]["modelopt-lightning_graph"], _steps_over_bf16(d, "modelopt-lightning"))),
-    (README, "2.26x and 2.27x in two runs", "decode-graph-compiled-h100.json", ("batches", "1"),
+    (BENCH, "2.26x and 2.27x in two runs", "decode-graph-compiled-h100.json", ("batches", "1"),
      lambda d: "{:.2f}x and {:.2f}x in two runs".format(
          _steps_over_bf16(d, "modelopt-lightning"),
          _steps_over_bf16(_load("decode-b1-router-inside-route-pdl-h100.json")["batches"]["1"], "modelopt-lightning"))),
-    (README, "(today's code), on an H100, 1.86x / 1.50x", "decode-graph-compiled-h100.json", (),
+    (BENCH, "(today's code), on an H100, 1.86x / 1.50x", "decode-graph-compiled-h100.json", (),
      lambda d: "on an H100, {:.2f}x / {:.2f}x".format(
          d["batches"]["16"]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"],
          _load("decode-graph-compiled-b64-h100.json")["batches"]["64"]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"])),
     # the issue's whole bench, today's code, on an H200 (batches 1 and 16)
-    (README, "the same code on an H200, 2.22x, the decode steps alone 2.04x", "decode-graph-compiled-router-inside-h200.json",
+    (BENCH, "the same code on an H200, 2.22x, the decode steps alone 2.04x", "decode-graph-compiled-router-inside-h200.json",
      ("batches", "1"), lambda d: "on an H200, {:.2f}x, the decode steps alone {:.2f}x".format(
          d["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"], _steps_over_bf16(d, "nemotron-h-w4a16-4o6"))),
-    *[(README, quoted, "decode-graph-compiled-router-inside-h200.json", ("batches", "1"),
+    *[(BENCH, quoted, "decode-graph-compiled-router-inside-h200.json", ("batches", "1"),
        lambda d, fmt=fmt: fmt.format(d["speedup_over_bf16_graph"]["modelopt-lightning_graph"],
                                      _steps_over_bf16(d, "modelopt-lightning")))
       for quoted, fmt in (("on an H200, 2.30x, the decode steps alone 2.25x", "on an H200, {:.2f}x, the decode steps alone {:.2f}x"),
                           ("on an H200 (2.30x; the decode steps, whose rate spreads least from run to run, 2.25x)",
                            "on an H200 ({:.2f}x; the decode steps, whose rate spreads least from run to run, {:.2f}x)"))],
-    (README, "batch 16 with today's code on an H200, 1.94x, `modelopt-lightning` 2.03x", "decode-graph-compiled-router-inside-h200.json",
+    (BENCH, "batch 16 with today's code on an H200, 1.94x, `modelopt-lightning` 2.03x", "decode-graph-compiled-router-inside-h200.json",
      ("batches", "16", "speedup_over_bf16_graph"), lambda sp: "on an H200, {:.2f}x, `modelopt-lightning` {:.2f}x".format(
          sp["nemotron-h-w4a16-4o6_graph"], sp["modelopt-lightning_graph"])),
     # the packed GEMM's time against its K tiles per program (bench_packed.py --chain, H100)
@@ -1357,7 +1368,7 @@ FIGURES = [
     (BENCH, "about\n3.9 us are the split itself", "packed-gemm-chain-h100.json", ("fits",),
      lambda fits: "about {:.1f} us are the split itself".format(
          _chain_fit(fits, 64, 4, "warm")["intercept_us"] - _chain_fit(fits, 64, 1, "warm")["intercept_us"])),
-    (README, "about 3.9 us is its split of K", "packed-gemm-chain-h100.json", ("fits",),
+    (BENCH, "about 3.9 us is its split of K", "packed-gemm-chain-h100.json", ("fits",),
      lambda fits: "about {:.1f} us is its split".format(
          _chain_fit(fits, 64, 4, "warm")["intercept_us"] - _chain_fit(fits, 64, 1, "warm")["intercept_us"])),
     # the split-K epilogue in parts (bench_split_epilogue.py, H100)
@@ -1388,7 +1399,7 @@ FIGURES = [
          *{round(_epilogue_part(rows, n, sp, "EPI 0", "EPI 5"), 1) for n, sp in ((3712, 4), (2688, 6))},
          *(_epilogue_row(rows, n, "bf16", None)["us_warm"] / _epilogue_row(rows, n, "EPI 5", sp)["us_warm"]
            for n, sp in ((3712, 4), (2688, 6))))),
-    (README, "6.82 / 8.15 against 7.94 / 10.07 us warm / cold", "split-epilogue-h100.json", ("rows",),
+    (BENCH, "6.82 / 8.15 against 7.94 / 10.07 us warm / cold", "split-epilogue-h100.json", ("rows",),
      lambda rows: "{:.2f} / {:.2f} against {:.2f} / {:.2f} us".format(
          _epilogue_row(rows, 3712, "EPI 3", 4)["us_warm"], _epilogue_row(rows, 3712, "EPI 3", 4)["us_cold"],
          _epilogue_row(rows, 3712, "bf16", None)["us_warm"], _epilogue_row(rows, 3712, "bf16", None)["us_cold"])),
@@ -1413,7 +1424,7 @@ FIGURES = [
          _ws_row(rows, 3712, 64, "ws", {"BLOCK_M": 32, "P": 4, "SPLIT": 1})["ms_warm"] * 1e3
          - _epilogue_row(_load("split-epilogue-h100.json")["rows"], 3712, "EPI 3", 4)["us_warm"],
          _epilogue_row(_load("split-epilogue-h100.json")["rows"], 3712, "EPI 3", 4)["us_warm"])),
-    (README, "took 8.35 / 10.06 against bf16's 7.57 / 10.01", "packed-gemm-ws-h100.json", ("ws",),
+    (BENCH, "took 8.35 / 10.06 against bf16's 7.57 / 10.01", "packed-gemm-ws-h100.json", ("ws",),
      lambda rows: "took {:.2f} / {:.2f} against bf16's {:.2f} / {:.2f}".format(
          *(1e3 * r[f"ms_{s}"] for r in (_ws_row(rows, 3712, 64, "ws", {"BLOCK_M": 32, "P": 4, "SPLIT": 1}),
                                         _ws_row(rows, 3712, 64, "bf16")) for s in ("warm", "cold")))),
@@ -1430,9 +1441,9 @@ FIGURES = [
                                           for s in ("cold", "warm") for n in (3712, 2688))))
       for doc, quoted, fmt in ((BENCH, "(1.16x and 1.05x); warm it is not (0.94x and 0.86x)",
                                 "({:.2f}x and {:.2f}x); warm it is not ({:.2f}x and {:.2f}x)"),
-                               (README, "1.16x and 1.05x, but 0.94x and 0.86x warm",
+                               (BENCH, "1.16x and 1.05x, but 0.94x and 0.86x warm",
                                 "{:.2f}x and {:.2f}x, but {:.2f}x and {:.2f}x warm"))],
-    (README, "8.07 / 8.62 against 7.57 / 9.98 on 3712 x 2688 and 9.55 / 10.05 against 8.25 / 10.52 on 2688 x 3712",
+    (BENCH, "8.07 / 8.62 against 7.57 / 9.98 on 3712 x 2688 and 9.55 / 10.05 against 8.25 / 10.52 on 2688 x 3712",
      "packed-gemm-ws-chunks-h100.json", ("ws",),
      lambda rows: " and ".join("{:.2f} / {:.2f} against {:.2f} / {:.2f} on {} x {}".format(
          *(1e3 * r[f"ms_{s}"] for r in (_ws_row(rows, n, 64, "ws", WS_DEFAULT), _ws_row(rows, n, 64, "bf16"))
@@ -1478,7 +1489,7 @@ FIGURES = [
       for doc, quoted, fmt in (
           (BENCH, "gives 7.87 / 9.08 against bf16's\n8.17 / 10.18 on 3712 x 2688",
            "gives {:.2f} / {:.2f} against bf16's {:.2f} / {:.2f} on 3712 x 2688"),
-          (README, "7.87 / 9.08 against bf16's 8.17 / 10.18 on 3712 x 2688 and 9.09 / 10.39 against 8.54 / 10.49 on "
+          (BENCH, "7.87 / 9.08 against bf16's 8.17 / 10.18 on 3712 x 2688 and 9.09 / 10.39 against 8.54 / 10.49 on "
                    "2688 x 3712", "{:.2f} / {:.2f} against bf16's {:.2f} / {:.2f} on 3712 x 2688 and {:.2f} / {:.2f} "
                                   "against {:.2f} / {:.2f} on 2688 x 3712"))],
     (BENCH, "9.09 / 10.39 against\n8.54 / 10.49 on 2688 x 3712", "packed-gemm-ws-unrolled-h100.json", ("ws",),
@@ -1526,7 +1537,7 @@ FIGURES = [
      lambda rows: ", ".join("{:.2f} / {:.2f} against {:.2f} / {:.2f}{} on {} x {}".format(
          *(1e3 * r[f"ms_{s}"] for r in (_ws_row(rows, n, 48, "ws", WS_DEFAULT), _ws_row(rows, n, 48, "bf16"))
            for s in ("warm", "cold")), " us" if n == 3712 else "", n, k) for n, k in ((3712, 2688), (2688, 3712)))),
-    (README, "at 48 rows 8.51 against bf16's 6.94 warm on 3712 x 2688", "packed-gemm-ws-split-h100.json", ("ws",),
+    (BENCH, "at 48 rows 8.51 against bf16's 6.94 warm on 3712 x 2688", "packed-gemm-ws-split-h100.json", ("ws",),
      lambda rows: "at 48 rows {:.2f} against bf16's {:.2f} warm".format(
          *(1e3 * r["ms_warm"] for r in (_ws_row(rows, 3712, 48, "ws", WS_DEFAULT), _ws_row(rows, 3712, 48, "bf16"))))),
     (BENCH, "takes 9.35 / 11.13 against 9.11 / 10.36 unsplit", "packed-gemm-ws-split-h100.json", ("ws",),
@@ -1551,16 +1562,16 @@ FIGURES = [
         (BENCH, "up to 16 rows, 0.83-1.02x at 20-56", 3712, "warm", 20, 56),
         (BENCH, "0.83-1.02x at 20-56, 1.00-1.03x at 60-64", 3712, "warm", 60, 64),
         (BENCH, "| 0.92-1.55x; below 1.0 at 44, 52, 56, 60 and 64 rows |", 2688, "warm", 1, 64),
-        (README, "1.14-1.52x bf16 on 3712 x 2688 and 1.05-1.93x", 3712, "cold", 1, 64),
-        (README, "1.14-1.52x bf16 on 3712 x 2688 and 1.05-1.93x", 2688, "cold", 1, 64),
-        (README, "warm 0.83-1.02x at 20-56 rows on 3712 x 2688", 3712, "warm", 20, 56))],
+        (BENCH, "1.14-1.52x bf16 on 3712 x 2688 and 1.05-1.93x", 3712, "cold", 1, 64),
+        (BENCH, "1.14-1.52x bf16 on 3712 x 2688 and 1.05-1.93x", 2688, "cold", 1, 64),
+        (BENCH, "warm 0.83-1.02x at 20-56 rows on 3712 x 2688", 3712, "warm", 20, 56))],
     # packed_cluster at 16-48 rows of 3712 x 2688 (packed-gemm-rows-cluster-h100.json)
     *[(doc, text, "packed-gemm-rows-cluster-h100.json", ("rows",), _rows_ratio(n, "dispatch", state, lo, hi))
       for doc, text, n, state, lo, hi in (
-        (README, "1.12-1.51x bf16 on 3712 x 2688 and 1.02-1.89x", 3712, "cold", 1, 64),
-        (README, "1.12-1.51x bf16 on 3712 x 2688 and 1.02-1.89x", 2688, "cold", 1, 64),
-        (README, "that L2 keeps, 0.88-1.05x at 20-56 rows", 3712, "warm", 20, 56),
-        (README, "and 0.95-1.01x at 52-64 rows on 2688 x 3712", 2688, "warm", 52, 64),
+        (BENCH, "1.12-1.51x bf16 on 3712 x 2688 and 1.02-1.89x", 3712, "cold", 1, 64),
+        (BENCH, "1.12-1.51x bf16 on 3712 x 2688 and 1.02-1.89x", 2688, "cold", 1, 64),
+        (BENCH, "that L2 keeps, 0.88-1.05x at 20-56 rows", 3712, "warm", 20, 56),
+        (BENCH, "and 0.95-1.01x at 52-64 rows on 2688 x 3712", 2688, "warm", 52, 64),
         (BENCH, "| 3712 x 2688 | 1.12-1.51x at every row count", 3712, "cold", 1, 64),
         (BENCH, "| 2688 x 3712 | 1.02-1.89x at every row count", 2688, "cold", 1, 64),
         (BENCH, "at every row count | 1.09-1.31x up to 16 rows", 3712, "warm", 1, 16),
@@ -1570,12 +1581,12 @@ FIGURES = [
     (BENCH, "below 1.0 at 52, 60 and 64 rows", "packed-gemm-rows-cluster-h100.json", ("rows",),
      lambda rows: "below 1.0 at {} and {} rows".format(*(lambda ms: (", ".join(ms[:-1]), ms[-1]))(
          [str(m) for m in _rows_ms(rows) if _rows_cell(rows, 2688, m, "bf16")["ms_warm"] < _rows_cell(rows, 2688, m, "dispatch")["ms_warm"]]))),
-    (README, "(below 1.0 at 20-28 and 36-56)", "packed-gemm-rows-cluster-h100.json", ("rows",),
+    (BENCH, "(below 1.0 at 20-28 and 36-56)", "packed-gemm-rows-cluster-h100.json", ("rows",),
      lambda rows: "(below 1.0 at {} and {})".format(*(lambda ms: ("{}-{}".format(ms[0], ms[2]), "{}-{}".format(ms[3], ms[-1])))(
          [m for m in _rows_ms(rows) if _rows_cell(rows, 3712, m, "bf16")["ms_warm"] < _rows_cell(rows, 3712, m, "dispatch")["ms_warm"]]))
      if [m for m in _rows_ms(rows) if _rows_cell(rows, 3712, m, "bf16")["ms_warm"] < _rows_cell(rows, 3712, m, "dispatch")["ms_warm"]]
      == [20, 24, 28, 36, 40, 44, 48, 52, 56] else "other rows"),
-    (README, "takes 0.15-0.61 us warm and 0.16-0.56 cold off `packed_linear` at 16-48 rows on 3712 x 2688",
+    (BENCH, "takes 0.15-0.61 us warm and 0.16-0.56 cold off `packed_linear` at 16-48 rows on 3712 x 2688",
      ("packed-gemm-rows-fill-h100.json", "packed-gemm-rows-cluster-h100.json"), ("rows",),
      lambda old, new: "takes {} us warm and {} cold off".format(*(_span(
          [(_rows_cell(old, 3712, m, "dispatch")[f"ms_{st}"] - _rows_cell(new, 3712, m, "dispatch")[f"ms_{st}"]) * 1e3
@@ -1624,7 +1635,7 @@ FIGURES = [
     (BENCH, "below 1.0 at 44, 52, 56, 60 and 64 rows", "packed-gemm-rows-fill-h100.json", ("rows",),
      lambda rows: "below 1.0 at {} and {} rows".format(*(lambda ms: (", ".join(ms[:-1]), ms[-1]))(
          [str(m) for m in _rows_ms(rows) if _rows_cell(rows, 2688, m, "bf16")["ms_warm"] < _rows_cell(rows, 2688, m, "dispatch")["ms_warm"]]))),
-    (README, "0.92-0.98x at 44 and 52-64 rows on 2688 x 3712", "packed-gemm-rows-fill-h100.json", ("rows",),
+    (BENCH, "0.92-0.98x at 44 and 52-64 rows on 2688 x 3712", "packed-gemm-rows-fill-h100.json", ("rows",),
      lambda rows: "{}x".format(_span([_rows_cell(rows, 2688, m, "bf16")["ms_warm"] / _rows_cell(rows, 2688, m, "dispatch")["ms_warm"]
                                       for m in (44, 52, 56, 60, 64)], 2))),
     *[(BENCH, text, "packed-gemm-rows-fill-h100.json", ("rows",), _rows_ratio(n, "w4a16", state, 16, 64)) for text, n, state in (
@@ -1670,13 +1681,13 @@ FIGURES = [
     (BENCH, "`modelopt-lightning` 2.15x / 2.07x, 1.96x / 1.97x, 1.52x / 1.53x", "decode-graph-compiled-layouts-lightning-h100.json", (),
      lambda d: "{}x / {}x, {}x / {}x, {}x / {}x".format(*(_decode_speedup(lab, b)(d) for b in ("1", "16", "64") for lab in (
          "modelopt-lightning_graph", "modelopt-lightning_packed-layout_graph")))),
-    (README, "1.92x against 1.98x at batch 1", "decode-graph-compiled-layouts-b1-h100.json", (),
+    (BENCH, "1.92x against 1.98x at batch 1", "decode-graph-compiled-layouts-b1-h100.json", (),
      lambda d: "{}x against {}x".format(_decode_speedup("nemotron-h-w4a16-4o6_packed-layout_graph", "1")(d),
                                        _decode_speedup("nemotron-h-w4a16-4o6_graph", "1")(d))),
     (BENCH, "batch 1 1.98x /\n  1.92x", "decode-graph-compiled-layouts-b1-h100.json", (),
      lambda d: "{}x / {}x".format(_decode_speedup("nemotron-h-w4a16-4o6_graph", "1")(d),
                                  _decode_speedup("nemotron-h-w4a16-4o6_packed-layout_graph", "1")(d))),
-    (README, "1.89x against 1.96x at batch 1", "decode-graph-compiled-layouts-h100.json", (),
+    (BENCH, "1.89x against 1.96x at batch 1", "decode-graph-compiled-layouts-h100.json", (),
      lambda d: "{}x against {}x".format(_decode_speedup("nemotron-h-w4a16-4o6_packed-layout_graph", "1")(d),
                                        _decode_speedup("nemotron-h-w4a16-4o6_graph", "1")(d))),
     # packed_cluster's overlapped K tiles (DB 1) and shared activation tiles (WN), 40 rows (packed-cluster-wn-h100.json)
@@ -1692,13 +1703,66 @@ FIGURES = [
          [_us(_cluster_cell(rows, n, 40, "cluster", {"WG": wg, "WN": wn, "CL": cl, "DB": 0}))
           for n in (3712, 2688) for wg, wn, cl in ((2, 2, 4), (1, 4, 8))]
          + [_us(_cluster_cell(rows, n, 40, "cluster", {"WG": 2, "WN": 2, "CL": 6, "DB": 0})) for n in (3712, 2688)]))),
-    (README, "the CUDA C++ launch of `kernels.packed_cluster` (32 rows, 3712 x 2688) 24.0 us on an H100",
+    (BENCH, "the CUDA C++ launch of `kernels.packed_cluster` (32 rows, 3712 x 2688) 24.0 us on an H100",
      "packed-cluster-wn-h100.json", ("eager_host_us", "us"), lambda us: f"{us:.1f} us on an H100"),
-    (README, "6.95 / 7.94 us warm / cold against 7.32 / 8.50 before on 3712 x 2688 (bf16 6.53 / 10.02) and 8.05 / 8.94 "
+    (BENCH, "6.95 / 7.94 us warm / cold against 7.32 / 8.50 before on 3712 x 2688 (bf16 6.53 / 10.02) and 8.05 / 8.94 "
              "against 8.57 / 9.50 on 2688 x 3712 (bf16 8.92 / 13.17)", "packed-cluster-wn-h100.json", ("cluster",),
      lambda rows: "{} us warm / cold against {} before on 3712 x 2688 (bf16 {}) and {} against {} on 2688 x 3712 (bf16 {})".format(*(
          _us(_cluster_cell(rows, n, 40, *args)) for n in (3712, 2688) for args in (
              ("cluster", {"WG": 4, "WN": 1, "CL": 2, "DB": 1}), ("cluster", {"WG": 4, "WN": 1, "CL": 2, "DB": 0}), ("bf16",))))),
+    # packed_linear as it now chooses, every row count, DB 1 (packed-gemm-rows-db-h100.json)
+    (README, "grouped MoE: 2.85x bf16 at 64 tokens (kernels-h200.json)", KERNELS, ("moe", {"tokens": 64}, "speedup_vs_bf16"), _f(2)),
+    *[(doc, text, "packed-gemm-rows-db-h100.json", ("rows",), fmt) for doc, text, fmt in (
+        (README, "1.12-1.53x bf16 on 3712 x 2688 and 1.05-1.90x on 2688 x 3712",
+         lambda rows: "{}x bf16 on 3712 x 2688 and {}x on 2688 x 3712".format(
+             *(_span([r for _, r in _linear_now_ratios(rows, n, "cold")], 2) for n in (3712, 2688)))),
+        (README, "0.87-1.31x and 0.92-1.76x, below 1.0 at 20, 24, 36, 40, 44, 52 and 56 rows on 3712 x 2688 and at 52-64 on 2688 x 3712",
+         lambda rows: "{}x and {}x, below 1.0 at {} rows on 3712 x 2688 and at {}-{} on 2688 x 3712".format(
+             *(_span([r for _, r in _linear_now_ratios(rows, n, "warm")], 2) for n in (3712, 2688)),
+             (lambda ms: ", ".join(ms[:-1]) + " and " + ms[-1])([str(m) for m, r in _linear_now_ratios(rows, 3712, "warm") if r < 1]),
+             *(lambda ms: (ms[0], ms[-1]) if ms == [52, 56, 60, 64] else ("other", "rows"))(
+                 [m for m, r in _linear_now_ratios(rows, 2688, "warm") if r < 1]))),
+        (BENCH, "| 3712 x 2688 | 1.12-1.53x at every row count | 0.87-1.31x; below 1.0 at 20, 24, 36, 40, 44, 52 and 56 rows |",
+         lambda rows: "| 3712 x 2688 | {}x at every row count | {}x; below 1.0 at {} rows |".format(
+             _span([r for _, r in _linear_now_ratios(rows, 3712, "cold")], 2), _span([r for _, r in _linear_now_ratios(rows, 3712, "warm")], 2),
+             (lambda ms: ", ".join(ms[:-1]) + " and " + ms[-1])([str(m) for m, r in _linear_now_ratios(rows, 3712, "warm") if r < 1]))),
+        (BENCH, "| 2688 x 3712 | 1.05-1.90x at every row count | 0.92-1.76x; below 1.0 at 52, 56, 60 and 64 rows |",
+         lambda rows: "| 2688 x 3712 | {}x at every row count | {}x; below 1.0 at {} rows |".format(
+             _span([r for _, r in _linear_now_ratios(rows, 2688, "cold")], 2), _span([r for _, r in _linear_now_ratios(rows, 2688, "warm")], 2),
+             (lambda ms: ", ".join(ms[:-1]) + " and " + ms[-1])([str(m) for m, r in _linear_now_ratios(rows, 2688, "warm") if r < 1]))),
+        (BENCH, "16-48 rows with the weights cold (7.14-8.88 against\n  7.95-9.25 us)",
+         lambda rows: "16-48 rows with the weights cold ({} against {} us)".format(
+             *(_span([_rows_cell(rows, 2688, m, k)["ms_cold"] * 1e3 for m in _rows_ms(rows) if 16 <= m <= 48], 2) for k in ("cluster", "dispatch")))),
+        (BENCH, "(6.27 against 6.71 us at 16); warm at 20-28 rows it\n  is 0.02-0.26 us slower",
+         lambda rows: "({:.2f} against {:.2f} us at 16); warm at 20-28 rows it is {} us slower".format(
+             _rows_cell(rows, 2688, 16, "cluster")["ms_warm"] * 1e3, _rows_cell(rows, 2688, 16, "dispatch")["ms_warm"] * 1e3,
+             _span([(_rows_cell(rows, 2688, m, "cluster")["ms_warm"] - _rows_cell(rows, 2688, m, "dispatch")["ms_warm"]) * 1e3
+                    for m in (20, 24, 28)], 2))),
+        (BENCH, "beats what `packed_linear` ran there at 16-48 rows",
+         lambda rows: "beats what `packed_linear` ran there at 16-48 rows" if all(
+             _rows_cell(rows, 2688, m, "cluster")["ms_cold"] < _rows_cell(rows, 2688, m, "dispatch")["ms_cold"]
+             for m in _rows_ms(rows) if 16 <= m <= 48) and [m for m in _rows_ms(rows) if 16 <= m <= 48 and
+             _rows_cell(rows, 2688, m, "cluster")["ms_warm"] > _rows_cell(rows, 2688, m, "dispatch")["ms_warm"]] == [20, 24, 28]
+         else "other rows"))],
+    # the README's decode targets, each at its latest run
+    *[(README, f"on an H200 {{}}x, the decode steps alone {{}}x (decode-graph-compiled-router-inside-h200.json); on an H100 {{}}x "
+       "(decode-graph-compiled-h100.json)".format(*quoted), "decode-graph-compiled-router-inside-h200.json", ("batches", "1"),
+       lambda d, ck=ck: "on an H200 {:.2f}x, the decode steps alone {:.2f}x (decode-graph-compiled-router-inside-h200.json); "
+       "on an H100 {:.2f}x (decode-graph-compiled-h100.json)".format(
+           d["speedup_over_bf16_graph"][f"{ck}_graph"], _steps_over_bf16(d, ck),
+           _load("decode-graph-compiled-h100.json")["batches"]["1"]["speedup_over_bf16_graph"][f"{ck}_graph"]))
+      for ck, quoted in (("nemotron-h-w4a16-4o6", ("2.22", "2.04", "1.98")), ("modelopt-lightning", ("2.30", "2.25", "2.26")))],
+    (README, "on an H200 1.94x at batch 16", "decode-graph-compiled-router-inside-h200.json",
+     ("batches", "16", "speedup_over_bf16_graph", "nemotron-h-w4a16-4o6_graph"), lambda v: f"on an H200 {v:.2f}x at batch 16"),
+    (README, "1.32x at batch 64 with the code of 2026-12-04 (decode-graph-compiled-b64-h200.json)", "decode-graph-compiled-b64-h200.json",
+     (), lambda d: "{:.2f}x at batch 64 with the code of {} (decode-graph-compiled-b64-h200.json)".format(
+         d["batches"]["64"]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"], d["date"][:10])),
+    (README, "on an H100 with today's code 1.86x / 1.50x", "decode-graph-compiled-h100.json", (),
+     lambda d: "on an H100 with today's code {:.2f}x / {:.2f}x".format(
+         d["batches"]["16"]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"],
+         _load("decode-graph-compiled-b64-h100.json")["batches"]["64"]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"])),
+    (README, "`kernels.packed_cluster`'s CUDA C++ launch 24.0 us on an H100", "packed-cluster-wn-h100.json",
+     ("eager_host_us", "us"), lambda us: f"launch {us:.1f} us on an H100"),
 ]
 
 

@@ -117,7 +117,7 @@ def test_packed_linear_hands_it_the_rows_cluster_rows_names():
     dev = torch.device("cuda", torch.cuda.current_device())
     if torch.cuda.get_device_properties(dev).multi_processor_count == 132:  # H100 SXM, H200
         assert [pl.uses_cluster(m, 3712, 2688, dev) for m in (8, 16, 48, 49)] == [False, True, True, False]
-        assert not pl.uses_cluster(32, 2688, 3712, dev)  # 84 blocks of 132
+        assert pl.uses_cluster(32, 2688, 3712, dev)  # 84 blocks of 132, at least 0.6 of them
     for m in (16, 33, 48):
         x = torch.randn((m, 2688), generator=g, device="cuda", dtype=torch.bfloat16)
         if pl.uses_cluster(m, 3712, 2688, dev):
