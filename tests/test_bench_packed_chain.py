@@ -1,4 +1,5 @@
-"""scripts/benchlib/packed.py's line fits of `packed_matmul`'s time against its K tiles per program
+"""scripts/benchlib/packed.py: line fits of `packed_matmul`'s time against its K tiles per program, and
+which of packed_cluster's launch shapes a row count takes
 (pure Python: the timing itself runs on a GPU, `bench_packed.py --chain`)."""
 
 from __future__ import annotations
@@ -44,3 +45,18 @@ def test_chain_fits_one_line_per_case_in_us():
     assert (fits[4, "warm"]["intercept_us"], fits[4, "warm"]["us_per_tile"]) == pytest.approx((5.0, 0.25))
     assert fits[4, "cold"]["max_residual_us"] == pytest.approx(0.0, abs=1e-9)
     assert all(f["M"] == 64 and f["variant"] == "table" for f in fits.values())
+
+
+def test_cluster_launches_that_do_not_fit_the_rows_shared_memory_are_left_out():
+    from benchlib.packed import CLUSTER_LAUNCHES, fitting_launches
+
+    s4, s5 = ({"WG": 4, "WN": 1, "CL": 2, "DB": 1, "STAGES": st} for st in (4, 5))
+    assert s4 in CLUSTER_LAUNCHES and s5 in CLUSTER_LAUNCHES
+    # four shares of STAGES tiles [BN, 128] bf16: 5 stages fit up to BN 32 (163,840 B), 4 up to BN 48
+    # (196,608 B), of the 232,448 a block has
+    kept = {m: [cfg for cfg, _ in fitting_launches((s4, s5), m, 3712, 2688, 132)] for m in (32, 33, 48, 49)}
+    assert kept == {32: [s4, s5], 33: [s4], 48: [s4], 49: []}
+    (cfg, shape), = fitting_launches((s4,), 40, 3712, 2688, 132)
+    assert cfg is s4 and (shape["BN"], shape["STAGES"], shape["DB"]) == (48, 4, 1)
+    with pytest.raises(ValueError, match="CL must be"):  # other errors still raise
+        fitting_launches(({"CL": 9},), 16, 3712, 2688, 132)

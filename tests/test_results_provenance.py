@@ -328,16 +328,24 @@ def _rows_cell(rows: list, n: int, m: int, kernel: str) -> dict:
     return row
 
 
-def _linear_now(rows: list, n: int, m: int) -> dict:
-    """packed-gemm-rows-db-h100.json's cell of what `packed_linear` now runs at m rows: packed_cluster's
-    default ("cluster") at 16-48 rows on both Nano shapes (the CLUSTER entry's min_fill 0.6), else
-    "dispatch" (the run's own choice, the same there)."""
-    return _rows_cell(rows, n, m, "cluster" if 16 <= m <= 48 else "dispatch")
+def _below_one(rows: list, n: int) -> str:
+    """bench_packed.py --rows: the row counts at which `packed_linear` is slower than bf16 warm on
+    weight rows n, as "a, b and c"."""
+    ms = [str(m) for m in _rows_ms(rows)
+          if _rows_cell(rows, n, m, "bf16")["ms_warm"] < _rows_cell(rows, n, m, "dispatch")["ms_warm"]]
+    return ", ".join(ms[:-1]) + " and " + ms[-1]
 
 
-def _linear_now_ratios(rows: list, n: int, state: str) -> list:
-    return [(m, _rows_cell(rows, n, m, "bf16")[f"ms_{state}"] / _linear_now(rows, n, m)[f"ms_{state}"]) for m in _rows_ms(rows)]
-
+def _stages_more(rows: list, cfg: dict) -> list:
+    """packed-cluster-stages-h100.json: how much longer, us, packed_cluster's WG 4 CL 2 launch with
+    cfg takes than with DB 1 and 3 buffers, warm and cold, at every shape and row count it was timed."""
+    out = []
+    for r in rows:
+        if r["kernel"] == "cluster" and all(r["launch"][k] == v for k, v in cfg.items()):
+            (base,) = [b for b in rows if (b["N"], b["M"], b["kernel"]) == (r["N"], r["M"], "cluster")
+                       and (b["launch"]["DB"], b["launch"]["STAGES"]) == (1, 3)]
+            out += [(r[f"ms_{st}"] - base[f"ms_{st}"]) * 1e3 for st in ("warm", "cold")]
+    return out
 
 def _cluster_cell(rows: list, n: int, m: int, kernel: str = "cluster", launch: dict | None = None,
                   variant: str | None = None) -> dict:
@@ -1710,40 +1718,51 @@ FIGURES = [
      lambda rows: "{} us warm / cold against {} before on 3712 x 2688 (bf16 {}) and {} against {} on 2688 x 3712 (bf16 {})".format(*(
          _us(_cluster_cell(rows, n, 40, *args)) for n in (3712, 2688) for args in (
              ("cluster", {"WG": 4, "WN": 1, "CL": 2, "DB": 1}), ("cluster", {"WG": 4, "WN": 1, "CL": 2, "DB": 0}), ("bf16",))))),
-    # packed_linear as it now chooses, every row count, DB 1 (packed-gemm-rows-db-h100.json)
+    # packed_linear with the CLUSTER entry's min_fill 0.6, every row count (packed-gemm-rows-cluster-fill-h100.json),
+    # and the run before it that chose it (packed-gemm-rows-db-h100.json)
     (README, "grouped MoE: 2.85x bf16 at 64 tokens (kernels-h200.json)", KERNELS, ("moe", {"tokens": 64}, "speedup_vs_bf16"), _f(2)),
-    *[(doc, text, "packed-gemm-rows-db-h100.json", ("rows",), fmt) for doc, text, fmt in (
-        (README, "1.12-1.53x bf16 on 3712 x 2688 and 1.05-1.90x on 2688 x 3712",
+    *[(doc, text, "packed-gemm-rows-cluster-fill-h100.json", ("rows",), fmt) for doc, text, fmt in (
+        (README, "1.13-1.52x bf16 on 3712 x 2688 and 1.04-1.90x on 2688 x 3712",
          lambda rows: "{}x bf16 on 3712 x 2688 and {}x on 2688 x 3712".format(
-             *(_span([r for _, r in _linear_now_ratios(rows, n, "cold")], 2) for n in (3712, 2688)))),
-        (README, "0.87-1.31x and 0.92-1.76x, below 1.0 at 20, 24, 36, 40, 44, 52 and 56 rows on 3712 x 2688 and at 52-64 on 2688 x 3712",
-         lambda rows: "{}x and {}x, below 1.0 at {} rows on 3712 x 2688 and at {}-{} on 2688 x 3712".format(
-             *(_span([r for _, r in _linear_now_ratios(rows, n, "warm")], 2) for n in (3712, 2688)),
-             (lambda ms: ", ".join(ms[:-1]) + " and " + ms[-1])([str(m) for m, r in _linear_now_ratios(rows, 3712, "warm") if r < 1]),
-             *(lambda ms: (ms[0], ms[-1]) if ms == [52, 56, 60, 64] else ("other", "rows"))(
-                 [m for m, r in _linear_now_ratios(rows, 2688, "warm") if r < 1]))),
-        (BENCH, "| 3712 x 2688 | 1.12-1.53x at every row count | 0.87-1.31x; below 1.0 at 20, 24, 36, 40, 44, 52 and 56 rows |",
-         lambda rows: "| 3712 x 2688 | {}x at every row count | {}x; below 1.0 at {} rows |".format(
-             _span([r for _, r in _linear_now_ratios(rows, 3712, "cold")], 2), _span([r for _, r in _linear_now_ratios(rows, 3712, "warm")], 2),
-             (lambda ms: ", ".join(ms[:-1]) + " and " + ms[-1])([str(m) for m, r in _linear_now_ratios(rows, 3712, "warm") if r < 1]))),
-        (BENCH, "| 2688 x 3712 | 1.05-1.90x at every row count | 0.92-1.76x; below 1.0 at 52, 56, 60 and 64 rows |",
-         lambda rows: "| 2688 x 3712 | {}x at every row count | {}x; below 1.0 at {} rows |".format(
-             _span([r for _, r in _linear_now_ratios(rows, 2688, "cold")], 2), _span([r for _, r in _linear_now_ratios(rows, 2688, "warm")], 2),
-             (lambda ms: ", ".join(ms[:-1]) + " and " + ms[-1])([str(m) for m, r in _linear_now_ratios(rows, 2688, "warm") if r < 1]))),
-        (BENCH, "16-48 rows with the weights cold (7.14-8.88 against\n  7.95-9.25 us)",
+             *(_rows_ratio(n, "dispatch", "cold")(rows) for n in (3712, 2688)))),
+        (README, "0.88-1.30x and 0.94-1.54x, below 1.0 at 20, 24, 36, 40, 52 and 56 rows on 3712 x 2688 and at 52, 60 and 64 on 2688 x 3712",
+         lambda rows: "{}x and {}x, below 1.0 at {} rows on 3712 x 2688 and at {} on 2688 x 3712".format(
+             *(_rows_ratio(n, "dispatch", "warm")(rows) for n in (3712, 2688)), *(_below_one(rows, n) for n in (3712, 2688)))),
+        *[(BENCH, f"| {n} x {k} | {cold}x at every row count | {warm}x; below 1.0 at {below} rows |",
+           lambda rows, n=n, k=k: "| {} x {} | {}x at every row count | {}x; below 1.0 at {} rows |".format(
+               n, k, _rows_ratio(n, "dispatch", "cold")(rows), _rows_ratio(n, "dispatch", "warm")(rows), _below_one(rows, n)))
+          for n, k, cold, warm, below in ((3712, 2688, "1.13-1.52", "0.88-1.30", "20, 24, 36, 40, 52 and 56"),
+                                          (2688, 3712, "1.04-1.90", "0.94-1.54", "52, 60 and 64"))],
+        (BENCH, "`packed_linear` so, against torch.matmul", lambda rows: "`packed_linear` so, against torch.matmul" if all(
+            _rows_cell(rows, n, m, "dispatch")["launch"]["uses_ws"] == (n == 3712 or m > 32) for n in (3712, 2688)
+            for m in _rows_ms(rows) if 16 <= m <= 48) else "another choice"))],
+    (BENCH, "by up to 1.23 us between these two runs at the same row count\n  (2688 x 3712 at 56 rows: 8.28 and 9.16 us)",
+     ("packed-gemm-rows-db-h100.json", "packed-gemm-rows-cluster-fill-h100.json"), (),
+     lambda a, b: "by up to {:.2f} us between these two runs at the same row count (2688 x 3712 at 56 rows: {:.2f} and {:.2f} us)".format(
+         max(abs(_rows_cell(a["rows"], n, m, "bf16")["ms_warm"] - _rows_cell(b["rows"], n, m, "bf16")["ms_warm"]) * 1e3
+             for n in (3712, 2688) for m in _rows_ms(a["rows"])),
+         *(_rows_cell(d["rows"], 2688, 56, "bf16")["ms_warm"] * 1e3 for d in (a, b)))),
+    *[(BENCH, text, "packed-gemm-rows-db-h100.json", ("rows",), fmt) for text, fmt in (
+        ("16-48 rows with the weights cold (7.14-8.88 against\n  7.95-9.25 us)",
          lambda rows: "16-48 rows with the weights cold ({} against {} us)".format(
              *(_span([_rows_cell(rows, 2688, m, k)["ms_cold"] * 1e3 for m in _rows_ms(rows) if 16 <= m <= 48], 2) for k in ("cluster", "dispatch")))),
-        (BENCH, "(6.27 against 6.71 us at 16); warm at 20-28 rows it\n  is 0.02-0.26 us slower",
+        ("(6.27 against 6.71 us at 16); warm at 20-28 rows it\n  is 0.02-0.26 us slower",
          lambda rows: "({:.2f} against {:.2f} us at 16); warm at 20-28 rows it is {} us slower".format(
              _rows_cell(rows, 2688, 16, "cluster")["ms_warm"] * 1e3, _rows_cell(rows, 2688, 16, "dispatch")["ms_warm"] * 1e3,
              _span([(_rows_cell(rows, 2688, m, "cluster")["ms_warm"] - _rows_cell(rows, 2688, m, "dispatch")["ms_warm"]) * 1e3
                     for m in (20, 24, 28)], 2))),
-        (BENCH, "beats what `packed_linear` ran there at 16-48 rows",
+        ("beats what `packed_linear` ran there at 16-48 rows",
          lambda rows: "beats what `packed_linear` ran there at 16-48 rows" if all(
              _rows_cell(rows, 2688, m, "cluster")["ms_cold"] < _rows_cell(rows, 2688, m, "dispatch")["ms_cold"]
              for m in _rows_ms(rows) if 16 <= m <= 48) and [m for m in _rows_ms(rows) if 16 <= m <= 48 and
              _rows_cell(rows, 2688, m, "cluster")["ms_warm"] > _rows_cell(rows, 2688, m, "dispatch")["ms_warm"]] == [20, 24, 28]
          else "other rows"))],
+    # packed_cluster's activation buffers with DB 1 (packed-cluster-stages-h100.json)
+    (BENCH, "4 buffers take 0.12-0.89 us longer warm or cold than 3, and 5 (up to 32 rows, where they fit)\n0.09-0.71 us longer; "
+            "`DB` 0 with 4 buffers is 0.23-0.70 us slower", "packed-cluster-stages-h100.json", ("cluster",),
+     lambda rows: "4 buffers take {} us longer warm or cold than 3, and 5 (up to 32 rows, where they fit) {} us longer; "
+     "`DB` 0 with 4 buffers is {} us slower".format(*(_span(_stages_more(rows, cfg), 2) for cfg in (
+         {"DB": 1, "STAGES": 4}, {"DB": 1, "STAGES": 5}, {"DB": 0, "STAGES": 4})))),
     # the README's decode targets, each at its latest run
     *[(README, f"on an H200 {{}}x, the decode steps alone {{}}x (decode-graph-compiled-router-inside-h200.json); on an H100 {{}}x "
        "(decode-graph-compiled-h100.json)".format(*quoted), "decode-graph-compiled-router-inside-h200.json", ("batches", "1"),

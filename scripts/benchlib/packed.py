@@ -9,7 +9,7 @@ import torch
 
 from fp4kit.kernels.backend import sm_count
 from fp4kit.kernels.packed_gemm import config, pack, packed_matmul
-from fp4kit.kernels.packed_linear import packed_linear, uses_ws
+from fp4kit.kernels.packed_linear import packed_linear, uses_cluster, uses_ws
 from fp4kit.kernels.quantize import quantize
 from fp4kit.kernels.w4a16_gemm import path, w4a16_matmul
 from sweeps.common import nvfp4_bytes, tensor_copies, time_calls, weight_copies
@@ -203,7 +203,8 @@ def bench_rows(shapes=NANO, ms=EVERY_M, launches=ROW_WS_LAUNCHES) -> list:
     """Per activation-row count, every W4A16 kernel a decode step could run on the weight, warm and
     cold (`bench_cold`'s copies), beside torch.matmul on the bf16 weight: `w4a16_matmul` on the
     checkpoint layout, `packed_matmul` with its launch table ("packed"), `packed_linear` as the
-    modules call it ("dispatch": at the rows `uses_ws` names, `packed_ws`), `packed_cluster` at its
+    modules call it ("dispatch": at the rows `uses_cluster` names, `packed_cluster`, else at those
+    `uses_ws` names, `packed_ws`; its "launch" says which), `packed_cluster` at its
     default launch shape ("cluster") and, from 16 rows,
     `packed_ws.packed_matmul_ws` at each launch shape of `launches` whose BLOCK_M is at most
     max(16, M) rounded up to a power of two. One row per (shape, M, kernel)."""
@@ -216,7 +217,7 @@ def bench_rows(shapes=NANO, ms=EVERY_M, launches=ROW_WS_LAUNCHES) -> list:
         cands = [("bf16", None, [lambda w=w: torch.matmul(x, w.T) for w in bf16_copies]),
                  ("w4a16", {"path": path(m, n, k, x.device)}, [lambda w=w: w4a16_matmul(x, w) for w in q_copies]),
                  ("packed", config(m, n, k, x.device), [lambda w=w: packed_matmul(x, w) for w in p_copies]),
-                 ("dispatch", {"uses_ws": uses_ws(m, n, k, x.device)}, [lambda w=w: packed_linear(x, w) for w in p_copies]),
+                 ("dispatch", _dispatch(m, n, k, x.device), [lambda w=w: packed_linear(x, w) for w in p_copies]),
                  ("cluster", cluster_config(m, n, k, None, sms), [lambda w=w: packed_matmul_cluster(x, w) for w in p_copies])]
         if m >= 16:
             for cfg in launches:
@@ -230,6 +231,12 @@ def bench_rows(shapes=NANO, ms=EVERY_M, launches=ROW_WS_LAUNCHES) -> list:
                                              f"{r['ms_warm'] * 1e3:.2f}/{r['ms_cold'] * 1e3:.2f}"
                                              for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)), flush=True)
     return rows
+
+
+def _dispatch(m: int, n: int, k: int, device: torch.device) -> dict:
+    """What `packed_linear` runs for bf16 activations: packed_cluster where `uses_cluster` says so,
+    else packed_ws where `uses_ws` does, else packed_matmul."""
+    return {"uses_cluster": uses_cluster(m, n, k, device), "uses_ws": uses_ws(m, n, k, device)}
 
 
 def _problems(shapes, ms):
@@ -247,15 +254,33 @@ CLUSTER_LAUNCHES = ({"WG": 4, "WN": 1, "CL": 1, "DB": 0}, {"WG": 4, "WN": 1, "CL
                     {"WG": 2, "WN": 2, "CL": 6, "DB": 0}, {"WG": 1, "WN": 4, "CL": 8, "DB": 0},
                     {"WG": 1, "WN": 3, "CL": 8, "DB": 0}, {"WG": 4, "WN": 1, "CL": 1, "DB": 1},
                     {"WG": 4, "WN": 1, "CL": 2, "DB": 1}, {"WG": 2, "WN": 2, "CL": 4, "DB": 1},
-                    {"WG": 1, "WN": 4, "CL": 8, "DB": 1})
+                    {"WG": 1, "WN": 4, "CL": 8, "DB": 1}, {"WG": 4, "WN": 1, "CL": 2, "DB": 1, "STAGES": 4},
+                    {"WG": 4, "WN": 1, "CL": 2, "DB": 1, "STAGES": 5}, {"WG": 4, "WN": 1, "CL": 2, "DB": 0, "STAGES": 4})
 # the default launch with the activation tiles in plain core matrices, or a stage left out
 CLUSTER_VARIANTS = (("plain", False, ()), ("no-x", True, ("x",)), ("no-mma", True, ("mma",)),
                     ("no-x-no-mma", True, ("x", "mma")))
 
 
+def fitting_launches(launches, m: int, n: int, k: int, sms: int) -> list:
+    """(cfg, launch shape) for each of packed_cluster's `launches` that an [m, k] @ [n, k]^T problem
+    can take on `sms` multiprocessors; those whose buffers need more shared memory than a block has
+    at m rows are left out."""
+    from fp4kit.kernels.packed_cluster import config as cluster_config
+
+    out = []
+    for cfg in launches:
+        try:
+            out.append((cfg, cluster_config(m, n, k, cfg, sms)))
+        except ValueError as e:
+            if "shared memory" not in str(e):
+                raise
+    return out
+
+
 def bench_cluster(shapes=NANO, ms=(16, 20, 24, 32, 40, 48, 56, 64), launches=CLUSTER_LAUNCHES,
                   variants=CLUSTER_VARIANTS) -> list:
-    """`packed_cluster.packed_matmul_cluster` at each launch shape of `launches` and, at its default
+    """`packed_cluster.packed_matmul_cluster` at each launch shape of `launches` that fits the row
+    count's shared memory and, at its default
     launch, each variant of `variants` (name, swizzle, stages skipped: those give wrong products,
     timed to place the time of the stages they leave out), beside torch.matmul on the bf16 weight
     and `packed_linear` ("dispatch"), warm and cold (`bench_cold`'s copies). One row per (shape, M,
@@ -266,10 +291,9 @@ def bench_cluster(shapes=NANO, ms=(16, 20, 24, 32, 40, 48, 56, 64), launches=CLU
     rows = []
     for n, k, m, x, base, (_, _, p_copies, bf16_copies) in _problems(shapes, ms):
         cands = [("bf16", None, None, [lambda w=w: torch.matmul(x, w.T) for w in bf16_copies]),
-                 ("dispatch", {"uses_ws": uses_ws(m, n, k, x.device)}, None, [lambda w=w: packed_linear(x, w) for w in p_copies])]
-        for cfg in launches:
-            cands.append(("cluster", cluster_config(m, n, k, cfg, sms), None,
-                          [lambda w=w, cfg=cfg: packed_matmul_cluster(x, w, cfg=cfg) for w in p_copies]))
+                 ("dispatch", _dispatch(m, n, k, x.device), None, [lambda w=w: packed_linear(x, w) for w in p_copies])]
+        for cfg, shape in fitting_launches(launches, m, n, k, sms):
+            cands.append(("cluster", shape, None, [lambda w=w, cfg=cfg: packed_matmul_cluster(x, w, cfg=cfg) for w in p_copies]))
         for name, swizzle, skip in variants:
             cands.append(("cluster", cluster_config(m, n, k, None, sms), name,
                           [lambda w=w, sw=swizzle, sk=skip: packed_matmul_cluster(x, w, swizzle=sw, skip=sk)
