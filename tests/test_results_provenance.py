@@ -1721,6 +1721,13 @@ FIGURES = [
     # packed_linear with the CLUSTER entry's min_fill 0.6, every row count (packed-gemm-rows-cluster-fill-h100.json),
     # and the run before it that chose it (packed-gemm-rows-db-h100.json)
     (README, "grouped MoE: 2.85x bf16 at 64 tokens (kernels-h200.json)", KERNELS, ("moe", {"tokens": 64}, "speedup_vs_bf16"), _f(2)),
+    (README, "the faster one at one row but takes 0.57-1.38x bf16's speed at 16-64 rows, warm or cold",
+     "packed-gemm-rows-cluster-fill-h100.json", ("rows",),
+     lambda rows: "{} at one row but takes {}x bf16's speed at 16-64 rows".format(
+         "the faster one" if all(_rows_cell(rows, n, 1, "w4a16")[f"ms_{st}"] < _rows_cell(rows, n, 1, "dispatch")[f"ms_{st}"]
+                                 for n in (3712, 2688) for st in ("warm", "cold")) else "not the faster one",
+         _span([_rows_cell(rows, n, m, "bf16")[f"ms_{st}"] / _rows_cell(rows, n, m, "w4a16")[f"ms_{st}"]
+                for n in (3712, 2688) for m in _rows_ms(rows) if m >= 16 for st in ("warm", "cold")], 2))),
     *[(doc, text, "packed-gemm-rows-cluster-fill-h100.json", ("rows",), fmt) for doc, text, fmt in (
         (README, "1.13-1.52x bf16 on 3712 x 2688 and 1.04-1.90x on 2688 x 3712",
          lambda rows: "{}x bf16 on 3712 x 2688 and {}x on 2688 x 3712".format(
