@@ -265,16 +265,10 @@ def fitting_launches(launches, m: int, n: int, k: int, sms: int) -> list:
     """(cfg, launch shape) for each of packed_cluster's `launches` that an [m, k] @ [n, k]^T problem
     can take on `sms` multiprocessors; those whose buffers need more shared memory than a block has
     at m rows are left out."""
-    from fp4kit.kernels.packed_cluster import config as cluster_config
+    from fp4kit.kernels.packed_cluster import SMEM_BYTES, config as cluster_config, mma_rows, smem_bytes
 
-    out = []
-    for cfg in launches:
-        try:
-            out.append((cfg, cluster_config(m, n, k, cfg, sms)))
-        except ValueError as e:
-            if "shared memory" not in str(e):
-                raise
-    return out
+    return [(cfg, cluster_config(m, n, k, cfg, sms)) for cfg in launches
+            if smem_bytes(mma_rows(m), cfg.get("STAGES", 3), cfg.get("WG", 4), cfg.get("WN", 1)) <= SMEM_BYTES]
 
 
 def bench_cluster(shapes=NANO, ms=(16, 20, 24, 32, 40, 48, 56, 64), launches=CLUSTER_LAUNCHES,
