@@ -9,7 +9,7 @@ the packed weight. Writes JSON (default benchmarks/results/packed-gemm-<gpu>.jso
 table.
 
     PYTHONPATH=. python scripts/bench_packed.py [--out PATH] [--no-sweep] [--ms 1,4,16,64,256,1024] [--pipeline]
-        [--shapes 3712x2688,2688x3712] [--overlap] [--cold] [--chain] [--ws] [--rows] [--cluster]
+        [--shapes 3712x2688,2688x3712] [--overlap] [--cold] [--chain] [--ws] [--rows] [--cluster] [--cluster-rows]
 
 --cold sweeps the 16-64-row launch shapes with every launch reading its weight from device memory
 (copies of the weight, four L2s in all, run in turn: a decode step's condition) and times the
@@ -32,7 +32,9 @@ packed-gemm-rows-<gpu>.json).
 --cluster times the CUDA C++ kernel with K split over a thread block cluster
 (fp4kit.kernels.packed_cluster) at its launch shapes, and at its default launch with the
 activation tiles unswizzled or a stage left out, against torch.matmul and packed_linear, warm and
-cold, at 16-64 rows (default JSON packed-cluster-<gpu>.json).
+cold, at 16-64 rows (default JSON packed-cluster-<gpu>.json). --cluster-rows does the same at the
+launch shapes of benchlib/packed.py's ROW_CLUSTER_LAUNCHES and its ROW_CLUSTER_MS rows (default JSON
+packed-cluster-rows-<gpu>.json).
 
 --overlap times only the Gluon kernel with overlapped K tiles (fp4kit.kernels.packed_overlap)
 against torch.matmul and packed_matmul, checking its bytes against packed_matmul's (sweeps/packed.py's
@@ -47,7 +49,8 @@ import os
 
 import torch
 from bench_kernels import run_record, write
-from benchlib.packed import EVERY_M, bench, bench_chain, bench_cluster, bench_cold, bench_rows, bench_ws, chain_fits
+from benchlib.packed import (EVERY_M, ROW_CLUSTER_LAUNCHES, ROW_CLUSTER_MS, bench, bench_chain, bench_cluster, bench_cold,
+                             bench_rows, bench_ws, chain_fits)
 from sweeps import packed as sweeps
 
 from fp4kit.formats import e2m1, nvfp4
@@ -162,10 +165,16 @@ def main() -> None:
                     help="only time packed_cluster at its launch shapes and with stages left out, at 16-64 "
                          "activation rows, against torch.matmul and packed_linear, warm and cold "
                          "(benchlib/packed.py's bench_cluster; default JSON packed-cluster-<gpu>.json)")
+    ap.add_argument("--cluster-rows", action="store_true",
+                    help="as --cluster, at the launch shapes of ROW_CLUSTER_LAUNCHES (the wgmma's N at the rows "
+                         "rounded up to 8, two warpgroups per block, blocks of 32 rows) and ROW_CLUSTER_MS rows "
+                         "(default JSON packed-cluster-rows-<gpu>.json)")
     args = ap.parse_args()
-    if args.cluster:
-        path, result = run_record("packed-cluster", args.out)
-        kw = {} if args.ms is None else {"ms": tuple(int(v) for v in args.ms.split(","))}
+    if args.cluster or args.cluster_rows:
+        path, result = run_record("packed-cluster" + ("-rows" if args.cluster_rows else ""), args.out)
+        kw = {"launches": ROW_CLUSTER_LAUNCHES, "variants": (), "ms": ROW_CLUSTER_MS} if args.cluster_rows else {}
+        if args.ms is not None:
+            kw["ms"] = tuple(int(v) for v in args.ms.split(","))
         result["cluster"] = bench_cluster(shapes=args.shapes or sweeps.NANO, **kw)
         write(path, result)
         print(f"wrote {path}")

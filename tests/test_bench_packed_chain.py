@@ -52,11 +52,28 @@ def test_cluster_launches_that_do_not_fit_the_rows_shared_memory_are_left_out():
 
     s4, s5 = ({"WG": 4, "WN": 1, "CL": 2, "DB": 1, "STAGES": st} for st in (4, 5))
     assert s4 in CLUSTER_LAUNCHES and s5 in CLUSTER_LAUNCHES
-    # four shares of STAGES tiles [BN, 128] bf16: 5 stages fit up to BN 32 (163,840 B), 4 up to BN 48
-    # (196,608 B), of the 232,448 a block has
-    kept = {m: [cfg for cfg, _ in fitting_launches((s4, s5), m, 3712, 2688, 132)] for m in (32, 33, 48, 49)}
-    assert kept == {32: [s4, s5], 33: [s4], 48: [s4], 49: []}
-    (cfg, shape), = fitting_launches((s4,), 40, 3712, 2688, 132)
+    # four shares of STAGES tiles [BN, 128] bf16: 5 stages fit up to BN 40 (204,800 B), 4 up to BN 56
+    # (229,376 B), of the 232,448 a block has (1 KiB of it to align them)
+    kept = {m: [cfg for cfg, _ in fitting_launches((s4, s5), m, 3712, 2688, 132)] for m in (40, 41, 56, 57)}
+    assert kept == {40: [s4, s5], 41: [s4], 56: [s4], 57: []}
+    (cfg, shape), = fitting_launches((s4,), 44, 3712, 2688, 132)
     assert cfg is s4 and (shape["BN"], shape["STAGES"], shape["DB"]) == (48, 4, 1)
     with pytest.raises(ValueError, match="CL must be"):  # other errors still raise
         fitting_launches(({"CL": 9},), 16, 3712, 2688, 132)
+
+
+def test_row_cluster_launches_take_the_rows_rounded_up_to_8_or_16():
+    from benchlib.packed import ROW_CLUSTER_LAUNCHES, ROWS8, ROWS16, at_rows, fitting_launches
+
+    r8, r16 = {"WG": 4, "CL": 2, "BN": ROWS8, "PDL": 0}, {"WG": 2, "CL": 2, "BN": ROWS16, "PDL": 0}
+    assert r8 in ROW_CLUSTER_LAUNCHES and r16 in ROW_CLUSTER_LAUNCHES
+    assert [at_rows(r8, m)["BN"] for m in (17, 20, 24, 36, 41, 52, 64)] == [24, 24, 24, 40, 48, 56, 64]
+    assert [at_rows(r16, m)["BN"] for m in (17, 20, 24, 36, 41, 52, 64)] == [32, 32, 32, 48, 48, 64, 64]
+    plain = {"WG": 2, "CL": 2}
+    assert at_rows(plain, 36) is plain
+    # 4 stages of two shares at BN 56: 114,688 B of the 232,448 a block has; at 64 rows the sixth
+    # launch runs two blocks of 32 rows
+    shapes = {m: [shape for _, shape in fitting_launches(ROW_CLUSTER_LAUNCHES, m, 3712, 2688, 132)] for m in (52, 64)}
+    assert [s["BN"] for s in shapes[52]] == [56, 56, 64, 56, 56, 32, 64, 56, 56]
+    assert shapes[64][5] == {"BN": 32, "CL": 1, "WG": 4, "WN": 1, "STAGES": 3, "PF": 2, "DB": 1, "PDL": 0}
+    assert [s["PDL"] for s in shapes[52]] == [0] * 6 + [1] * 3

@@ -4,7 +4,7 @@ thread block cluster (CUDA C++ compiled at run time by NVRTC, sm_90a).
 `packed_ws` decodes each K tile once per block of activation rows: at 17-64 rows on a GPU of 132
 multiprocessors its one-wave rule runs 32-row blocks, so every weight is decoded twice, and a
 program's K tiles cost the same instructions whatever its rows. Here a block takes all the rows
-(the wgmma's N: M rounded up to 16), so each weight is decoded once. A block holds WN slices of 64
+(the wgmma's N: M rounded up to 8), so each weight is decoded once. A block holds WN slices of 64
 weight rows, and the K tiles of those are split over the CL blocks of a cluster and WG shares of
 each block (part p = rank * WG + share takes the p-th contiguous share of the K tiles, in order);
 each (share, slice) is one warpgroup (4 warps, 16 weight rows per warp). Every warpgroup runs the
@@ -25,12 +25,17 @@ same code:
   scale times 2^7 and stores them in bf16; a second barrier keeps each block's sums until the
   others have read them.
 
+By default (PDL 1) a launch is a programmatic dependent of the kernel before it on the stream: it
+may start while that kernel finishes, loads its first codes and scales, and waits for it
+(`griddepcontrol.wait`) before it copies an activation or stores an output; once its K loop is
+done it lets the kernel after it start likewise.
+
 Every sum runs in a fixed order, the same for any WN and DB, so a launch shape's CL and WG give
 the same bytes call after call (not those of `packed_matmul` or `packed_ws`, whose splits of K
 differ). The source is built per launch shape (`cuda_source`), compiled once per shape with NVRTC
 (torch's, from the nvidia-cuda-nvrtc package that CUDA builds of torch depend on) and launched
 through the CUDA driver API (ctypes). On a CPU, on a GPU other than sm_90, or for fp16 the launcher
-refuses. `packed_linear.packed_linear` hands it 16-48 rows where its one wave fills the GPU
+refuses. `packed_linear.packed_linear` hands it 16-64 rows where its one wave fills the GPU
 (`packed_linear.cluster_rows`). Measured against bf16, `packed_ws` and `packed_matmul`:
 benchmarks/README.md."""
 
@@ -47,18 +52,19 @@ from .packed_gemm import TILE_K, PackedNVFP4, decode_asm
 
 _WHAT = "kernels.packed_matmul_cluster"
 WARPS = 4  # one warpgroup per block: 64 weight rows, 16 per warp
-LAUNCH_KEYS = ("CL", "WG", "WN", "STAGES", "PF", "DB")
+LAUNCH_KEYS = ("BN", "CL", "WG", "WN", "STAGES", "PF", "DB", "PDL")
 MAX_CLUSTER = 8  # the portable cluster size
 CLUSTERS = (1, 2, 4, 8)  # the default's choices (clusters of 3 measured slower: benchmarks/README.md)
 # What a block costs besides its K tiles, in one warpgroup's K tiles (its start, the cluster's sums
 # and the stores): fitted to launches of 1, 2 and 4 blocks per cluster (benchmarks/README.md).
 BLOCK_TILES = 4
+WG4_ROWS = 32  # up to these rows four shares of K per block by default, above them two (benchmarks/README.md)
 SMEM_BYTES = 232448  # an sm_90 block's shared memory at most (227 KiB)
 
 
 def mma_rows(m: int) -> int:
-    """The wgmma's N for m activation rows (1 to 64): m rounded up to a multiple of 16."""
-    return 16 * cdiv(m, 16)
+    """The wgmma's N for m activation rows (1 to 64): m rounded up to a multiple of 8."""
+    return 8 * cdiv(m, 8)
 
 
 def smem_bytes(bn: int, stages: int, wg: int, wn: int = 1) -> int:
@@ -138,13 +144,15 @@ def _tiles(pf: int, db: int) -> str:
 
 
 def cuda_source(bn: int, cl: int, wg: int, stages: int, pf: int, swizzle: bool = True, skip: tuple = (),
-                wn: int = 1, db: int = 0) -> str:
+                wn: int = 1, db: int = 0, pdl: int = 0) -> str:
     """The kernel `packed_cluster` for one launch shape: BN activation rows per block (the wgmma's
-    N: 16, 32, 48 or 64), CL blocks per cluster, WG shares of K per block, WN slices of 64 weight
+    N: a multiple of 8 up to 64), CL blocks per cluster, WG shares of K per block, WN slices of 64 weight
     rows per block (WG * WN warpgroups; the WN warpgroups of a share read the same activation
     buffers), STAGES activation buffers per share, codes and scales loaded PF - 1 tiles ahead (PF 2
     or 3), DB 1: each tile's wgmma left running while the next is decoded (two sets of A fragments,
-    activations STAGES - 2 tiles ahead; else STAGES - 1). swizzle: the activation tiles in the wgmma's 128-byte swizzle (else its plain 8 x 8 core
+    activations STAGES - 2 tiles ahead; else STAGES - 1), PDL 1: launched as a programmatic dependent
+    of the kernel before it (its first codes and scales loaded, then a wait for that kernel before
+    the activations are read; its dependents let start once its K loop is done). swizzle: the activation tiles in the wgmma's 128-byte swizzle (else its plain 8 x 8 core
     matrices). skip: stages left out, for timing the others ("x": the activation copies, "mma": the
     wgmma, the decoded fragments only folded into one accumulator); the product is then wrong."""
     acc_regs = bn // 2
@@ -169,6 +177,7 @@ typedef unsigned long long u64;
 #define RING_BYTES (STAGES * STAGE_BYTES)
 #define SWIZZLE {int(swizzle)}
 #define DB {db}
+#define PDL {pdl}
 #define AHEAD (STAGES - 1 - DB)
 #define SP 68  // the sums' row stride in floats: a warp's stores in distinct banks
 #define SUMS_BYTES (BN * SP * 4)
@@ -276,23 +285,37 @@ packed_cluster(const uint4 *__restrict__ words, const uint4 *__restrict__ scales
     const uint4 *sp = scales + ((long long)slab * KT * 8 + (lane >> 2)) * 2;
     const int last = KT - 1;
 
-#pragma unroll
-    for (int s = 0; s < AHEAD; ++s) {{
-        if (s < n_k) load_x(base + s * STAGE_BYTES, x, row0, M, K, kt0 + s, t);
-        asm volatile("cp.async.commit_group;\\n" ::: "memory");
-    }}
     uint4 rw[PF][2], rs[PF][2];
+#if PDL  // the weight's first codes and scales, then the wait for the kernel before, which may write x
 #pragma unroll
     for (int s = 0; s < PF - 1; ++s) {{
         int kt = min(kt0 + s, last);
         rw[s][0] = wp[kt * 64]; rw[s][1] = wp[kt * 64 + 1];
         rs[s][0] = sp[kt * 16]; rs[s][1] = sp[kt * 16 + 1];
     }}
+    asm volatile("griddepcontrol.wait;\\n" ::: "memory");
+#endif
+#pragma unroll
+    for (int s = 0; s < AHEAD; ++s) {{
+        if (s < n_k) load_x(base + s * STAGE_BYTES, x, row0, M, K, kt0 + s, t);
+        asm volatile("cp.async.commit_group;\\n" ::: "memory");
+    }}
+#if !PDL
+#pragma unroll
+    for (int s = 0; s < PF - 1; ++s) {{
+        int kt = min(kt0 + s, last);
+        rw[s][0] = wp[kt * 64]; rw[s][1] = wp[kt * 64 + 1];
+        rs[s][0] = sp[kt * 16]; rs[s][1] = sp[kt * 16 + 1];
+    }}
+#endif
     float d[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
 
 {_tiles(pf, db)}    asm volatile("cp.async.wait_group 0;\\n" ::: "memory");
+#if PDL
+    asm volatile("griddepcontrol.launch_dependents;\\n" ::: "memory");
+#endif
     __syncthreads();  // every share done with its buffers, which the sums overwrite
     float *sums = (float *)(smem + wi * SUMS_BYTES);  // [BN][SP]: activation row by weight row
 #pragma unroll
@@ -339,16 +362,18 @@ packed_cluster(const uint4 *__restrict__ words, const uint4 *__restrict__ scales
 
 
 def config(m: int, n: int, k: int, cfg: dict | None = None, sms: int | None = None) -> dict:
-    """Launch shape for an [m, k] @ [n, k]^T problem (m 1 to 64): CL (blocks per cluster), WG
-    (shares of K per block), WN (slices of 64 weight rows per block, whose warpgroups read one
-    share's activation tiles together; WG * WN warpgroups, at most 4), STAGES (activation buffers
-    per share, default 3), PF (codes loaded PF - 1 tiles ahead, default 2) and DB (1: each tile's
-    wgmma left running while the next tile is decoded; default 1 where PF is 2 and STAGES at least
-    3, else 0; benchmarks/README.md), overridden by cfg. K
-    is split into CL * WG parts. Default WG 4, WN 1 and DB as above; CL: the one of CLUSTERS for
-    which the busiest multiprocessor of a GPU of `sms` multiprocessors takes least, the
-    N / (64 WN) * CL blocks spread evenly in waves of one block each, a block costing its
-    warpgroups' K tiles plus BLOCK_TILES (ties: the smaller CL); without `sms`, 2."""
+    """Launch shape for an [m, k] @ [n, k]^T problem (m 1 to 64), overridden by cfg: BN (activation
+    rows per block, the wgmma's N: a multiple of 8, default `mma_rows`; fewer than m: M / BN blocks
+    of rows), CL (blocks per cluster), WG (shares of K per block; default 4 up to WG4_ROWS rows,
+    else 2), WN (slices of 64 weight rows per block, whose warpgroups read one share's activation
+    tiles together; WG * WN warpgroups, at most 4; default 1), STAGES (activation buffers per share,
+    default 3), PF (codes loaded PF - 1 tiles ahead, default 2), DB (1: each tile's wgmma left
+    running while the next tile is decoded; default 1 where PF is 2 and STAGES at least 3, else 0)
+    and PDL (1, the default: a programmatic dependent launch, `cuda_source`). K is split into CL *
+    WG parts. CL by default: the one of CLUSTERS for which the busiest multiprocessor of a GPU of
+    `sms` multiprocessors takes least, the N / (64 WN) * CL blocks spread evenly in waves of one
+    block each, a block costing its warpgroups' K tiles plus BLOCK_TILES (ties: the smaller CL);
+    without `sms`, 2. The defaults are measured in benchmarks/README.md."""
     c = dict(cfg or {})
     unknown = set(c) - set(LAUNCH_KEYS)
     if unknown:
@@ -356,7 +381,7 @@ def config(m: int, n: int, k: int, cfg: dict | None = None, sms: int | None = No
     if not 1 <= m <= 64:
         raise ValueError(f"{_WHAT}: takes 1 to 64 activation rows, got {m}")
     kt = cdiv(k, TILE_K)
-    wg, wn = c.get("WG", 4), c.get("WN", 1)
+    wg, wn = c.get("WG", 4 if m <= WG4_ROWS else 2), c.get("WN", 1)
     if "CL" in c:
         cl = c["CL"]
     elif sms is None:
@@ -366,7 +391,10 @@ def config(m: int, n: int, k: int, cfg: dict | None = None, sms: int | None = No
         cl = min(CLUSTERS, key=lambda q: (cdiv(tiles_n * q, sms) * (cdiv(kt, q * wg) + BLOCK_TILES), q))
     stages, pf = c.get("STAGES", 3), c.get("PF", 2)
     db = c.get("DB", int(pf == 2 and stages >= 3))
-    bn = mma_rows(m)
+    bn = c.get("BN", mma_rows(m))
+    if bn not in range(8, 65, 8):
+        raise ValueError(f"{_WHAT}: BN (activation rows per block, the wgmma's N) must be a multiple of 8 from 8 to 64, "
+                         f"got {bn}")
     if db not in (0, 1) or (db and (pf != 2 or stages < 3)):
         raise ValueError(f"{_WHAT}: DB must be 0 or 1, and 1 only with PF 2 and STAGES 3 or more, got DB {db}, "
                          f"PF {pf}, STAGES {stages}")
@@ -374,10 +402,13 @@ def config(m: int, n: int, k: int, cfg: dict | None = None, sms: int | None = No
             or not 2 <= stages <= 8 or pf not in (2, 3)):
         raise ValueError(f"{_WHAT}: CL must be 1 to {MAX_CLUSTER}, WG 1, 2 or 4, WN 1 to 4 with WG * WN at most 4, "
                          f"STAGES 2 to 8 and PF 2 or 3, got {cl}, {wg}, {wn}, {stages}, {pf}")
+    pdl = c.get("PDL", 1)
+    if pdl not in (0, 1):
+        raise ValueError(f"{_WHAT}: PDL must be 0 or 1, got {pdl}")
     if smem_bytes(bn, stages, wg, wn) > SMEM_BYTES:
         raise ValueError(f"{_WHAT}: {wg} shares of {stages} stages of {bn} rows need "
                          f"{smem_bytes(bn, stages, wg, wn)} bytes of shared memory, more than a block has ({SMEM_BYTES})")
-    return {"BN": bn, "CL": cl, "WG": wg, "WN": wn, "STAGES": stages, "PF": pf, "DB": db}
+    return {"BN": bn, "CL": cl, "WG": wg, "WN": wn, "STAGES": stages, "PF": pf, "DB": db, "PDL": pdl}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -391,18 +422,37 @@ def launch_grid(m: int, n: int, c: dict) -> tuple:
     return cdiv(n, 16 * WARPS * c["WN"]) * c["CL"], cdiv(m, c["BN"])
 
 
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an attribute id, padding to 8 bytes, a 64-byte value."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig, for cuLaunchKernelEx."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
 class _Kernel:
     """One compiled launch shape: its CUDA module and function, launched through the driver API, the
-    launch's argument buffers made once per thread and refilled on each call."""
+    launch's argument buffers made once per thread and refilled on each call; pdl: launched by
+    cuLaunchKernelEx as a programmatic dependent of the kernel before it on the stream."""
 
-    def __init__(self, cubin: bytes, smem: int, threads: int) -> None:
+    def __init__(self, cubin: bytes, smem: int, threads: int, pdl: bool = False) -> None:
         cuda = _driver()
         self.module, self.func = ctypes.c_void_p(), ctypes.c_void_p()
         _check(cuda.cuModuleLoadData(ctypes.byref(self.module), cubin), "cuModuleLoadData")
         _check(cuda.cuModuleGetFunction(ctypes.byref(self.func), self.module, b"packed_cluster"), "cuModuleGetFunction")
         _check(cuda.cuFuncSetAttribute(self.func, 8, smem), "cuFuncSetAttribute")  # max dynamic shared memory
-        self.smem, self.threads = smem, threads
+        self.smem, self.threads, self.pdl = smem, threads, pdl
         self._local = threading.local()
+        if pdl:
+            self._attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
 
     def _buffers(self, n_ptrs: int, n_ints: int) -> tuple:
         bufs = getattr(self._local, "bufs", None)
@@ -420,6 +470,11 @@ class _Kernel:
             b.value = v
         for b, v in zip(i_bufs, ints):
             b.value = v
+        if self.pdl:
+            cfg = _LaunchConfig((ctypes.c_uint * 3)(grid[0], grid[1], 1), (ctypes.c_uint * 3)(self.threads, 1, 1), self.smem,
+                                ctypes.c_void_p(stream), ctypes.pointer(self._attr), 1)
+            _check(_driver().cuLaunchKernelEx(ctypes.byref(cfg), self.func, args, None), "cuLaunchKernelEx")
+            return
         _check(_driver().cuLaunchKernel(self.func, grid[0], grid[1], 1, self.threads, 1, 1, self.smem, ctypes.c_void_p(stream),
                                         args, None), "cuLaunchKernel")
 
@@ -471,13 +526,13 @@ def compile_cubin(source: str, arch: str = "sm_90a") -> bytes:
 
 @functools.lru_cache(maxsize=64)
 def compiled(bn: int, cl: int, wg: int, stages: int, pf: int, device_index: int, swizzle: bool = True,
-             skip: tuple = (), wn: int = 1, db: int = 0):
+             skip: tuple = (), wn: int = 1, db: int = 0, pdl: int = 0):
     """The kernel of one launch shape, compiled by NVRTC for sm_90a and loaded on the device, its
     dynamic shared memory limit raised to what the shape takes."""
-    cubin = compile_cubin(cuda_source(bn, cl, wg, stages, pf, swizzle, skip, wn, db))
+    cubin = compile_cubin(cuda_source(bn, cl, wg, stages, pf, swizzle, skip, wn, db, pdl))
     with torch.cuda.device(device_index):
         torch.cuda.current_stream(device_index)  # the device's context current
-        return _Kernel(cubin, smem_bytes(bn, stages, wg, wn), 128 * wg * wn)
+        return _Kernel(cubin, smem_bytes(bn, stages, wg, wn), 128 * wg * wn, bool(pdl))
 
 
 def packed_matmul_cluster(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | None = None,
@@ -506,7 +561,8 @@ def packed_matmul_cluster(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | None =
     sms = sm_count(x.device)
     c = _default_config(m, n, k, sms) if cfg is None else config(m, n, k, cfg, sms)
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = compiled(c["BN"], c["CL"], c["WG"], c["STAGES"], c["PF"], index, swizzle, tuple(skip), c["WN"], c["DB"])
+    kernel = compiled(c["BN"], c["CL"], c["WG"], c["STAGES"], c["PF"], index, swizzle, tuple(skip), c["WN"], c["DB"],
+                      c["PDL"])
     n16, kt = w.words.shape[:2]
     gx, gy = launch_grid(m, n, c)
     kernel((gx, gy), (w.words.data_ptr(), w.scales.data_ptr(), w.global_scale.data_ptr(), x2.data_ptr(),

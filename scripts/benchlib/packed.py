@@ -261,14 +261,39 @@ CLUSTER_VARIANTS = (("plain", False, ()), ("no-x", True, ("x",)), ("no-mma", Tru
                     ("no-x-no-mma", True, ("x", "mma")))
 
 
+# a launch's "BN" that stands for the row count rounded up to a multiple of 8 (the wgmma's N), or of 16
+ROWS8, ROWS16 = "M rounded up to 8", "M rounded up to 16"
+# packed_cluster at 16-64 rows: the wgmma's N at the rows rounded up to 8 or 16, four or two
+# warpgroups per block (two: no register spills at 49-64 rows), two blocks of 32 rows, as a
+# programmatic dependent launch or not
+ROW_CLUSTER_LAUNCHES = ({"WG": 4, "CL": 2, "BN": ROWS8, "PDL": 0}, {"WG": 4, "CL": 2, "BN": ROWS8, "DB": 0, "PDL": 0},
+                        {"WG": 2, "CL": 2, "BN": ROWS16, "PDL": 0}, {"WG": 2, "CL": 2, "BN": ROWS8, "PDL": 0},
+                        {"WG": 2, "CL": 2, "BN": ROWS8, "STAGES": 4, "PDL": 0}, {"WG": 4, "CL": 1, "BN": 32, "PDL": 0},
+                        {"WG": 4, "CL": 2, "BN": ROWS16, "PDL": 1}, {"WG": 4, "CL": 2, "BN": ROWS8, "PDL": 1},
+                        {"WG": 2, "CL": 2, "BN": ROWS8, "PDL": 1})
+ROW_CLUSTER_MS = (16, 20, 24, 32, 36, 40, 44, 48, 52, 56, 60, 64)
+
+
+def at_rows(cfg: dict, m: int) -> dict:
+    """cfg with a "BN" of ROWS8 or ROWS16 made m rounded up to a multiple of 8 or 16."""
+    step = {ROWS8: 8, ROWS16: 16}.get(cfg.get("BN"))
+    return {**cfg, "BN": -(-m // step) * step} if step else cfg
+
+
 def fitting_launches(launches, m: int, n: int, k: int, sms: int) -> list:
-    """(cfg, launch shape) for each of packed_cluster's `launches` that an [m, k] @ [n, k]^T problem
-    can take on `sms` multiprocessors; those whose buffers need more shared memory than a block has
-    at m rows are left out."""
+    """(cfg, launch shape) for each of packed_cluster's `launches` (`at_rows`) that an [m, k] @ [n,
+    k]^T problem can take on `sms` multiprocessors; those whose buffers need more shared memory than
+    a block has at m rows are left out."""
     from fp4kit.kernels.packed_cluster import SMEM_BYTES, config as cluster_config, mma_rows, smem_bytes
 
-    return [(cfg, cluster_config(m, n, k, cfg, sms)) for cfg in launches
-            if smem_bytes(mma_rows(m), cfg.get("STAGES", 3), cfg.get("WG", 4), cfg.get("WN", 1)) <= SMEM_BYTES]
+    out = []
+    for cfg in launches:
+        c = at_rows(cfg, m)
+        bn = c.get("BN", mma_rows(m))
+        if smem_bytes(bn, c.get("STAGES", 3), c.get("WG", 4), c.get("WN", 1)) > SMEM_BYTES:
+            continue
+        out.append((c, cluster_config(m, n, k, c, sms)))
+    return out
 
 
 def bench_cluster(shapes=NANO, ms=(16, 20, 24, 32, 40, 48, 56, 64), launches=CLUSTER_LAUNCHES,
@@ -278,7 +303,8 @@ def bench_cluster(shapes=NANO, ms=(16, 20, 24, 32, 40, 48, 56, 64), launches=CLU
     launch, each variant of `variants` (name, swizzle, stages skipped: those give wrong products,
     timed to place the time of the stages they leave out), beside torch.matmul on the bf16 weight
     and `packed_linear` ("dispatch"), warm and cold (`bench_cold`'s copies). One row per (shape, M,
-    kernel); "launch": the launch shape, "variant": the variant's name."""
+    kernel); "launch": the launch shape, "variant": the variant's name, "same_bytes_as_default": a
+    launch's output equal to the default launch's, byte for byte."""
     from fp4kit.kernels.packed_cluster import config as cluster_config, packed_matmul_cluster
 
     sms = sm_count(torch.device("cuda", torch.cuda.current_device()))
@@ -286,17 +312,23 @@ def bench_cluster(shapes=NANO, ms=(16, 20, 24, 32, 40, 48, 56, 64), launches=CLU
     for n, k, m, x, base, (_, _, p_copies, bf16_copies) in _problems(shapes, ms):
         cands = [("bf16", None, None, [lambda w=w: torch.matmul(x, w.T) for w in bf16_copies]),
                  ("dispatch", _dispatch(m, n, k, x.device), None, [lambda w=w: packed_linear(x, w) for w in p_copies])]
+        default = packed_matmul_cluster(x, p_copies[0])
+        same = {}
         for cfg, shape in fitting_launches(launches, m, n, k, sms):
+            same[json.dumps(shape, sort_keys=True)] = bool(torch.equal(packed_matmul_cluster(x, p_copies[0], cfg=cfg), default))
             cands.append(("cluster", shape, None, [lambda w=w, cfg=cfg: packed_matmul_cluster(x, w, cfg=cfg) for w in p_copies]))
         for name, swizzle, skip in variants:
             cands.append(("cluster", cluster_config(m, n, k, None, sms), name,
                           [lambda w=w, sw=swizzle, sk=skip: packed_matmul_cluster(x, w, swizzle=sw, skip=sk)
                            for w in p_copies]))
         for kernel, launch_shape, variant, fns in cands:
-            rows.append({**base, "kernel": kernel, "launch": launch_shape, "variant": variant,
-                         "ms_warm": time_graph(fns[0]), "ms_cold": time_calls(fns)})
+            row = {**base, "kernel": kernel, "launch": launch_shape, "variant": variant,
+                   "ms_warm": time_graph(fns[0]), "ms_cold": time_calls(fns)}
+            if kernel == "cluster" and variant is None:
+                row["same_bytes_as_default"] = same[json.dumps(launch_shape, sort_keys=True)]
+            rows.append(row)
         print(f"{n}x{k} M={m}: " + "  ".join(
-            f"{r['kernel']}{'' if r['kernel'] != 'cluster' else ' ' + (r['variant'] or 'WG%d WN%d CL%d S%d DB%d' % tuple(r['launch'][q] for q in ('WG', 'WN', 'CL', 'STAGES', 'DB')))} "
+            f"{r['kernel']}{'' if r['kernel'] != 'cluster' else ' ' + (r['variant'] or 'BN%d WG%d WN%d CL%d S%d DB%d P%d' % tuple(r['launch'][q] for q in ('BN', 'WG', 'WN', 'CL', 'STAGES', 'DB', 'PDL')))} "
             f"{r['ms_warm'] * 1e3:.2f}/{r['ms_cold'] * 1e3:.2f}"
             for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)), flush=True)
     return rows

@@ -25,7 +25,9 @@ pytestmark = pytest.mark.gpu
 
 LAUNCHES = ({}, {"CL": 1}, {"CL": 2, "DB": 0}, {"CL": 3, "PF": 3, "STAGES": 2}, {"CL": 8, "WG": 1, "STAGES": 4},
             {"CL": 5, "WG": 2}, {"CL": 4, "WG": 2, "WN": 2}, {"CL": 8, "WG": 1, "WN": 4}, {"CL": 6, "WG": 1, "WN": 3, "STAGES": 2},
-            {"CL": 1, "WG": 1, "WN": 2, "PF": 3}, {"CL": 4, "WG": 2, "WN": 2, "DB": 1, "STAGES": 4})
+            {"CL": 1, "WG": 1, "WN": 2, "PF": 3}, {"CL": 4, "WG": 2, "WN": 2, "DB": 1, "STAGES": 4},
+            {"BN": 8, "CL": 2}, {"BN": 40, "WG": 2}, {"BN": 24, "CL": 4, "WG": 1, "WN": 2}, {"PDL": 1},
+            {"BN": 56, "WG": 2, "PDL": 1})
 
 
 def _weight(n, k, seed):
@@ -77,12 +79,25 @@ def test_slices_of_weight_rows_and_overlapped_tiles_keep_the_sums_order():
                         assert torch.equal(got, one), (cl, wg, wn, db)
 
 
+def test_the_wgmmas_n_keeps_the_bytes():
+    # BN (the wgmma's N, a multiple of 8; fewer than M: more blocks of rows) leaves each output's sum
+    # over K that of the same CL and WG
+    w, g = _weight(3712, 2688, 17)
+    for m in (9, 36, 52, 64):
+        x = torch.randn((m, 2688), generator=g, device="cuda", dtype=torch.bfloat16)
+        for cl, wg in ((2, 4), (2, 2)):
+            one = pc.packed_matmul_cluster(x, w, cfg={"CL": cl, "WG": wg})
+            for bn in (8, 32, -(-m // 8) * 8, 64):
+                got = pc.packed_matmul_cluster(x, w, cfg={"CL": cl, "WG": wg, "BN": bn})
+                assert torch.equal(got, one), (m, cl, wg, bn)
+
+
 def test_a_rows_bytes_do_not_depend_on_the_other_rows():
     # rows past M are cp.async's zero fill: a row's bytes are those of the same launch shape over
     # more rows, whether those hold zeros or data
     w, g = _weight(3712, 2688, 3)
     x = torch.randn((48, 2688), generator=g, device="cuda", dtype=torch.bfloat16)
-    for cfg in ({"CL": 2}, {"CL": 3, "WG": 2}, {"CL": 4, "WG": 1, "WN": 4}):
+    for cfg in ({"CL": 2, "BN": 48}, {"CL": 3, "WG": 2, "BN": 48}, {"CL": 4, "WG": 1, "WN": 4, "BN": 48}):
         full = pc.packed_matmul_cluster(x, w, cfg=cfg)
         for m in (33, 40, 47):  # the same wgmma N (48) as the full launch
             assert torch.equal(pc.packed_matmul_cluster(x[:m], w, cfg=cfg), full[:m]), (cfg, m)
@@ -104,6 +119,31 @@ def test_cluster_gemm_replays_from_a_cuda_graph():
     assert torch.equal(out, want)
 
 
+def test_a_dependent_launch_waits_for_the_kernel_that_writes_its_activations():
+    # PDL 1: the launch may start while the copy before it runs; it must read x only after that
+    # copy is done (x holds NaN until then), eagerly and replayed from a graph
+    w, g = _weight(3712, 2688, 19)
+    x = torch.randn((48, 2688), generator=g, device="cuda", dtype=torch.bfloat16)
+    want = pc.packed_matmul_cluster(x, w)
+    staged = torch.full_like(x, float("nan"))
+
+    def step():
+        staged.fill_(float("nan"))
+        torch.cuda._sleep(20_000)
+        staged.copy_(x)
+        return pc.packed_matmul_cluster(staged, w, cfg={"PDL": 1}) * 1
+
+    for _ in range(20):
+        assert torch.equal(step(), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
 def test_the_launcher_refuses_other_activations():
     w, _ = _weight(64, 128, 1)
     with pytest.raises(ValueError, match="bf16 activations"):
@@ -116,9 +156,9 @@ def test_packed_linear_hands_it_the_rows_cluster_rows_names():
     w, g = _weight(3712, 2688, 9)
     dev = torch.device("cuda", torch.cuda.current_device())
     if torch.cuda.get_device_properties(dev).multi_processor_count == 132:  # H100 SXM, H200
-        assert [pl.uses_cluster(m, 3712, 2688, dev) for m in (8, 16, 48, 49)] == [False, True, True, False]
+        assert [pl.uses_cluster(m, 3712, 2688, dev) for m in (8, 15, 16, 48, 64)] == [False, False, True, True, True]
         assert pl.uses_cluster(32, 2688, 3712, dev)  # 84 blocks of 132, at least 0.6 of them
-    for m in (16, 33, 48):
+    for m in (16, 33, 48, 64):
         x = torch.randn((m, 2688), generator=g, device="cuda", dtype=torch.bfloat16)
         if pl.uses_cluster(m, 3712, 2688, dev):
             assert torch.equal(pl.packed_linear(x, w), pc.packed_matmul_cluster(x, w))

@@ -14,16 +14,20 @@ from fp4kit.kernels import packed_linear as pl
 from fp4kit.kernels.quantize import quantize
 
 
-def test_mma_rows_round_up_to_16():
-    assert [pc.mma_rows(m) for m in (1, 16, 17, 32, 33, 48, 49, 64)] == [16, 16, 32, 32, 48, 48, 64, 64]
+def test_mma_rows_round_up_to_8():
+    assert [pc.mma_rows(m) for m in (1, 8, 9, 16, 17, 33, 40, 41, 49, 64)] == [8, 8, 16, 16, 24, 40, 40, 48, 56, 64]
 
 
 def test_config_splits_k_where_the_busiest_multiprocessor_takes_least():
     # 132 multiprocessors: 58 column blocks of 64 weight rows on 3712 x 2688 (21 K tiles), 42 on
     # 2688 x 3712 (29); four warpgroups a block, one block a multiprocessor at a time, each block
     # BLOCK_TILES (4) tiles' worth besides its own
-    assert pc.config(48, 3712, 2688, sms=132) == {"BN": 48, "CL": 2, "WG": 4, "WN": 1, "STAGES": 3, "PF": 2,
-                                                  "DB": 1}
+    assert pc.config(32, 3712, 2688, sms=132) == {"BN": 32, "CL": 2, "WG": 4, "WN": 1, "STAGES": 3, "PF": 2,
+                                                  "DB": 1, "PDL": 1}
+    # above WG4_ROWS (32) rows two shares of K a block: 3712 x 2688, CL 1: 11 + 4, CL 2: 6 + 4,
+    # CL 4: 2 * (3 + 4)
+    assert pc.config(33, 3712, 2688, sms=132) == {"BN": 40, "CL": 2, "WG": 2, "WN": 1, "STAGES": 3, "PF": 2,
+                                                  "DB": 1, "PDL": 1}
     # 3712 x 2688: CL 1: 6 + 4; CL 2 (116 blocks): 3 + 4; CL 4 (232 blocks, two waves): 2 * (2 + 4)
     cost = {q: -(-58 * q // 132) * (-(-21 // (4 * q)) + pc.BLOCK_TILES) for q in pc.CLUSTERS}
     assert cost == {1: 10, 2: 7, 4: 12, 8: 20}
@@ -34,7 +38,7 @@ def test_config_splits_k_where_the_busiest_multiprocessor_takes_least():
     assert pc.config(16, 64, 1024, sms=132)["CL"] == 2  # 8 tiles: CL 2 takes 1 + 4, CL 1 2 + 4
     assert pc.config(16, 3712, 2688)["CL"] == 2  # without the GPU's size
     assert pc.config(16, 3712, 2688, {"CL": 5, "WG": 2}, sms=132) == {"BN": 16, "CL": 5, "WG": 2, "WN": 1,
-                                                                       "STAGES": 3, "PF": 2, "DB": 1}
+                                                                       "STAGES": 3, "PF": 2, "DB": 1, "PDL": 1}
     assert pc.config(16, 3712, 2688, {"WG": 1, "WN": 4}, sms=132)["CL"] == 8  # 15 blocks of 256 rows
 
 
@@ -59,7 +63,16 @@ def test_config_checks():
     assert pc.smem_bytes(64, 3, 2, 2) == 2 * 3 * 64 * 128 * 2 + 1024
     assert pc.smem_bytes(64, 3, 1, 4) == 4 * 64 * 68 * 4 + 1024 > 3 * 64 * 128 * 2 + 1024
     with pytest.raises(ValueError, match="bytes of shared memory"):
-        pc.config(64, 64, 128, {"STAGES": 4})
+        pc.config(64, 64, 128, {"STAGES": 4, "WG": 4})
+    # BN: the wgmma's N, a multiple of 8 up to 64; fewer rows than M take more blocks of rows
+    for bn in (0, 12, 72):
+        with pytest.raises(ValueError, match="BN .* multiple of 8"):
+            pc.config(36, 64, 128, {"BN": bn})
+    assert pc.config(36, 3712, 2688, {"BN": 40}, sms=132)["BN"] == 40
+    assert pc.launch_grid(64, 3712, pc.config(64, 3712, 2688, {"BN": 32, "CL": 1}, sms=132)) == (58, 2)
+    assert pc.smem_bytes(40, 3, 4) == 4 * 3 * 40 * 128 * 2 + 1024
+    with pytest.raises(ValueError, match="PDL must be 0 or 1"):
+        pc.config(16, 64, 128, {"PDL": 2})
 
 
 def test_the_source_decodes_with_packed_gemm_and_runs_the_launch_shape():
@@ -69,6 +82,7 @@ def test_the_source_decodes_with_packed_gemm_and_runs_the_launch_shape():
     lines = [m.group(1)[:-2] for m in re.finditer(r'^\s+"(.*)"$', src, re.M)]
     assert lines[:len(want)] == want
     assert "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16" in src
+    assert "wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16" in pc.cuda_source(40, 2, 4, 3, 2)
     assert "__cluster_dims__(CL, 1, 1)" in src and "#define CL 2" in src and "#define WG 4" in src
     assert "__launch_bounds__(128 * WG * WN, 1)" in src and "#define WN 1" in src and "#define STAGES 3" in src and "#define PF 2" in src
     # 24 accumulators, then the four A registers and the descriptor
@@ -81,6 +95,30 @@ def test_the_source_decodes_with_packed_gemm_and_runs_the_launch_shape():
     assert '"wgmma.wait_group.sync.aligned %0;\\n" :: "n"(DB)' in db and "#define DB 0" in src and "fa[" not in src
     with pytest.raises(ValueError, match="unknown stages to skip"):
         pc.cuda_source(48, 2, 4, 3, 2, skip=("epilogue",))
+
+
+def test_a_dependent_launch_reads_only_the_weight_before_its_wait():
+    src = pc.cuda_source(48, 2, 4, 3, 2, db=1, pdl=1)
+    assert "#define PDL 1" in src and "#define PDL 0" in pc.cuda_source(48, 2, 4, 3, 2, db=1)
+    # with PDL the block's first codes and scales are loaded, then it waits for the kernel before
+    # (which may write x), then the activation copies start
+    body = src[src.index("#if PDL  // the weight"):]
+    pre = body[:body.index("#endif")]
+    assert pre.index("rw[s][0] = wp[") < pre.index("griddepcontrol.wait;") and "load_x" not in pre
+    assert body.index("griddepcontrol.wait;") < body.index("load_x(base + s * STAGE_BYTES")
+    # dependents may start once the K loop is done, before the sums are added up and stored
+    assert body.index("cp.async.wait_group 0;") < body.index("griddepcontrol.launch_dependents;") < body.index("barrier.cluster")
+
+
+def test_the_launch_structs_have_cuda_h_layout():
+    import ctypes
+
+    # CUlaunchAttribute: a 4-byte id, 4 bytes of padding, a 64-byte value; CUlaunchConfig: seven
+    # unsigned ints, the stream at 32, the attributes at 40, their count at 48
+    assert ctypes.sizeof(pc._LaunchAttribute) == 72 and pc._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(pc._LaunchConfig) == 56
+    assert (pc._LaunchConfig.smem.offset, pc._LaunchConfig.stream.offset, pc._LaunchConfig.attrs.offset,
+            pc._LaunchConfig.num_attrs.offset) == (24, 32, 40, 48)
 
 
 def test_the_swizzled_copy_and_the_descriptors_address_the_same_bytes():
@@ -147,12 +185,12 @@ def test_cluster_rows_take_the_entrys_rows_where_a_wave_fills_the_gpu():
     # on 132 multiprocessors: Nano's 3712 x 2688 at clusters of 2 fills 116 with its one wave,
     # 2688 x 3712 fills 84 (>= 0.6 * 132 = 79.2); on 144 multiprocessors 84 falls short (86.4)
     t = pg.launch.table("packed")
-    assert t["CLUSTER"] == {"min_rows": 16, "max_rows": 48, "min_fill": 0.6}
+    assert t["CLUSTER"] == {"min_rows": 16, "max_rows": 64, "min_fill": 0.6}
     assert [pl.cluster_rows(m, 3712, 2688, 132, t) for m in (1, 15, 16, 20, 32, 48, 49, 64)] == [
-        False, False, True, True, True, True, False, False]
-    assert all(pl.cluster_rows(m, 2688, 3712, 132, t) for m in (16, 32, 48))
-    assert not any(pl.cluster_rows(m, 2688, 3712, 144, t) for m in (16, 32, 48))
-    assert all(pl.cluster_rows(m, 2688, 3712, 140, t) for m in (16, 32, 48))  # 84 >= 84.0
+        False, False, True, True, True, True, True, True]
+    assert all(pl.cluster_rows(m, 2688, 3712, 132, t) for m in (16, 32, 48, 64))
+    assert not any(pl.cluster_rows(m, 2688, 3712, 144, t) for m in (16, 32, 48, 64))
+    assert all(pl.cluster_rows(m, 2688, 3712, 140, t) for m in (16, 32, 48, 64))  # 84 >= 84.0
     assert not pl.cluster_rows(32, 131072, 2688, 132, t)  # a large weight
     bare = pg.launch.thaw(t)
     del bare["CLUSTER"]
