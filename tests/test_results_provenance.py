@@ -359,6 +359,30 @@ def _cluster_cell(rows: list, n: int, m: int, kernel: str = "cluster", launch: d
 CLUSTER_DEFAULT = {"WG": 4, "CL": 2, "STAGES": 3}  # packed_cluster's default launch on Nano's shapes (132 SMs)
 
 
+def _crow(rows: list, n: int, m: int, wg: int | None = None, pdl: int | None = None) -> dict:
+    """bench_packed.py --cluster-rows: packed_cluster at m rows on weight rows n with CL 2, DB 1, STAGES
+    3, the wgmma's N the rows rounded up to 8, `wg` shares of K and `pdl` (None: the defaults, WG 4 up
+    to 32 rows, else 2, and PDL 1); the last such row (at 16 and 32 rows two launches coincide)."""
+    wg = (4 if m <= 32 else 2) if wg is None else wg
+    want = {"CL": 2, "DB": 1, "STAGES": 3, "BN": -(-m // 8) * 8, "WG": wg, "PDL": 1 if pdl is None else pdl}
+    return [r for r in rows if (r["N"], r["M"], r["kernel"]) == (n, m, "cluster")
+            and all(r["launch"][k] == v for k, v in want.items())][-1]
+
+
+def _crows_ratio(rows: list, n: int, state: str, over: str = "bf16") -> str:
+    """bench_packed.py --cluster-rows: the span, over its row counts, of `over`'s time ("bf16" or
+    "dispatch") over packed_cluster's defaults' on weight rows n."""
+    return _span([_rows_cell(rows, n, m, over)[f"ms_{state}"] / _crow(rows, n, m)[f"ms_{state}"]
+                  for m in _rows_ms(rows)], 2)
+
+
+def _crows_delta(rows: list, state: str, ms, a: dict, b: dict) -> list:
+    """bench_packed.py --cluster-rows: us, launch a's time less launch b's (keys of `_crow`), over
+    both Nano shapes at the row counts ms."""
+    return [(_crow(rows, n, m, **a)[f"ms_{state}"] - _crow(rows, n, m, **b)[f"ms_{state}"]) * 1e3
+            for n in (3712, 2688) for m in ms]
+
+
 def _us(row: dict) -> str:
     return "{:.2f} / {:.2f}".format(row["ms_warm"] * 1e3, row["ms_cold"] * 1e3)
 
@@ -1729,10 +1753,10 @@ FIGURES = [
          _span([_rows_cell(rows, n, m, "bf16")[f"ms_{st}"] / _rows_cell(rows, n, m, "w4a16")[f"ms_{st}"]
                 for n in (3712, 2688) for m in _rows_ms(rows) if m >= 16 for st in ("warm", "cold")], 2))),
     *[(doc, text, "packed-gemm-rows-cluster-fill-h100.json", ("rows",), fmt) for doc, text, fmt in (
-        (README, "1.13-1.52x bf16 on 3712 x 2688 and 1.04-1.90x on 2688 x 3712",
+        (BENCH, "1.13-1.52x bf16\non 3712 x 2688 and 1.04-1.90x on 2688 x 3712",
          lambda rows: "{}x bf16 on 3712 x 2688 and {}x on 2688 x 3712".format(
              *(_rows_ratio(n, "dispatch", "cold")(rows) for n in (3712, 2688)))),
-        (README, "0.88-1.30x and 0.94-1.54x, below 1.0 at 20, 24, 36, 40, 52 and 56 rows on 3712 x 2688 and at 52, 60 and 64 on 2688 x 3712",
+        (BENCH, "0.88-1.30x and 0.94-1.54x,\nbelow 1.0 at 20, 24, 36, 40, 52 and 56 rows on 3712 x 2688 and at 52, 60 and 64 on 2688 x 3712",
          lambda rows: "{}x and {}x, below 1.0 at {} rows on 3712 x 2688 and at {} on 2688 x 3712".format(
              *(_rows_ratio(n, "dispatch", "warm")(rows) for n in (3712, 2688)), *(_below_one(rows, n) for n in (3712, 2688)))),
         *[(BENCH, f"| {n} x {k} | {cold}x at every row count | {warm}x; below 1.0 at {below} rows |",
@@ -1789,6 +1813,57 @@ FIGURES = [
          _load("decode-graph-compiled-b64-h100.json")["batches"]["64"]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"])),
     (README, "`kernels.packed_cluster`'s CUDA C++ launch 24.0 us on an H100", "packed-cluster-wn-h100.json",
      ("eager_host_us", "us"), lambda us: f"launch {us:.1f} us on an H100"),
+    # packed_cluster's defaults of 2026-12-07 at 16-64 rows (packed-cluster-rows-h100.json)
+    (README, "as in a decode step, 1.28-1.70x bf16 on 3712 x 2688 and 1.16-1.91x on 2688 x 3712, and replaying one weight "
+             "that L2 keeps 1.07-1.29x and 1.02-1.41x", "packed-cluster-rows-h100.json", ("cluster",),
+     lambda rows: "{}x bf16 on 3712 x 2688 and {}x on 2688 x 3712, and replaying one weight that L2 keeps {}x and {}x".format(
+         *(_crows_ratio(rows, n, st) for st in ("cold", "warm") for n in (3712, 2688)))),
+    (README, "1.42-1.52x and 1.66-1.90x cold, 1.08-1.30x and 1.26-1.54x warm", "packed-gemm-rows-cluster-fill-h100.json", ("rows",),
+     lambda rows: "{}x and {}x cold, {}x and {}x warm".format(
+         *(_rows_ratio(n, "dispatch", st, 1, 12)(rows) for st in ("cold", "warm") for n in (3712, 2688)))),
+    *[(BENCH, text, "packed-cluster-rows-h100.json", ("cluster",),
+       lambda rows, n=n, m=m: "| {} x {}, {} | {} |".format(n, 6400 - n, m, " | ".join(_us(c) for c in (
+           _rows_cell(rows, n, m, "bf16"), _rows_cell(rows, n, m, "dispatch"),
+           *(_crow(rows, n, m, wg, pdl) for pdl in (0, 1) for wg in (4, 2))))))
+      for text, n, m in (
+          ("| 3712 x 2688, 16 | 6.16 / 10.06 | 5.44 / 6.62 | 5.48 / 6.59 | 5.34 / 7.31 | 4.99 / 5.92 | 4.89 / 6.68 |", 3712, 16),
+          ("| 3712 x 2688, 40 | 6.28 / 10.04 | 6.92 / 7.92 | 6.72 / 7.71 | 6.34 / 8.03 | 6.32 / 7.14 | 5.89 / 7.47 |", 3712, 40),
+          ("| 3712 x 2688, 56 | 6.76 / 10.09 | 7.72 / 8.88 | 7.81 / 9.21 | 6.59 / 8.33 | 7.40 / 8.61 | 6.16 / 7.73 |", 3712, 56),
+          ("| 3712 x 2688, 64 | 7.98 / 10.30 | 7.88 / 9.09 | 8.38 / 9.82 | 6.98 / 8.55 | 8.00 / 9.18 | 6.57 / 8.06 |", 3712, 64),
+          ("| 2688 x 3712, 16 | 8.09 / 12.75 | 6.28 / 7.19 | 6.29 / 7.19 | 6.17 / 8.05 | 5.99 / 6.66 | 5.95 / 7.39 |", 2688, 16),
+          ("| 2688 x 3712, 40 | 8.93 / 13.18 | 7.99 / 8.90 | 7.82 / 8.75 | 7.45 / 9.10 | 7.59 / 8.33 | 7.27 / 8.49 |", 2688, 40),
+          ("| 2688 x 3712, 56 | 8.30 / 10.70 | 9.04 / 10.28 | 9.11 / 10.78 | 7.84 / 9.43 | 8.86 / 10.03 | 7.62 / 8.81 |", 2688, 56),
+          ("| 2688 x 3712, 64 | 8.43 / 10.70 | 9.02 / 10.27 | 9.64 / 11.16 | 8.21 / 9.76 | 9.45 / 10.64 | 7.96 / 9.18 |", 2688, 64))],
+    *[(BENCH, f"| {n} x {6400 - n} | {cold}x | {warm}x |", "packed-cluster-rows-h100.json", ("cluster",),
+       lambda rows, n=n: "| {} x {} | {}x | {}x |".format(n, 6400 - n, _crows_ratio(rows, n, "cold"), _crows_ratio(rows, n, "warm")))
+      for n, cold, warm in ((3712, "1.28-1.70", "1.07-1.29"), (2688, "1.16-1.91", "1.02-1.41"))],
+    (BENCH, "row count timed (16, 20, 24, 32, 36, 40, 44, 48, 52, 56, 60, 64)", "packed-cluster-rows-h100.json", ("cluster",),
+     lambda rows: "row count timed ({})".format(", ".join(map(str, _rows_ms(rows))))),
+    (BENCH, "and 1.09-1.29x / 1.05-1.16x (3712 x 2688) and 1.02-1.20x / 1.04-1.17x (2688 x 3712) faster",
+     "packed-cluster-rows-h100.json", ("cluster",),
+     lambda rows: "and {}x / {}x (3712 x 2688) and {}x / {}x (2688 x 3712) faster".format(
+         *(_crows_ratio(rows, n, st, "dispatch") for n in (3712, 2688) for st in ("warm", "cold")))),
+    (BENCH, "it would be 0.99x bf16 warm at 40 rows on 3712 x 2688", "packed-cluster-rows-h100.json", ("cluster",),
+     lambda rows: "it would be {:.2f}x bf16 warm at 40 rows".format(
+         _rows_cell(rows, 3712, 40, "bf16")["ms_warm"] / _crow(rows, 3712, 40, 2, 0)["ms_warm"])),
+    (BENCH, "two shares of K instead of four are 0.04-1.61 us faster warm at\n  every row count and 0.89-1.54 faster cold at 52-64 rows",
+     "packed-cluster-rows-h100.json", ("cluster",),
+     lambda rows: "are {} us faster warm at every row count and {} faster cold at 52-64 rows".format(
+         _span([-v for v in _crows_delta(rows, "warm", _rows_ms(rows), {"wg": 2, "pdl": 0}, {"wg": 4, "pdl": 0})], 2),
+         _span([-v for v in _crows_delta(rows, "cold", (52, 56, 60, 64), {"wg": 2, "pdl": 0}, {"wg": 4, "pdl": 0})], 2))),
+    (BENCH, "but 0.16-0.87 slower cold at 16-48", "packed-cluster-rows-h100.json", ("cluster",),
+     lambda rows: "but {} slower cold at 16-48".format(_span(_crows_delta(
+         rows, "cold", [m for m in _rows_ms(rows) if m <= 48], {"wg": 2, "pdl": 0}, {"wg": 4, "pdl": 0}), 2))),
+    (BENCH, "takes 0.22-0.75 us off cold at every row count and `WG`", "packed-cluster-rows-h100.json", ("cluster",),
+     lambda rows: "takes {} us off cold at every row count".format(_span(
+         [v for wg in (2, 4) for v in _crows_delta(rows, "cold", _rows_ms(rows), {"wg": wg, "pdl": 0}, {"wg": wg, "pdl": 1})], 2))),
+    (BENCH, "0.18-0.53 off warm but for two of\n  the 48 (2688 x 3712 with `WG` 2: 0.44 us slower at 44 rows, 0.03 at 60)",
+     "packed-cluster-rows-h100.json", ("cluster",),
+     lambda rows: (lambda d: "{} off warm but for {} of the {} (2688 x 3712 with `WG` 2: {:.2f} us slower at 44 rows, {:.2f} at 60)".format(
+         _span([v for v in d.values() if v > 0], 2), {1: "one", 2: "two", 3: "three"}.get(sum(v <= 0 for v in d.values()), "more"),
+         len(d), -d[2688, 44, 2], -d[2688, 60, 2]))(
+         {(n, m, wg): (_crow(rows, n, m, wg, 0)["ms_warm"] - _crow(rows, n, m, wg, 1)["ms_warm"]) * 1e3
+          for n in (3712, 2688) for m in _rows_ms(rows) for wg in (2, 4)})),
 ]
 
 
