@@ -471,8 +471,12 @@ class _Kernel:
         for b, v in zip(i_bufs, ints):
             b.value = v
         if self.pdl:
-            cfg = _LaunchConfig((ctypes.c_uint * 3)(grid[0], grid[1], 1), (ctypes.c_uint * 3)(self.threads, 1, 1), self.smem,
-                                ctypes.c_void_p(stream), ctypes.pointer(self._attr), 1)
+            cfg = getattr(self._local, "cfg", None)
+            if cfg is None:
+                cfg = self._local.cfg = _LaunchConfig(smem=self.smem, attrs=ctypes.pointer(self._attr), num_attrs=1)
+                cfg.block[0], cfg.block[1], cfg.block[2] = self.threads, 1, 1
+            cfg.grid[0], cfg.grid[1], cfg.grid[2] = grid[0], grid[1], 1
+            cfg.stream = stream
             _check(_driver().cuLaunchKernelEx(ctypes.byref(cfg), self.func, args, None), "cuLaunchKernelEx")
             return
         _check(_driver().cuLaunchKernel(self.func, grid[0], grid[1], 1, self.threads, 1, 1, self.smem, ctypes.c_void_p(stream),
