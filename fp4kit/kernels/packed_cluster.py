@@ -67,6 +67,11 @@ def mma_rows(m: int) -> int:
     return 8 * cdiv(m, 8)
 
 
+def default_shares(m: int) -> int:
+    """`config`'s default WG (shares of K per block) at m activation rows: 4 up to WG4_ROWS, else 2."""
+    return 4 if m <= WG4_ROWS else 2
+
+
 def smem_bytes(bn: int, stages: int, wg: int, wn: int = 1) -> int:
     """A block's dynamic shared memory: per share of K, STAGES activation tiles [BN, 128] bf16, or
     where more, per warpgroup its fp32 sums [BN, 68], which take the tiles' place after the K loop;
@@ -381,7 +386,7 @@ def config(m: int, n: int, k: int, cfg: dict | None = None, sms: int | None = No
     if not 1 <= m <= 64:
         raise ValueError(f"{_WHAT}: takes 1 to 64 activation rows, got {m}")
     kt = cdiv(k, TILE_K)
-    wg, wn = c.get("WG", 4 if m <= WG4_ROWS else 2), c.get("WN", 1)
+    wg, wn = c.get("WG", default_shares(m)), c.get("WN", 1)
     if "CL" in c:
         cl = c["CL"]
     elif sms is None:

@@ -284,13 +284,13 @@ def fitting_launches(launches, m: int, n: int, k: int, sms: int) -> list:
     """(cfg, launch shape) for each of packed_cluster's `launches` (`at_rows`) that an [m, k] @ [n,
     k]^T problem can take on `sms` multiprocessors; those whose buffers need more shared memory than
     a block has at m rows are left out."""
-    from fp4kit.kernels.packed_cluster import SMEM_BYTES, config as cluster_config, mma_rows, smem_bytes
+    from fp4kit.kernels.packed_cluster import SMEM_BYTES, config as cluster_config, default_shares, mma_rows, smem_bytes
 
     out = []
     for cfg in launches:
         c = at_rows(cfg, m)
         bn = c.get("BN", mma_rows(m))
-        if smem_bytes(bn, c.get("STAGES", 3), c.get("WG", 4), c.get("WN", 1)) > SMEM_BYTES:
+        if smem_bytes(bn, c.get("STAGES", 3), c.get("WG", default_shares(m)), c.get("WN", 1)) > SMEM_BYTES:
             continue
         out.append((c, cluster_config(m, n, k, c, sms)))
     return out
