@@ -59,8 +59,10 @@ def main() -> None:
     parser.add_argument("--skip-modelopt", action="store_true", help="do not time ModelOpt")
     parser.add_argument("--skip-quantize", action="store_true", help="do not time quantize (trial runs)")
     parser.add_argument("--host-only", action="store_true",
-                        help="only the host time of an eager W4A16 call at one row against torch.matmul's, five "
-                             "times in this process (default out: benchmarks/results/kernels-host-<gpu>.json)")
+                        help="only the host time of an eager W4A16 call at one row against torch.matmul's, and on "
+                             "an sm_90 GPU of packed_linear's cluster launch at 32 rows (benchlib/w4a16.py's "
+                             "cluster_host_us), five times each in this process (default out: "
+                             "benchmarks/results/kernels-host-<gpu>.json)")
     parser.add_argument("--targets", metavar="JSON", default=None,
                         help="print the targets table of an earlier run's JSON and exit (no GPU needed)")
     args = parser.parse_args()
@@ -75,10 +77,20 @@ def main() -> None:
         runs = [w4a16_bench.host_overhead_us(calls=2000) for _ in range(5)]
         result["host_overhead_runs"] = runs
         result["host_overhead"] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        if torch.cuda.get_device_capability() == (9, 0):
+            cruns = [w4a16_bench.cluster_host_us() for _ in range(5)]
+            result["cluster_host_overhead_runs"] = cruns
+            result["cluster_host_overhead"] = {key: (statistics.median(r[key] for r in cruns)
+                                                     if isinstance(cruns[0][key], float) else cruns[0][key])
+                                               for key in cruns[0]}
+            runs = runs + cruns
         write(out_path, result)
         for r in runs:
-            print("  ".join(f"{key} {value:.1f}" for key, value in r.items()))
+            print("  ".join(f"{key} {value:.1f}" if isinstance(value, float) else f"{key} {value}"
+                            for key, value in r.items()))
         print(f"median: {result['host_overhead']}")
+        if "cluster_host_overhead" in result:
+            print(f"median, 32 rows, pre-packed weight: {result['cluster_host_overhead']}")
         print(f"wrote {out_path}")
         return
     out_path, result = run_record("kernels", args.out)

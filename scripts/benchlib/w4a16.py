@@ -92,8 +92,6 @@ def host_overhead_us(n=3712, k=2688, calls=200):
     the kept binary's launch alone (`backend.launch_kept`) with the tensors passed by address as
     w4a16_matmul passes them, and with the tensors themselves (Triton's launcher then asks the
     driver about each pointer), and the output's allocation alone."""
-    import time
-
     from fp4kit.kernels import backend
 
     wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda")
@@ -107,13 +105,41 @@ def host_overhead_us(n=3712, k=2688, calls=200):
     tensors = (x, x.view(torch.int64), ops.packed64, ops.scales, wq.global_scale, out, out, out, 1, n, k, k,
                k_per_split)
     addresses = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tensors)
-    out_us = {}
     timed = (("w4a16", lambda: w4a16_matmul(x, wq)), ("bf16", lambda: torch.matmul(x, wb.T)),
              ("launch_kept_addresses", lambda: backend.launch_kept(kept, grid, *addresses)),
              ("launch_kept_tensors", lambda: backend.launch_kept(kept, grid, *tensors)),
              ("output_alloc", lambda: x.new_empty((1, n))))
     if not gemv:  # the parts are the one-row GEMV's arguments
         timed = timed[:2]
+    return _host_us(timed, calls)
+
+
+def cluster_host_us(n=3712, k=2688, m=32, calls=500):
+    """Host time per eager call at `m` rows on a weight of `n` x `k` pre-packed: `packed_linear`
+    (where its dispatch picks `packed_cluster`, the driver launch of the CUDA C++ kernel), the same
+    launch through `packed_matmul_cluster` with its default launch shape (kept per problem shape), with
+    PDL 1 and PDL 0 given as overrides (each call then runs `config`'s checks; PDL 0: cuLaunchKernel
+    instead of cuLaunchKernelEx), and torch.matmul on the bf16 weight."""
+    from fp4kit.kernels.packed_cluster import packed_matmul_cluster
+    from fp4kit.kernels.packed_linear import packed_linear, uses_cluster
+
+    wb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda") * 0.02
+    wp = pack(quantize(wb))
+    x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+    timed = (("packed_linear", lambda: packed_linear(x, wp)),
+             ("packed_cluster_pdl", lambda: packed_matmul_cluster(x, wp)),
+             ("packed_cluster_cfg_pdl", lambda: packed_matmul_cluster(x, wp, cfg={"PDL": 1})),
+             ("packed_cluster_cfg_no_pdl", lambda: packed_matmul_cluster(x, wp, cfg={"PDL": 0})),
+             ("bf16", lambda: torch.matmul(x, wb.T)))
+    return {"packed_linear_uses_cluster": bool(uses_cluster(m, n, k, x.device)), **_host_us(timed, calls)}
+
+
+def _host_us(timed, calls: int) -> dict:
+    """{"<name>_host_us_per_call": host time per call} for each (name, fn) of `timed`: `calls` eager
+    calls timed on the host clock after 20 warm-up calls, the GPU idle before and after."""
+    import time
+
+    out = {}
     for name, fn in timed:
         for _ in range(20):
             fn()
@@ -123,5 +149,5 @@ def host_overhead_us(n=3712, k=2688, calls=200):
             fn()
         t1 = time.perf_counter()
         torch.cuda.synchronize()
-        out_us[f"{name}_host_us_per_call"] = (t1 - t0) / calls * 1e6
-    return out_us
+        out[f"{name}_host_us_per_call"] = (t1 - t0) / calls * 1e6
+    return out
