@@ -289,6 +289,11 @@ def current_device() -> int:
     return _runtime()[0]()
 
 
+def current_stream(index: int) -> int:
+    """The raw handle of GPU `index`'s current CUDA stream, the one Triton launches on."""
+    return _runtime()[1](index)
+
+
 def launch_kept(kept: tuple, grid: tuple, *args, device: int | None = None) -> None:
     """Launches `kept` (what `launch_cached` returned) on `args` without classifying them: the
     caller vouches that they are of the class of that call (the same kernel, constants, current

@@ -43,12 +43,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import threading
 
 import torch
 
-from .backend import capability, cdiv, sm_count
-from .packed_gemm import TILE_K, PackedNVFP4, decode_asm
+from .backend import capability, cdiv, current_stream, sm_count
+from .packed_gemm import SLAB, TILE_K, PackedNVFP4, decode_asm
 
 _WHAT = "kernels.packed_matmul_cluster"
 WARPS = 4  # one warpgroup per block: 64 weight rows, 16 per warp
@@ -444,9 +445,9 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 
 
 class _Kernel:
-    """One compiled launch shape: its CUDA module and function, launched through the driver API, the
-    launch's argument buffers made once per thread and refilled on each call; pdl: launched by
-    cuLaunchKernelEx as a programmatic dependent of the kernel before it on the stream."""
+    """One compiled launch shape: its CUDA module and function, launched through the driver API; pdl:
+    launched by cuLaunchKernelEx as a programmatic dependent of the kernel before it on the stream.
+    Each thread keeps its own launch buffers (`_launch_buffers`), refilled on each call."""
 
     def __init__(self, cubin: bytes, smem: int, threads: int, pdl: bool = False) -> None:
         cuda = _driver()
@@ -456,36 +457,49 @@ class _Kernel:
         _check(cuda.cuFuncSetAttribute(self.func, 8, smem), "cuFuncSetAttribute")  # max dynamic shared memory
         self.smem, self.threads, self.pdl = smem, threads, pdl
         self._local = threading.local()
-        if pdl:
-            self._attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-
-    def _buffers(self, n_ptrs: int, n_ints: int) -> tuple:
-        bufs = getattr(self._local, "bufs", None)
-        if bufs is None:
-            ptrs = [ctypes.c_void_p() for _ in range(n_ptrs)]
-            ints = [ctypes.c_int() for _ in range(n_ints)]
-            args = (ctypes.c_void_p * (n_ptrs + n_ints))(
-                *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in ptrs + ints])
-            bufs = self._local.bufs = (ptrs, ints, args)
-        return bufs
 
     def __call__(self, grid: tuple, ptrs: tuple, ints: tuple, stream: int) -> None:
-        p_bufs, i_bufs, args = self._buffers(len(ptrs), len(ints))
-        for b, v in zip(p_bufs, ptrs):
-            b.value = v
-        for b, v in zip(i_bufs, ints):
-            b.value = v
-        if self.pdl:
-            cfg = getattr(self._local, "cfg", None)
-            if cfg is None:
-                cfg = self._local.cfg = _LaunchConfig(smem=self.smem, attrs=ctypes.pointer(self._attr), num_attrs=1)
-                cfg.block[0], cfg.block[1], cfg.block[2] = self.threads, 1, 1
-            cfg.grid[0], cfg.grid[1], cfg.grid[2] = grid[0], grid[1], 1
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = _launch_buffers(len(ptrs), len(ints), self.threads, self.smem, self.pdl)
+        values, params, cfg = bufs
+        values.fill(ptrs, ints)
+        if cfg is not None:
+            cfg.grid[0], cfg.grid[1] = grid
             cfg.stream = stream
-            _check(_driver().cuLaunchKernelEx(ctypes.byref(cfg), self.func, args, None), "cuLaunchKernelEx")
+            _check(_driver().cuLaunchKernelEx(ctypes.byref(cfg), self.func, params, None), "cuLaunchKernelEx")
             return
         _check(_driver().cuLaunchKernel(self.func, grid[0], grid[1], 1, self.threads, 1, 1, self.smem, ctypes.c_void_p(stream),
-                                        args, None), "cuLaunchKernel")
+                                        params, None), "cuLaunchKernel")
+
+
+class _ArgValues:
+    """A kernel's parameter values in one buffer: n_ptrs 8-byte addresses, then n_ints 4-byte ints,
+    written by one `struct` call (`fill`); `params` is the array of their addresses that
+    cuLaunchKernel takes."""
+
+    def __init__(self, n_ptrs: int, n_ints: int) -> None:
+        self.layout = struct.Struct(f"={n_ptrs}Q{n_ints}i")
+        self.buffer = ctypes.create_string_buffer(self.layout.size)
+        base = ctypes.addressof(self.buffer)
+        self.params = (ctypes.c_void_p * (n_ptrs + n_ints))(*[base + 8 * i for i in range(n_ptrs)],
+                                                            *[base + 8 * n_ptrs + 4 * i for i in range(n_ints)])
+
+    def fill(self, ptrs: tuple, ints: tuple) -> None:
+        self.layout.pack_into(self.buffer, 0, *ptrs, *ints)
+
+
+def _launch_buffers(n_ptrs: int, n_ints: int, threads: int, smem: int, pdl: bool) -> tuple:
+    """(the parameter values, their address array, and for a programmatic dependent launch (pdl) its
+    CUlaunchConfig of `threads` threads a block, else None)."""
+    values = _ArgValues(n_ptrs, n_ints)
+    cfg = None
+    if pdl:
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        cfg = _LaunchConfig(smem=smem, attrs=ctypes.pointer(attr), num_attrs=1)
+        cfg.block[0], cfg.block[1], cfg.block[2] = threads, 1, 1
+        cfg.grid[2] = 1
+    return values, values.params, cfg
 
 
 @functools.cache
@@ -548,32 +562,44 @@ def packed_matmul_cluster(x: torch.Tensor, w: PackedNVFP4, *, cfg: dict | None =
                           swizzle: bool = True, skip: tuple = ()) -> torch.Tensor:
     """y = x @ W.unpack().dequantize(x.dtype)^T for 1 to 64 rows of bf16 x on an sm_90 GPU, fp32
     accumulation, bf16 output, K split over a cluster's blocks (module docstring); cfg: launch-shape
-    overrides (`config`)."""
-    if x.device.type != "cuda" or capability(x.device) != (9, 0):
-        raise RuntimeError(f"{_WHAT}: runs on an sm_90 GPU, got {x.device}")
+    overrides (`config`). The default launch's kernel, grid and sizes are kept per problem shape
+    and GPU (`_default_launch`)."""
+    device = x.device
+    if device.type != "cuda" or capability(device) != (9, 0):
+        raise RuntimeError(f"{_WHAT}: runs on an sm_90 GPU, got {device}")
     if not isinstance(w, PackedNVFP4):
         raise TypeError(f"{_WHAT}: the weight must be a PackedNVFP4, got {type(w).__name__}")
-    if not (w.words.is_contiguous() and w.scales.is_contiguous()) or w.words.device != x.device:
-        raise ValueError(f"{_WHAT}: the packed weight must be contiguous and on {x.device}")
-    if x.dtype != torch.bfloat16 or w.scales.dtype != torch.bfloat16:
+    words, scales = w.words, w.scales
+    if not (words.is_contiguous() and scales.is_contiguous()) or words.device != device:
+        raise ValueError(f"{_WHAT}: the packed weight must be contiguous and on {device}")
+    if x.dtype != torch.bfloat16 or scales.dtype != torch.bfloat16:
         raise ValueError(f"{_WHAT}: takes bf16 activations and a weight packed for bf16, got {x.dtype} and "
-                         f"{w.scales.dtype}")
-    n, k = w.shape
+                         f"{scales.dtype}")
+    n, k = w.n, w.k
     if x.shape[-1] != k:
         raise ValueError(f"{_WHAT}: x has {x.shape[-1]} columns, the weight {k}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).contiguous()
+    flat = x.dim() == 2
+    x2 = x.contiguous() if flat else x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    if m == 0:
-        return out.reshape(*lead, n)
-    sms = sm_count(x.device)
-    c = _default_config(m, n, k, sms) if cfg is None else config(m, n, k, cfg, sms)
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = compiled(c["BN"], c["CL"], c["WG"], c["STAGES"], c["PF"], index, swizzle, tuple(skip), c["WN"], c["DB"],
-                      c["PDL"])
-    n16, kt = w.words.shape[:2]
-    gx, gy = launch_grid(m, n, c)
-    kernel((gx, gy), (w.words.data_ptr(), w.scales.data_ptr(), w.global_scale.data_ptr(), x2.data_ptr(),
-                      out.data_ptr()), (m, n, n16, kt, k), torch.cuda.current_stream(x.device).cuda_stream)
-    return out.reshape(*lead, n)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
+    if m:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if cfg is None and swizzle and not skip:
+            kernel, grid, sizes = _default_launch(m, n, k, index)
+        else:
+            kernel, grid, sizes = _launch(m, n, k, index, config(m, n, k, cfg, sm_count(device)), swizzle, tuple(skip))
+        kernel(grid, (words.data_ptr(), scales.data_ptr(), w.global_scale.data_ptr(), x2.data_ptr(), out.data_ptr()),
+               sizes, current_stream(index))
+    return out if flat else out.reshape(*x.shape[:-1], n)
+
+
+def _launch(m: int, n: int, k: int, index: int, c: dict, swizzle: bool = True, skip: tuple = ()) -> tuple:
+    """(the compiled kernel, the grid, the kernel's size arguments) of launch shape c on GPU `index`."""
+    kernel = compiled(c["BN"], c["CL"], c["WG"], c["STAGES"], c["PF"], index, swizzle, skip, c["WN"], c["DB"], c["PDL"])
+    return kernel, launch_grid(m, n, c), (m, n, cdiv(n, SLAB), cdiv(k, TILE_K), k)
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_launch(m: int, n: int, k: int, index: int) -> tuple:
+    """`_launch` of the default launch shape, kept per problem shape and GPU."""
+    return _launch(m, n, k, index, _default_config(m, n, k, sm_count(torch.device("cuda", index))))

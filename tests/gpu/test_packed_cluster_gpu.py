@@ -106,6 +106,21 @@ def test_a_rows_bytes_do_not_depend_on_the_other_rows():
             assert torch.equal(pc.packed_matmul_cluster(zeros, w, cfg=cfg)[:m], full[:m]), (cfg, m)
 
 
+def test_the_default_launch_takes_any_leading_shape_and_layout():
+    # the default launch (kept per problem shape) gives the bytes of the same launch shape asked for
+    # through config, for 2-d, 3-d and strided activations, and no rows give no rows
+    w, g = _weight(3712, 2688, 19)
+    x = torch.randn((2, 24, 2688), generator=g, device="cuda", dtype=torch.bfloat16)
+    flat = x.reshape(48, 2688)
+    want = pc.packed_matmul_cluster(flat, w, cfg={})
+    assert torch.equal(pc.packed_matmul_cluster(flat, w), want)
+    assert torch.equal(pc.packed_matmul_cluster(x, w), want.reshape(2, 24, 3712))
+    strided = torch.randn((48, 2 * 2688), generator=g, device="cuda", dtype=torch.bfloat16)[:, ::2]
+    assert not strided.is_contiguous()
+    assert torch.equal(pc.packed_matmul_cluster(strided, w), pc.packed_matmul_cluster(strided.contiguous(), w, cfg={}))
+    assert pc.packed_matmul_cluster(x[:, :0], w).shape == (2, 0, 3712)
+
+
 def test_cluster_gemm_replays_from_a_cuda_graph():
     w, g = _weight(2688, 3712, 5)
     x = torch.randn((40, 3712), generator=g, device="cuda", dtype=torch.bfloat16)

@@ -121,6 +121,24 @@ def test_the_launch_structs_have_cuda_h_layout():
             pc._LaunchConfig.num_attrs.offset) == (24, 32, 40, 48)
 
 
+def test_a_launchs_parameters_point_at_the_values_filled_in():
+    import ctypes
+
+    # cuLaunchKernel reads parameter i at params[i]: five 8-byte addresses, then five 4-byte ints,
+    # refilled in place on each call
+    v = pc._ArgValues(5, 5)
+    for ptrs, ints in (((0x7F0000001000, 2**64 - 1, 1, 0, 0x10), (32, 3712, 232, 21, 2688)),
+                       ((5, 6, 7, 8, 9), (-1, 0, 2**31 - 1, 7, 1))):
+        v.fill(ptrs, ints)
+        assert [ctypes.c_uint64.from_address(v.params[i]).value for i in range(5)] == list(ptrs)
+        assert [ctypes.c_int32.from_address(v.params[5 + i]).value for i in range(5)] == list(ints)
+    values, params, cfg = pc._launch_buffers(5, 5, 512, 90000, True)
+    assert params is values.params
+    assert (cfg.attrs.contents.id, cfg.attrs.contents.value, cfg.num_attrs) == (6, 1, 1)  # programmatic serialization
+    assert (list(cfg.block), cfg.grid[2], cfg.smem) == ([512, 1, 1], 1, 90000)
+    assert pc._launch_buffers(5, 5, 512, 90000, False)[2] is None  # cuLaunchKernel, no config
+
+
 def test_the_swizzled_copy_and_the_descriptors_address_the_same_bytes():
     # The copy puts activation (row r, K column c) at (c // 64) * BN * 128 + (r // 8) * 1024 + (r % 8)
     # * 128 + (((c % 64) // 8) ^ (r % 8)) * 16 + (c % 8) * 2; the wgmma reads chunk t's (K 16 t..)
