@@ -391,6 +391,9 @@ def _decode_speedup(label: str, batch: str):
     return lambda d: f"{d['batches'][batch]['speedup_over_bf16_graph'][label]:.2f}"
 
 
+# packed_linear with packed_cluster's defaults of 2026-12-07, at 1-12 rows and at 16-64 (two processes of one call)
+PDL_ROWS = ("packed-gemm-rows-pdl-few-h100.json", "packed-gemm-rows-pdl-h100.json")
+
 WS_DEFAULT = {"BLOCK_M": 32, "P": 4}  # packed_ws's default launch at 64 rows, as bench_packed.py --ws names it
 
 
@@ -1745,13 +1748,12 @@ FIGURES = [
     # packed_linear with the CLUSTER entry's min_fill 0.6, every row count (packed-gemm-rows-cluster-fill-h100.json),
     # and the run before it that chose it (packed-gemm-rows-db-h100.json)
     (README, "grouped MoE: 2.85x bf16 at 64 tokens (kernels-h200.json)", KERNELS, ("moe", {"tokens": 64}, "speedup_vs_bf16"), _f(2)),
-    (README, "the faster one at one row but takes 0.57-1.38x bf16's speed at 16-64 rows, warm or cold",
-     "packed-gemm-rows-cluster-fill-h100.json", ("rows",),
-     lambda rows: "{} at one row but takes {}x bf16's speed at 16-64 rows".format(
-         "the faster one" if all(_rows_cell(rows, n, 1, "w4a16")[f"ms_{st}"] < _rows_cell(rows, n, 1, "dispatch")[f"ms_{st}"]
+    (README, "the faster one at one row but takes 0.56-1.40x bf16's speed at 16-64 rows, warm or cold",
+     PDL_ROWS, (), lambda few, many: "{} at one row but takes {}x bf16's speed at 16-64 rows".format(
+         "the faster one" if all(_rows_cell(few["rows"], n, 1, "w4a16")[f"ms_{st}"] < _rows_cell(few["rows"], n, 1, "dispatch")[f"ms_{st}"]
                                  for n in (3712, 2688) for st in ("warm", "cold")) else "not the faster one",
-         _span([_rows_cell(rows, n, m, "bf16")[f"ms_{st}"] / _rows_cell(rows, n, m, "w4a16")[f"ms_{st}"]
-                for n in (3712, 2688) for m in _rows_ms(rows) if m >= 16 for st in ("warm", "cold")], 2))),
+         _span([_rows_cell(many["rows"], n, m, "bf16")[f"ms_{st}"] / _rows_cell(many["rows"], n, m, "w4a16")[f"ms_{st}"]
+                for n in (3712, 2688) for m in _rows_ms(many["rows"]) for st in ("warm", "cold")], 2))),
     *[(doc, text, "packed-gemm-rows-cluster-fill-h100.json", ("rows",), fmt) for doc, text, fmt in (
         (BENCH, "1.13-1.52x bf16\non 3712 x 2688 and 1.04-1.90x on 2688 x 3712",
          lambda rows: "{}x bf16 on 3712 x 2688 and {}x on 2688 x 3712".format(
@@ -1807,20 +1809,46 @@ FIGURES = [
     (README, "1.32x at batch 64 with the code of 2026-12-04 (decode-graph-compiled-b64-h200.json)", "decode-graph-compiled-b64-h200.json",
      (), lambda d: "{:.2f}x at batch 64 with the code of {} (decode-graph-compiled-b64-h200.json)".format(
          d["batches"]["64"]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"], d["date"][:10])),
-    (README, "on an H100 with today's code 1.86x / 1.50x", "decode-graph-compiled-h100.json", (),
-     lambda d: "on an H100 with today's code {:.2f}x / {:.2f}x".format(
-         d["batches"]["16"]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"],
-         _load("decode-graph-compiled-b64-h100.json")["batches"]["64"]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"])),
-    (README, "`kernels.packed_cluster`'s CUDA C++ launch 24.0 us on an H100", "packed-cluster-wn-h100.json",
-     ("eager_host_us", "us"), lambda us: f"launch {us:.1f} us on an H100"),
+    (README, "on an H100 with the code of 2026-12-07 1.85x / 1.50x (decode-graph-compiled-b16-b64-pdl-h100.json)",
+     "decode-graph-compiled-b16-b64-pdl-h100.json", (), lambda d: "on an H100 with the code of {} {:.2f}x / {:.2f}x".format(
+         d["date"][:10], *(d["batches"][b]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"] for b in ("16", "64")))),
+    (BENCH, "on an H100, 1.85x / 1.50x (decode-graph-compiled-b16-b64-pdl-h100.json)", "decode-graph-compiled-b16-b64-pdl-h100.json",
+     ("batches",), lambda b: "on an H100, {:.2f}x / {:.2f}x".format(
+         *(b[n]["speedup_over_bf16_graph"]["nemotron-h-w4a16-4o6_graph"] for n in ("16", "64")))),
+    # packed_linear's cluster launch, eager, host time per call (32 rows), before and after its default launch was kept per shape
+    (README, "14.7 us against 14.2 for a torch matmul on an H100", "kernels-host-cluster-h100.json", ("cluster_host_overhead",),
+     lambda d: "{:.1f} us against {:.1f} for a torch matmul".format(d["packed_linear_host_us_per_call"], d["bf16_host_us_per_call"])
+     if d["packed_linear_uses_cluster"] else "not the cluster launch"),
+    (README, "40.1 against 21.6 before the launcher kept its default launch per shape", "kernels-host-cluster-before-h100.json",
+     ("cluster_host_overhead",), lambda d: "{:.1f} against {:.1f} before".format(d["packed_linear_host_us_per_call"], d["bf16_host_us_per_call"])),
+    (BENCH, "40.1 us against 21.6 for a torch matmul in the same runs (kernels-host-cluster-before-h100.json), and with the "
+            "default launch kept per shape 14.7 against 14.2", ("kernels-host-cluster-before-h100.json", "kernels-host-cluster-h100.json"),
+     ("cluster_host_overhead",), lambda a, b: "{:.1f} us against {:.1f} for a torch matmul in the same runs "
+     "(kernels-host-cluster-before-h100.json), and with the default launch kept per shape {:.1f} against {:.1f}".format(
+         a["packed_linear_host_us_per_call"], a["bf16_host_us_per_call"], b["packed_linear_host_us_per_call"], b["bf16_host_us_per_call"])),
     # packed_cluster's defaults of 2026-12-07 at 16-64 rows (packed-cluster-rows-h100.json)
-    (README, "as in a decode step, 1.28-1.70x bf16 on 3712 x 2688 and 1.16-1.91x on 2688 x 3712, and replaying one weight "
-             "that L2 keeps 1.07-1.29x and 1.02-1.41x", "packed-cluster-rows-h100.json", ("cluster",),
-     lambda rows: "{}x bf16 on 3712 x 2688 and {}x on 2688 x 3712, and replaying one weight that L2 keeps {}x and {}x".format(
-         *(_crows_ratio(rows, n, st) for st in ("cold", "warm") for n in (3712, 2688)))),
-    (README, "1.42-1.52x and 1.66-1.90x cold, 1.08-1.30x and 1.26-1.54x warm", "packed-gemm-rows-cluster-fill-h100.json", ("rows",),
-     lambda rows: "{}x and {}x cold, {}x and {}x warm".format(
-         *(_rows_ratio(n, "dispatch", st, 1, 12)(rows) for st in ("cold", "warm") for n in (3712, 2688)))),
+    # packed_linear with those defaults at every row count (packed-gemm-rows-pdl-few-h100.json, packed-gemm-rows-pdl-h100.json)
+    *[(doc, text, PDL_ROWS, (), lambda few, many, doc=doc: "{}x bf16 on 3712 x 2688 and {}x on 2688 x 3712, {} {}x and {}x".format(
+        *(_rows_ratio(n, "dispatch", "cold")(few["rows"] + many["rows"]) for n in (3712, 2688)),
+        "and replaying one weight that L2 keeps" if doc == README else "with one weight kept in L2",
+        *(_rows_ratio(n, "dispatch", "warm")(few["rows"] + many["rows"]) for n in (3712, 2688))))
+      for doc, text in ((README, "as in a decode step, 1.27-1.67x bf16 on 3712 x 2688 and 1.16-1.90x on 2688 x 3712, and "
+                                 "replaying one weight that L2 keeps 1.08-1.32x and 1.06-1.53x"),
+                        (BENCH, "weights read from memory 1.27-1.67x bf16 on 3712 x 2688 and 1.16-1.90x on 2688 x 3712, with one "
+                                "weight kept in L2 1.08-1.32x and 1.06-1.53x"))],
+    (BENCH, "at no row count below 1.0", PDL_ROWS, (), lambda few, many: "at no row count below 1.0" if all(
+        _rows_cell(r, n, m, "bf16")["ms_warm"] >= _rows_cell(r, n, m, "dispatch")["ms_warm"]
+        for r in (few["rows"], many["rows"]) for n in (3712, 2688) for m in _rows_ms(r)) else "below 1.0 somewhere"),
+    (README, "at every row count from 1 to 64 (1-12, then 16-64 in steps of 4", PDL_ROWS, (),
+     lambda few, many: "at every row count from {} to {} ({}-{}, then {}-{} in steps of 4".format(
+         _rows_ms(few["rows"])[0], _rows_ms(many["rows"])[-1], _rows_ms(few["rows"])[0], _rows_ms(few["rows"])[-1],
+         _rows_ms(many["rows"])[0], _rows_ms(many["rows"])[-1])
+     if _rows_ms(many["rows"]) == list(range(16, 65, 4)) and _rows_ms(few["rows"]) == [1, 2, 3, 4, 6, 8, 12] else "other rows"),
+    (README, "never slower than bf16: met on an H100 at every row count from 1 to 64, warm and cold", PDL_ROWS, (),
+     lambda few, many: "never slower than bf16: met" if all(
+         _rows_cell(r, n, m, "bf16")[f"ms_{st}"] >= _rows_cell(r, n, m, "dispatch")[f"ms_{st}"]
+         for r in (few["rows"], many["rows"]) for n in (3712, 2688) for m in _rows_ms(r) for st in ("warm", "cold"))
+     else "slower somewhere"),
     *[(BENCH, text, "packed-cluster-rows-h100.json", ("cluster",),
        lambda rows, n=n, m=m: "| {} x {}, {} | {} |".format(n, 6400 - n, m, " | ".join(_us(c) for c in (
            _rows_cell(rows, n, m, "bf16"), _rows_cell(rows, n, m, "dispatch"),
