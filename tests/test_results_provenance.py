@@ -1826,6 +1826,10 @@ FIGURES = [
      ("cluster_host_overhead",), lambda a, b: "{:.1f} us against {:.1f} for a torch matmul in the same runs "
      "(kernels-host-cluster-before-h100.json), and with the default launch kept per shape {:.1f} against {:.1f}".format(
          a["packed_linear_host_us_per_call"], a["bf16_host_us_per_call"], b["packed_linear_host_us_per_call"], b["bf16_host_us_per_call"])),
+    (BENCH, "in two processes one after the other, 10.4 against 10.3 and 10.6 against 10.7",
+     ("kernels-host-cluster-rerun1-h100.json", "kernels-host-cluster-rerun2-h100.json"), ("cluster_host_overhead",),
+     lambda a, b: "in two processes one after the other, {}".format(" and ".join(
+         "{:.1f} against {:.1f}".format(d["packed_linear_host_us_per_call"], d["bf16_host_us_per_call"]) for d in (a, b)))),
     # packed_cluster's defaults of 2026-12-07 at 16-64 rows (packed-cluster-rows-h100.json)
     # packed_linear with those defaults at every row count (packed-gemm-rows-pdl-few-h100.json, packed-gemm-rows-pdl-h100.json)
     *[(doc, text, PDL_ROWS, (), lambda few, many, doc=doc: "{}x bf16 on 3712 x 2688 and {}x on 2688 x 3712, {} {}x and {}x".format(
